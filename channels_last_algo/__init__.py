@@ -1,0 +1,25 @@
+"""Train conv nets in channels-last (NHWC) memory format, and keep them there.
+
+Example:
+    >>> from channels_last_algo import ChannelsLast, apply_channels_last
+"""
+
+__version__ = '0.1.0'
+
+from channels_last_algo.algorithm import ChannelsLast
+from channels_last_algo.convert import ConversionSummary, apply_channels_last
+from channels_last_algo.guard import LayoutGuard, batch_to_channels_last
+from channels_last_algo.layout import Layout, has_channels_last_strides, is_channels_last, layout_of, to_channels_last
+
+__all__ = [
+    'ChannelsLast',
+    'ConversionSummary',
+    'Layout',
+    'LayoutGuard',
+    'apply_channels_last',
+    'batch_to_channels_last',
+    'has_channels_last_strides',
+    'is_channels_last',
+    'layout_of',
+    'to_channels_last',
+]

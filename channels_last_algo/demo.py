@@ -1,0 +1,112 @@
+"""A short demonstration: train a small residual conv net in NCHW and with channels last.
+
+It prints the layout of the weights, the input, an activation and a weight gradient in each
+variant, and the training-step times measured side by side (interleaved rounds, min and
+median). It is a demonstration, not a benchmark: see ``benchmarks/`` for the measured claims.
+
+Example:
+    >>> run_demo(steps=2, batch_size=4, image_size=16)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from channels_last_algo.guard import LayoutGuard
+from channels_last_algo.layout import layout_of
+
+__all__ = ['TinyResNet', 'run_demo']
+
+
+class _Block(nn.Module):
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(x + self.bn2(self.conv2(out)))
+
+
+class TinyResNet(nn.Module):
+    """Conv, BN, ReLU, max pooling, two residual blocks, global pooling and a linear head.
+
+    Example:
+        >>> TinyResNet(num_classes=10)(torch.randn(2, 3, 32, 32)).shape
+        torch.Size([2, 10])
+    """
+
+    def __init__(self, num_classes: int = 10, width: int = 32, in_channels: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.blocks = nn.Sequential(_Block(width), _Block(width))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
+
+
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor,
+                labels: torch.Tensor) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(model(images), labels).backward()
+    optimizer.step()
+
+
+def run_demo(steps: int = 20, batch_size: int = 32, image_size: int = 64, seed: int = 0) -> dict[str, list[float]]:
+    """Train :class:`TinyResNet` in both layouts, print layouts and step times; return the times."""
+    torch.manual_seed(seed)
+    images = torch.randn(batch_size, 3, image_size, image_size)
+    labels = torch.randint(0, 10, (batch_size,))
+
+    baseline = TinyResNet()
+    converted = copy.deepcopy(baseline)
+    guard = LayoutGuard()
+    guard.on_init(converted)
+    variants = {
+        'NCHW': (baseline, images),
+        'channels last': (converted, guard.on_batch(images)),
+    }
+    optimizers = {name: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for name, (m, _) in variants.items()}
+
+    print(f'torch {torch.__version__}, {torch.get_num_threads()} threads, '
+          f'batch {batch_size} x 3 x {image_size} x {image_size}')
+    print(f'{"variant":<15} {"weight":<8} {"input":<8} {"activation":<11} {"weight grad":<11}')
+    for name, (model, x) in variants.items():
+        activation = {}
+        handle = model.blocks[0].register_forward_hook(lambda mod, inp, out: activation.setdefault('out', out))
+        _train_step(model, optimizers[name], x, labels)  # also the warm-up step
+        handle.remove()
+        weight = model.blocks[0].conv1.weight
+        print(f'{name:<15} {layout_of(weight).value:<8} {layout_of(x).value:<8} '
+              f'{layout_of(activation["out"]).value:<11} {layout_of(weight.grad).value:<11}')
+
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(steps):
+        for name, (model, x) in variants.items():
+            start = time.perf_counter()
+            _train_step(model, optimizers[name], x, labels)
+            times[name].append(time.perf_counter() - start)
+
+    base = statistics.median(times['NCHW'])
+    print(f'\n{"variant":<15} {"min ms":>8} {"median ms":>10} {"speedup":>8}   ({steps} interleaved steps)')
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        print(f'{name:<15} {min(samples) * 1e3:8.2f} {median * 1e3:10.2f} {base / median:7.2f}x')
+    return times

@@ -1,0 +1,128 @@
+"""What memory layout a tensor has, and how to restride one to channels last.
+
+PyTorch keeps a tensor's logical shape N x C x H x W (or N x C x D x H x W) whatever its
+memory order; the strides say which order the bytes are in. This module names those orders
+and restrides tensors of both ranks.
+
+A shape where C == 1, or where every spatial size is 1, is *ambiguous*: the same bytes are
+both channels-first and channels-last contiguous. ``tensor.contiguous(memory_format=...)`` is
+then a no-op and keeps channels-first strides, while ``tensor.to(memory_format=...)`` writes
+the real channels-last strides that cuDNN, oneDNN and DDP's gradient buckets look at.
+:func:`to_channels_last` always gives the latter.
+
+Example:
+    >>> import torch
+    >>> w = torch.randn(8, 1, 3, 3)             # a depthwise kernel: ambiguous
+    >>> layout_of(w)
+    <Layout.AMBIGUOUS: 'ambiguous'>
+    >>> has_channels_last_strides(w)
+    False
+    >>> has_channels_last_strides(to_channels_last(w))
+    True
+    >>> layout_of(to_channels_last(torch.randn(2, 3, 8, 8)))
+    <Layout.NHWC: 'NHWC'>
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+
+__all__ = [
+    'Layout',
+    'channels_last_format',
+    'has_channels_last_strides',
+    'is_channels_last',
+    'layout_of',
+    'to_channels_last',
+]
+
+
+class Layout(str, enum.Enum):
+    """The memory order of a tensor's bytes."""
+
+    NCHW = 'NCHW'
+    NHWC = 'NHWC'
+    NCDHW = 'NCDHW'
+    NDHWC = 'NDHWC'
+    AMBIGUOUS = 'ambiguous'  # 4D/5D, both channels-first and channels-last contiguous
+    OTHER = 'other'  # another rank, or a 4D/5D tensor dense in neither order (a permuted view)
+
+    @property
+    def is_channels_last(self) -> bool:
+        return self in (Layout.NHWC, Layout.NDHWC)
+
+    @property
+    def is_channels_first(self) -> bool:
+        return self in (Layout.NCHW, Layout.NCDHW)
+
+
+_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+_NAMES = {4: (Layout.NCHW, Layout.NHWC), 5: (Layout.NCDHW, Layout.NDHWC)}
+
+
+def channels_last_format(tensor: torch.Tensor) -> Optional[torch.memory_format]:
+    """``torch.channels_last`` for a 4D tensor, ``torch.channels_last_3d`` for 5D, else None."""
+    return _FORMATS.get(tensor.dim())
+
+
+def layout_of(tensor: torch.Tensor) -> Layout:
+    """The memory order of ``tensor``'s bytes (strides of size-1 dimensions do not count).
+
+    Example:
+        >>> layout_of(torch.empty(2, 3, 4, 4))
+        <Layout.NCHW: 'NCHW'>
+        >>> layout_of(torch.empty(2, 3, 4, 4, 4).to(memory_format=torch.channels_last_3d))
+        <Layout.NDHWC: 'NDHWC'>
+    """
+    fmt = channels_last_format(tensor)
+    if fmt is None:
+        return Layout.OTHER
+    first = tensor.is_contiguous()
+    last = tensor.is_contiguous(memory_format=fmt)
+    if first and last:
+        return Layout.AMBIGUOUS
+    channels_first, channels_last = _NAMES[tensor.dim()]
+    if first:
+        return channels_first
+    if last:
+        return channels_last
+    return Layout.OTHER
+
+
+def has_channels_last_strides(tensor: torch.Tensor) -> bool:
+    """True when ``tensor``'s strides are exactly the channels-last ones for its shape.
+
+    Stricter than ``is_contiguous(memory_format=...)``: for ambiguous shapes it also asks
+    that the size-1 dimensions carry channels-last strides, as ``.to(memory_format=...)``
+    writes them. False for tensors that are not 4D or 5D.
+    """
+    fmt = channels_last_format(tensor)
+    if fmt is None:
+        return False
+    expected = torch.empty(tensor.shape, memory_format=fmt, device='meta').stride()
+    return tensor.stride() == expected
+
+
+def is_channels_last(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` is channels-last dense: NHWC, NDHWC, or ambiguous with real
+    channels-last strides. The test used to decide whether restriding is needed."""
+    fmt = channels_last_format(tensor)
+    if fmt is None or not tensor.is_contiguous(memory_format=fmt):
+        return False
+    return layout_of(tensor) is not Layout.AMBIGUOUS or has_channels_last_strides(tensor)
+
+
+def to_channels_last(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` restrided to channels last (4D) or channels last 3D (5D).
+
+    Returns ``tensor`` itself, without a copy, when it already is channels last (see
+    :func:`is_channels_last`) or is not 4D/5D. Ambiguous shapes get the real channels-last
+    strides.
+    """
+    fmt = channels_last_format(tensor)
+    if fmt is None or is_channels_last(tensor):
+        return tensor
+    return tensor.to(memory_format=fmt)

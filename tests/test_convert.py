@@ -1,0 +1,100 @@
+"""apply_channels_last: restrides in place, keeps objects and keys, handles 3D and ambiguous kernels."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from channels_last_algo import apply_channels_last, has_channels_last_strides
+from channels_last_algo.demo import TinyResNet
+
+
+def _four_and_five_d(model):
+    return [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.dim() in (4, 5)]
+
+
+def test_parameters_keep_identity_keys_and_values():
+    model = TinyResNet()
+    before = copy.deepcopy(model.state_dict())
+    params = list(model.parameters())
+    summary = apply_channels_last(model)
+    assert [p is q for p, q in zip(params, model.parameters())] == [True] * len(params)
+    assert list(model.state_dict()) == list(before)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    assert sorted(summary.converted) == sorted(n for n, _ in _four_and_five_d(model))
+    assert all(has_channels_last_strides(t) for _, t in _four_and_five_d(model))
+
+
+def test_ambiguous_kernels_get_real_strides_and_conversion_is_idempotent():
+    model = nn.Sequential(
+        nn.Conv2d(1, 8, 3),                 # in_channels=1
+        nn.Conv2d(8, 8, 1),                 # 1x1
+        nn.Conv2d(8, 8, 3, groups=8),       # depthwise
+    )
+    apply_channels_last(model)
+    for conv in model:
+        expected = torch.empty(conv.weight.shape).to(memory_format=torch.channels_last).stride()
+        assert conv.weight.stride() == expected
+    strides = [conv.weight.stride() for conv in model]
+    data_ptrs = [conv.weight.data_ptr() for conv in model]
+    again = apply_channels_last(model)
+    assert again.converted == [] and len(again.already_channels_last) == 3
+    assert [conv.weight.stride() for conv in model] == strides
+    assert [conv.weight.data_ptr() for conv in model] == data_ptrs
+
+
+def test_conv3d_model_converts_where_composers_algorithm_raises():
+    from composer.algorithms.channels_last import apply_channels_last as composer_apply
+    from torchvision.models.video import r3d_18
+
+    model = r3d_18(weights=None)
+    with pytest.raises(RuntimeError, match='required rank 4 tensor'):
+        composer_apply(copy.deepcopy(model))
+    summary = apply_channels_last(model)
+    assert summary.converted
+    assert all(w.is_contiguous(memory_format=torch.channels_last_3d) for n, w in _four_and_five_d(model))
+
+
+def test_conv3d_model_trains_in_channels_last_3d_and_matches_ncdhw():
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Conv3d(2, 8, 3, padding=1), nn.BatchNorm3d(8), nn.ReLU(), nn.Conv3d(8, 4, 1),
+                         nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(4, 3))
+    converted = copy.deepcopy(base)
+    apply_channels_last(converted)
+    x = torch.randn(2, 2, 4, 8, 8)
+    x_cl = x.to(memory_format=torch.channels_last_3d)
+    opt_a = torch.optim.SGD(base.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(converted.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        for model, opt, inp in ((base, opt_a, x), (converted, opt_b, x_cl)):
+            opt.zero_grad()
+            model(inp).square().mean().backward()
+            opt.step()
+    for (name, a), b in zip(base.named_parameters(), converted.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+        if a.dim() == 5:
+            assert b.is_contiguous(memory_format=torch.channels_last_3d), name
+            assert b.grad.is_contiguous(memory_format=torch.channels_last_3d), name
+
+
+def test_existing_gradients_and_optimizer_state_are_restrided():
+    model = TinyResNet()
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 3, 16, 16)).sum().backward()
+    optimizer.step()
+    summary = apply_channels_last(model, optimizers=optimizer)
+    assert summary.optimizer_states == 2 * len([p for p in model.parameters() if p.dim() == 4])
+    for p in model.parameters():
+        if p.dim() == 4:
+            assert has_channels_last_strides(p.grad)
+            assert has_channels_last_strides(optimizer.state[p]['exp_avg'])
+            assert has_channels_last_strides(optimizer.state[p]['exp_avg_sq'])
+
+
+def test_model_without_conv_weights_is_left_alone_with_a_warning():
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.warns(UserWarning, match='no 4D or 5D parameter'):
+        summary = apply_channels_last(model)
+    assert summary.channels_last_tensors == 0
