@@ -7,11 +7,17 @@ Example:
 __version__ = '0.1.0'
 
 from channels_last_algo.algorithm import ChannelsLast
+from channels_last_algo.audit import AuditRecord, AuditReport, LayoutAudit, LayoutBreakError, audit_model
 from channels_last_algo.convert import ConversionSummary, apply_channels_last
 from channels_last_algo.guard import LayoutGuard, batch_to_channels_last
 from channels_last_algo.layout import Layout, has_channels_last_strides, is_channels_last, layout_of, to_channels_last
 
 __all__ = [
+    'AuditRecord',
+    'AuditReport',
+    'LayoutAudit',
+    'LayoutBreakError',
+    'audit_model',
     'ChannelsLast',
     'ConversionSummary',
     'Layout',

@@ -4,8 +4,9 @@ It prints the layout of the weights, the input, an activation and a weight gradi
 variant, and the training-step times measured side by side (interleaved rounds, min and
 median). It is a demonstration, not a benchmark: see ``benchmarks/`` for the measured claims.
 
-Example:
-    >>> run_demo(steps=2, batch_size=4, image_size=16)  # doctest: +SKIP
+Example (what ``channels-last demo`` runs)::
+
+    run_demo(steps=20, batch_size=32, image_size=64)
 """
 
 from __future__ import annotations

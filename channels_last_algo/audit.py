@@ -1,0 +1,544 @@
+"""Layout audit: find every place where a model's forward or backward pass drops NHWC.
+
+A model converted to channels last only pays off if its activations *and* gradients stay
+NHWC. :class:`LayoutAudit` watches every aten op of a forward and backward pass with a
+``TorchDispatchMode`` and records two kinds of event:
+
+*Layout breaks* (``report.breaks``):
+
+- a non-view op that takes an unambiguous NHWC (or NDHWC) tensor and returns an unambiguous
+  channels-first one (``cat``, ``mul``, ``silu_backward``, a ``clone`` from ``.contiguous()``);
+- a copy (``clone``, ``copy_``, ``_to_copy``: what ``.contiguous()`` and ``.to()`` become at
+  the dispatcher) from channels-first into channels-last, run by a module of the model (a
+  layer that converts back after an earlier break, or a gradient copied into a parameter's
+  NHWC layout). The same copy outside the model, such as the NHWC conversion of the input
+  batch, is the algorithm at work and is not recorded.
+
+Views (slices, permutes, expands) move no bytes and are never breaks; ambiguous tensors
+(C == 1, or every spatial size 1) are channels-first and channels-last at once, so they
+neither start nor end a break.
+
+*Exit conversions* (``report.exits``): where a tensor leaves the 4D/5D trunk, as in the
+``flatten`` before a Linear head. A reshape of an NHWC or ambiguous tensor to a lower rank
+that is a view (an N x C x 1 x 1 tensor after global pooling) is free: it is recorded with
+0 bytes, so the report still shows where the trunk ends. A reshape that has to copy (the
+``clone`` that ``reshape`` runs before ``_unsafe_view`` on an N x C x H x W NHWC tensor) is
+recorded with the bytes it copies, as is any copy the backward pass of such a reshape runs;
+neither is counted as a break.
+
+Each record names the aten op, the module path that was running (in backward: the module
+whose forward created the autograd node being executed), the phase, the shape of the tensor
+that lost its layout, and the bytes the op wrote. Nothing is installed while no audit is
+active.
+
+Example:
+    >>> import torch
+    >>> class Head(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x.contiguous()          # drops NHWC
+    >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), Head())
+    >>> model = model.to(memory_format=torch.channels_last)
+    >>> x = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    >>> report = audit_model(model, x)
+    >>> [(b.op, b.module_path, b.phase) for b in report.breaks]
+    [('aten.clone.default', '1', 'forward')]
+    >>> with LayoutAudit(model) as audit:        # audit a step you run yourself
+    ...     model(x).sum().backward()
+    >>> audit.report.ok
+    False
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+from torch.nn.modules import module as _module_hooks
+from torch.utils import _python_dispatch
+from torch.utils._pytree import tree_flatten
+
+from channels_last_algo.layout import Layout, layout_of
+
+__all__ = ['AuditRecord', 'AuditReport', 'LayoutAudit', 'LayoutBreakError', 'audit_model']
+
+FORWARD = 'forward'
+BACKWARD = 'backward'
+
+_aten = torch.ops.aten
+# What `.contiguous()`, `.clone()`, `.to()` and `copy_` reach the dispatcher as.
+_COPY_OPS = frozenset({_aten.clone, _aten._to_copy, _aten.copy_, _aten.copy})
+# Reshapes that can take a 4D/5D tensor to a lower rank without copying.
+_RESHAPE_OPS = frozenset({_aten.view, _aten._unsafe_view, _aten.squeeze})
+# Key under which the audit stores (module path, is_exit) in an autograd node's metadata.
+_NODE_KEY = 'channels_last_algo.audit'
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditRecord:
+    """One layout break or exit conversion.
+
+    Attributes:
+        op: the aten op, e.g. ``'aten.cat.default'``.
+        module_path: the path of the running module as in ``model.named_modules()`` (``''``
+            is the model itself); None when the op ran outside the model (the loss, say).
+        phase: ``'forward'`` or ``'backward'``. Ops outside both the model and the backward
+            pass (loss, optimizer step) count as ``'forward'``.
+        shape: the shape of the tensor whose layout changed (the op's NHWC input for a break).
+        nbytes: bytes the op wrote in the new layout; 0 for a free exit.
+        layouts: the change, e.g. ``'NHWC->NCHW'``.
+    """
+
+    op: str
+    module_path: Optional[str]
+    phase: str
+    shape: tuple[int, ...]
+    nbytes: int
+    layouts: str
+
+    @property
+    def where(self) -> str:
+        """The module path for people: ``(root)`` for the model, ``(outside model)`` for None."""
+        if self.module_path is None:
+            return '(outside model)'
+        return self.module_path or '(root)'
+
+
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(AuditRecord))
+
+
+def _format_bytes(nbytes: int) -> str:
+    if nbytes < 1024:
+        return f'{nbytes} B'
+    if nbytes < 1024**2:
+        return f'{nbytes / 1024:.1f} KiB'
+    return f'{nbytes / 1024**2:.1f} MiB'
+
+
+def _table(records: Sequence[AuditRecord]) -> list[str]:
+    """Rows of identical records merged, with a count, in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for r in records:
+        key = (r.phase, r.where, r.op, str(r.shape), r.layouts)
+        count_bytes = groups.setdefault(key, [0, 0])
+        count_bytes[0] += 1
+        count_bytes[1] += r.nbytes
+    header = ('phase', 'module path', 'op', 'shape', 'layouts', 'count', 'bytes')
+    rows = [header] + [key + (str(count), _format_bytes(nbytes))
+                       for key, (count, nbytes) in groups.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return ['  ' + '  '.join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+@dataclasses.dataclass
+class AuditReport:
+    """What a layout audit found over ``steps`` audited passes.
+
+    Example:
+        >>> report = AuditReport.merge([AuditReport(), AuditReport()])
+        >>> report.ok, report.steps
+        (True, 2)
+        >>> AuditReport.from_dict(report.to_dict()) == report
+        True
+    """
+
+    breaks: list[AuditRecord] = dataclasses.field(default_factory=list)
+    exits: list[AuditRecord] = dataclasses.field(default_factory=list)
+    steps: int = 1
+
+    @property
+    def ok(self) -> bool:
+        """True when nothing dropped NHWC (exit conversions do not count)."""
+        return not self.breaks
+
+    @property
+    def break_bytes(self) -> int:
+        return sum(r.nbytes for r in self.breaks)
+
+    @property
+    def exit_bytes(self) -> int:
+        return sum(r.nbytes for r in self.exits)
+
+    @classmethod
+    def merge(cls, reports: Iterable['AuditReport']) -> 'AuditReport':
+        """One report holding the records and steps of several, e.g. one per training step."""
+        merged = cls(steps=0)
+        for report in reports:
+            merged.breaks.extend(report.breaks)
+            merged.exits.extend(report.exits)
+            merged.steps += report.steps
+        return merged
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict; :meth:`from_dict` reads it back."""
+        return {
+            'steps': self.steps,
+            'breaks': [dataclasses.asdict(r) | {'shape': list(r.shape)} for r in self.breaks],
+            'exits': [dataclasses.asdict(r) | {'shape': list(r.shape)} for r in self.exits],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> 'AuditReport':
+        """The report :meth:`to_dict` wrote; ValueError naming the key at fault otherwise."""
+        if not isinstance(data, dict):
+            raise ValueError(f'an audit report dict was expected, got {type(data).__name__}')
+        missing = [key for key in ('steps', 'breaks', 'exits') if key not in data]
+        if missing:
+            raise ValueError(f'audit report dict lacks {missing}; it needs the keys steps, breaks '
+                             'and exits, as AuditReport.to_dict() writes them')
+        lists = {}
+        for key in ('breaks', 'exits'):
+            records = []
+            for i, item in enumerate(data[key]):
+                fields = set(item) if isinstance(item, dict) else set()
+                if fields != set(_RECORD_FIELDS):
+                    raise ValueError(f'audit report dict: {key}[{i}] must have exactly the keys '
+                                     f'{list(_RECORD_FIELDS)}, got {item!r}')
+                records.append(AuditRecord(**{**item, 'shape': tuple(item['shape'])}))
+            lists[key] = records
+        return cls(breaks=lists['breaks'], exits=lists['exits'], steps=int(data['steps']))
+
+    def __str__(self) -> str:
+        steps = f'{self.steps} step' + ('' if self.steps == 1 else 's')
+        lines = [f'layout audit over {steps}: {len(self.breaks)} layout breaks '
+                 f'({_format_bytes(self.break_bytes)} moved), {len(self.exits)} exit conversions '
+                 f'({_format_bytes(self.exit_bytes)} copied)']
+        lines += ['breaks:'] + _table(self.breaks) if self.breaks else ['no layout breaks']
+        if self.exits:
+            lines += ['exit conversions (the tensor leaves the conv trunk):'] + _table(self.exits)
+        return '\n'.join(lines)
+
+
+class LayoutBreakError(RuntimeError):
+    """Raised by a strict audit at the first layout break; ``.record`` is the break."""
+
+    def __init__(self, record: AuditRecord, module_type: Optional[str] = None):
+        self.record = record
+        where = record.where if record.module_path is None else f"module '{record.module_path}'"
+        kind = f' ({module_type})' if module_type else ''
+        source, target = record.layouts.split('->')[:2]
+        super().__init__(
+            f'layout break in {record.phase} at {where}{kind}: {record.op} turned an {source} '
+            f'tensor of shape {tuple(record.shape)} into {target} '
+            f'({_format_bytes(record.nbytes)} written). Repair '
+            f'the layer with apply_channels_last\'s repair rules, replace it with an '
+            f'NHWC-preserving equivalent, or report the op and module path so a rule can be '
+            f'added; audit with strict=False to list every break.'
+        )
+
+
+class _DispatchObserver(_python_dispatch.TorchDispatchMode):
+    """Runs every op unchanged and shows it, with its output, to the audit."""
+
+    def __init__(self, audit: 'LayoutAudit'):
+        super().__init__()
+        self.audit = audit
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.audit._observe(func, args, kwargs, out)
+        return out
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+class LayoutAudit:
+    """Records the layout breaks and exit conversions of the passes run while it is active.
+
+    Use it as a context manager around the steps to audit, or call :meth:`start` and
+    :meth:`stop` from separate places (the start and end of a training step). Each
+    ``start``/``stop`` span counts as one step; :attr:`report` holds all of them, and
+    :meth:`stop` returns the span it ends.
+
+    Args:
+        model: the model whose module paths name the records. Modules are looked up when the
+            audit starts, so layers swapped in before that are named correctly.
+        strict: raise :class:`LayoutBreakError` at the first break instead of recording on.
+
+    Example:
+        >>> model = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        >>> x = torch.randn(1, 3, 8, 8).to(memory_format=torch.channels_last)
+        >>> audit = LayoutAudit(model)
+        >>> for _ in range(2):
+        ...     audit.start()
+        ...     model(x).sum().backward()
+        ...     step_report = audit.stop()
+        >>> audit.report.steps, audit.report.ok
+        (2, True)
+    """
+
+    def __init__(self, model: torch.nn.Module, strict: bool = False):
+        self.model = model
+        self.strict = strict
+        self._breaks: list[AuditRecord] = []
+        self._exits: list[AuditRecord] = []
+        self._steps = 0
+        self._mode: Optional[_DispatchObserver] = None
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._module_paths: dict[int, str] = {}
+        self._param_paths: dict[int, str] = {}
+        self._stack: list[str] = []
+        self._pending: list[tuple[list[torch.Tensor], Optional[str], bool]] = []
+        self._held_clone: Optional[tuple[AuditRecord, torch.Tensor]] = None
+        self._failure: Optional[LayoutBreakError] = None
+        self._span = (0, 0)  # where the current span's breaks and exits begin
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    @property
+    def report(self) -> AuditReport:
+        """Everything recorded since this audit was created, over every span."""
+        return AuditReport(breaks=list(self._breaks), exits=list(self._exits), steps=self._steps)
+
+    def start(self) -> None:
+        """Begin recording: install the dispatch mode and the module hooks."""
+        if self.active:
+            raise RuntimeError('this LayoutAudit is already active; call stop() before start()')
+        self._module_paths = {id(m): name for name, m in self.model.named_modules()}
+        self._param_paths = {id(p): name.rpartition('.')[0]
+                             for name, p in self.model.named_parameters()}
+        self._stack.clear()
+        self._failure = None
+        self._span = (len(self._breaks), len(self._exits))
+        self._steps += 1
+        self._hooks = [
+            _module_hooks.register_module_forward_pre_hook(self._enter_module),
+            _module_hooks.register_module_forward_hook(self._leave_module, always_call=True),
+        ]
+        self._mode = _DispatchObserver(self)
+        self._mode.__enter__()
+
+    def stop(self) -> AuditReport:
+        """End recording, remove everything :meth:`start` installed, and return this span.
+
+        In strict mode, raises :class:`LayoutBreakError` if the span's last op was a break
+        that could only be classified once the audit ended.
+        """
+        failure = self._stop()
+        if failure is not None:
+            raise failure
+        return self._span_report()
+
+    def __enter__(self) -> 'LayoutAudit':
+        self.start()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        failure = self._stop()
+        if failure is not None and exc_type is None:
+            raise failure
+
+    def _stop(self) -> Optional[LayoutBreakError]:
+        if not self.active:
+            raise RuntimeError('this LayoutAudit is not active; call start() first')
+        if _python_dispatch._get_current_dispatch_mode() is not self._mode:
+            raise RuntimeError('another TorchDispatchMode was entered after the layout audit '
+                               'started and is still active; exit it before stopping the audit')
+        try:
+            self._flush_held_clone()
+            self._label_pending_nodes()
+        except LayoutBreakError as error:
+            self._failure = error
+        finally:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks = []
+            self._stack.clear()
+        return self._failure
+
+    def _span_report(self) -> AuditReport:
+        first_break, first_exit = self._span
+        return AuditReport(breaks=self._breaks[first_break:], exits=self._exits[first_exit:], steps=1)
+
+    # module stack (forward attribution)
+
+    def _enter_module(self, module: torch.nn.Module, args: Any) -> None:
+        path = self._module_paths.get(id(module))
+        if path is not None:
+            self._stack.append(path)
+
+    def _leave_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        path = self._module_paths.get(id(module))
+        if path is not None and path in self._stack:
+            while self._stack.pop() != path:
+                pass
+
+    # autograd node labels (backward attribution)
+
+    def _label_pending_nodes(self) -> None:
+        """Tag the autograd nodes of the last op's outputs with the module path that ran it.
+
+        The dispatch mode sees an op before autograd attaches its node, so outputs wait here
+        until the next op (or the end of the audit) and are labelled then.
+        """
+        for tensors, path, is_exit in self._pending:
+            for tensor in tensors:
+                node = tensor.grad_fn
+                if node is not None:
+                    node.metadata[_NODE_KEY] = (path, is_exit)
+        self._pending.clear()
+
+    def _backward_owner(self, node: Any) -> tuple[Optional[str], bool]:
+        label = node.metadata.get(_NODE_KEY)
+        if label is not None:
+            return label
+        variable = getattr(node, 'variable', None)  # AccumulateGrad: the parameter's module
+        if isinstance(variable, torch.Tensor):
+            return self._param_paths.get(id(variable)), False
+        return None, False
+
+    # classification
+
+    def _observe(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        self._label_pending_nodes()
+        node = torch._C._current_autograd_node()
+        phase = FORWARD if node is None else BACKWARD
+        if phase == FORWARD:
+            path, in_exit = (self._stack[-1] if self._stack else None), False
+        else:
+            path, in_exit = self._backward_owner(node)
+        outputs = _tensors(out)
+        is_exit = self._settle_held_clone(func, args, outputs) or in_exit
+        if phase == FORWARD and (path is not None or is_exit):
+            self._pending.append((outputs, path, is_exit))
+        if func.is_view or func.overloadpacket is _aten._unsafe_view:
+            if phase == FORWARD and func.overloadpacket in _RESHAPE_OPS:
+                self._check_free_exit(func, args, outputs, path)
+            return
+        record = self._layout_change(func, args, kwargs, outputs, path, phase)
+        if record is None:
+            return
+        if is_exit:
+            self._exits.append(record)
+        elif func.overloadpacket is _aten.clone and phase == FORWARD and layout_of(
+                outputs[0]).is_channels_first:
+            self._held_clone = (record, outputs[0])  # an exit if a lower-rank reshape follows
+        else:
+            self._add_break(record)
+
+    def _layout_change(self, func: Any, args: tuple, kwargs: dict, outputs: list[torch.Tensor],
+                       path: Optional[str], phase: str) -> Optional[AuditRecord]:
+        inputs = _tensors((args, kwargs))
+        out_layouts = [layout_of(t) for t in outputs]
+        dropped = [t for t, layout in zip(outputs, out_layouts) if layout.is_channels_first]
+        if dropped:
+            for tensor in inputs:
+                layout = layout_of(tensor)
+                if layout.is_channels_last:
+                    return AuditRecord(str(func), path, phase, tuple(tensor.shape),
+                                       sum(t.nbytes for t in dropped),
+                                       f'{layout.value}->{layout_of(dropped[0]).value}')
+        converted = [t for t, layout in zip(outputs, out_layouts) if layout.is_channels_last]
+        if converted and path is not None and func.overloadpacket in _COPY_OPS:
+            source = args[1] if func.overloadpacket in (_aten.copy_, _aten.copy) else args[0]
+            layout = layout_of(source)
+            if layout.is_channels_first:
+                return AuditRecord(str(func), path, phase, tuple(source.shape),
+                                   sum(t.nbytes for t in converted),
+                                   f'{layout.value}->{layout_of(converted[0]).value}')
+        return None
+
+    def _check_free_exit(self, func: Any, args: tuple, outputs: list[torch.Tensor],
+                         path: Optional[str]) -> None:
+        source = args[0]
+        if source.dim() not in (4, 5) or not outputs or outputs[0].dim() >= source.dim():
+            return
+        layout = layout_of(source)
+        if layout.is_channels_last or layout is Layout.AMBIGUOUS:
+            self._exits.append(AuditRecord(str(func), path, FORWARD, tuple(source.shape), 0,
+                                           f'{layout.value}->{outputs[0].dim()}D'))
+
+    def _settle_held_clone(self, func: Any, args: tuple, outputs: list[torch.Tensor]) -> bool:
+        """Decide a held NHWC->NCHW clone: True (an exit) when this op flattens its output."""
+        if self._held_clone is None:
+            return False
+        record, copied = self._held_clone
+        if (func.overloadpacket in _RESHAPE_OPS and args and args[0] is copied
+                and outputs and outputs[0].dim() < copied.dim()):
+            self._held_clone = None
+            exit_record = dataclasses.replace(record, layouts=f'{record.layouts}->{outputs[0].dim()}D')
+            self._exits.append(exit_record)
+            if copied.grad_fn is not None:
+                copied.grad_fn.metadata[_NODE_KEY] = (record.module_path, True)
+            return True
+        self._flush_held_clone()
+        return False
+
+    def _flush_held_clone(self) -> None:
+        if self._held_clone is not None:
+            record, _ = self._held_clone
+            self._held_clone = None
+            self._add_break(record)
+
+    def _add_break(self, record: AuditRecord) -> None:
+        self._breaks.append(record)
+        if self.strict:
+            module_type = None
+            if record.module_path is not None:
+                module_type = type(self.model.get_submodule(record.module_path)).__name__
+            raise LayoutBreakError(record, module_type)
+
+
+def _scalar_loss(output: Any, model: torch.nn.Module) -> torch.Tensor:
+    """Sum of every tensor in ``output`` that requires grad (tuples, namedtuples, dicts too)."""
+    tensors = [t for t in _tensors(output) if t.requires_grad]
+    if not tensors:
+        raise ValueError(f'{type(model).__name__} returned no tensor that requires grad, so there is '
+                         'no backward pass to audit; call audit_model(..., backward=False)')
+    return sum(t.sum() for t in tensors)
+
+
+def audit_model(
+    model: torch.nn.Module,
+    example_input: Union[torch.Tensor, tuple],
+    backward: bool = True,
+    strict: bool = False,
+) -> AuditReport:
+    """Audit one forward pass of ``model`` and, with ``backward``, the backward of a scalar loss.
+
+    The loss is the sum of every output tensor that requires grad (so auxiliary outputs, as
+    GoogLeNet's in train mode, are audited too). The model runs in the mode it is in; pass an
+    NHWC input to audit the channels-last path. The model is left as it was found: its
+    parameters and buffers (BatchNorm running statistics) keep their values and each
+    parameter's ``.grad`` is the tensor it was before.
+
+    Args:
+        model: the model, usually after ``apply_channels_last``.
+        example_input: one input tensor, or a tuple of positional inputs.
+        backward: also run and audit the backward pass (otherwise the forward runs under
+            ``torch.no_grad()``).
+        strict: raise :class:`LayoutBreakError` at the first break.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+        >>> model = model.to(memory_format=torch.channels_last)
+        >>> audit_model(model, torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).ok
+        True
+    """
+    inputs = example_input if isinstance(example_input, tuple) else (example_input,)
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    buffers = list(model.buffers())
+    buffer_values = [b.detach().clone() for b in buffers]
+    audit = LayoutAudit(model, strict=strict)
+    try:
+        for p in params:
+            p.grad = None  # backward accumulates in place into an existing .grad
+        with torch.set_grad_enabled(backward), audit:
+            output = model(*inputs)
+            if backward:
+                _scalar_loss(output, model).backward()
+    finally:
+        for p, grad in zip(params, grads):
+            p.grad = grad
+        with torch.no_grad():
+            for b, value in zip(buffers, buffer_values):
+                b.copy_(value)
+    return audit.report

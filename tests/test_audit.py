@@ -1,0 +1,273 @@
+"""The layout audit: what it finds in torchvision models on torch 2.7 CPU, where it says the
+break is, strict mode, the report, and the ``channels-last audit`` command."""
+
+import json
+import warnings
+from collections import OrderedDict
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+from torch.nn.modules import module as module_hooks
+from torch.utils import _python_dispatch
+
+from channels_last_algo import cli
+from channels_last_algo.audit import AuditRecord, AuditReport, LayoutAudit, LayoutBreakError, audit_model
+from channels_last_algo.convert import apply_channels_last
+from channels_last_algo.layout import to_channels_last
+
+ZOO_INPUT = (1, 3, 64, 64)  # small, but large enough that the last stage is 2x2 (not ambiguous)
+
+
+def _nhwc(*shape):
+    return to_channels_last(torch.randn(*shape))
+
+
+@pytest.fixture(scope='module')
+def zoo():
+    """``zoo(name)`` -> (channels-last model, its audit report); each built and audited once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            torch.manual_seed(0)
+            with warnings.catch_warnings():
+                warnings.simplefilter('ignore', FutureWarning)  # googlenet's init_weights notice
+                model = getattr(torchvision.models, name)(weights=None)
+            apply_channels_last(model)
+            cache[name] = model, audit_model(model, _nhwc(*ZOO_INPUT))
+        return cache[name]
+
+    return get
+
+
+def _found(report):
+    return {(r.op, r.module_path, r.phase) for r in report.breaks}
+
+
+# torchvision models, channels last, forward + backward
+
+
+def test_resnet50_has_no_break_and_a_free_exit(zoo):
+    _, report = zoo('resnet50')
+    assert report.ok and report.breaks == []
+    assert report.exits == [AuditRecord('aten.view.default', '', 'forward', (1, 2048, 1, 1), 0, 'ambiguous->2D')]
+
+
+def test_shufflenet_breaks_in_cat_of_every_non_downsampling_block(zoo):
+    model, report = zoo('shufflenet_v2_x1_0')
+    blocks = [f'stage2.{i}' for i in range(1, 4)] + [f'stage3.{i}' for i in range(1, 8)] + \
+        [f'stage4.{i}' for i in range(1, 4)]
+    assert _found(report) == {('aten.cat.default', b, phase) for b in blocks for phase in ('forward', 'backward')}
+    assert len(report.breaks) == 2 * len(blocks)
+    assert all(type(model.get_submodule(b)).__name__ == 'InvertedResidual' for b in blocks)
+    assert report.exits == []  # its head is a mean over H, W: no reshape
+
+
+def test_efficientnet_breaks_in_silu_backward_of_the_last_conv_block(zoo):
+    model, report = zoo('efficientnet_b0')
+    assert _found(report) == {('aten.silu_backward.default', 'features.8.2', 'backward')}
+    assert isinstance(model.get_submodule('features.8.2'), nn.SiLU)
+    assert report.breaks[0].shape == (1, 1280, 2, 2) and report.breaks[0].nbytes == 1280 * 4 * 4
+
+
+def test_mobilenet_v3_breaks_in_hardswish_backward_of_the_last_conv_block(zoo):
+    model, report = zoo('mobilenet_v3_large')
+    assert _found(report) == {('aten.hardswish_backward.default', 'features.16.2', 'backward')}
+    assert isinstance(model.get_submodule('features.16.2'), nn.Hardswish)
+
+
+def test_convnext_breaks_in_layer_scale_mul_and_gradient_add(zoo):
+    model, report = zoo('convnext_tiny')
+    blocks = [f'features.7.{i}' for i in range(3)]
+    assert _found(report) == ({('aten.mul.Tensor', b, 'backward') for b in blocks}
+                              | {('aten.add.Tensor', f'{b}.block.0', 'backward') for b in blocks})
+    assert all(type(model.get_submodule(b)).__name__ == 'CNBlock' for b in blocks)
+
+
+def test_googlenet_clones_are_exits_of_its_aux_heads_not_breaks(zoo):
+    _, report = zoo('googlenet')
+    assert report.ok
+    copies = [(e.op, e.module_path, e.nbytes) for e in report.exits if e.nbytes]
+    assert copies == [('aten.clone.default', 'aux1', 128 * 4 * 4 * 4), ('aten.clone.default', 'aux2', 128 * 4 * 4 * 4)]
+    assert [(e.op, e.module_path, e.shape) for e in report.exits if not e.nbytes] == \
+        [('aten.view.default', '', (1, 1024, 1, 1))]
+
+
+def test_vgg11_bn_clone_is_the_exit_before_its_classifier(zoo):
+    _, report = zoo('vgg11_bn')
+    assert report.ok
+    assert report.exits == [AuditRecord('aten.clone.default', '', 'forward', (1, 512, 7, 7), 512 * 7 * 7 * 4,
+                                        'NHWC->NCHW->2D')]
+
+
+def test_strict_raises_at_the_first_break_with_its_module_path(zoo):
+    model, _ = zoo('shufflenet_v2_x1_0')
+    with pytest.raises(LayoutBreakError, match=r"forward at module 'stage2\.1' \(InvertedResidual\): aten\.cat"):
+        audit_model(model, _nhwc(*ZOO_INPUT), strict=True)
+    assert _python_dispatch._get_current_dispatch_mode() is None
+
+
+def test_report_json_round_trips_and_prints_a_table(zoo):
+    _, report = zoo('convnext_tiny')
+    assert AuditReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
+    text = str(report)
+    assert text.splitlines()[0] == ('layout audit over 1 step: 6 layout breaks (72.0 KiB moved), '
+                                    '1 exit conversions (0 B copied)')
+    row = [line.split() for line in text.splitlines() if 'features.7.2 ' in line][0]
+    assert row == ['backward', 'features.7.2', 'aten.mul.Tensor', '(1,', '768,', '2,', '2)', 'NHWC->NCHW', '1',
+                   '12.0', 'KiB']
+    assert 'classifier.1' in text and 'ambiguous->2D' in text
+
+
+# hand-made models: attribution, exits, the context object
+
+
+class _Contiguous(nn.Module):
+    def forward(self, x):
+        return x.contiguous()  # NHWC -> NCHW
+
+
+class _BackToChannelsLast(nn.Module):
+    def forward(self, x):
+        return x.to(memory_format=torch.channels_last)  # NCHW -> NHWC inside the model
+
+
+class _DropInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()  # keeps NHWC
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()  # the gradient leaves NHWC
+
+
+class _BackwardDrop(nn.Module):
+    def forward(self, x):
+        return _DropInBackward.apply(x)
+
+
+def _forward_break_net():
+    body = nn.Sequential(nn.ReLU(), _Contiguous(), _BackToChannelsLast(), nn.Conv2d(8, 4, 3))
+    return nn.Sequential(OrderedDict(stem=nn.Conv2d(3, 8, 3, padding=1), body=body))
+
+
+def _backward_break_net():
+    return nn.Sequential(OrderedDict(stem=nn.Conv2d(3, 8, 3, padding=1), drop=_BackwardDrop(),
+                                     head=nn.Conv2d(8, 4, 3)))
+
+
+def _converted(factory):
+    torch.manual_seed(0)
+    model = factory()
+    apply_channels_last(model)
+    return model
+
+
+def test_forward_breaks_are_attributed_to_the_running_module():
+    report = audit_model(_converted(_forward_break_net), _nhwc(2, 3, 8, 8))
+    assert [(r.op, r.module_path, r.phase, r.layouts, r.nbytes) for r in report.breaks] == [
+        ('aten.clone.default', 'body.1', 'forward', 'NHWC->NCHW', 2 * 8 * 8 * 8 * 4),
+        ('aten._to_copy.default', 'body.2', 'forward', 'NCHW->NHWC', 2 * 8 * 8 * 8 * 4),
+    ]
+
+
+def test_backward_only_break_is_attributed_to_the_module_that_made_the_node():
+    report = audit_model(_converted(_backward_break_net), _nhwc(2, 3, 8, 8))
+    assert [(r.op, r.module_path, r.phase) for r in report.breaks] == [('aten.clone.default', 'drop', 'backward')]
+    with pytest.raises(LayoutBreakError, match=r"backward at module 'drop' \(_BackwardDrop\): aten\.clone"):
+        audit_model(_converted(_backward_break_net), _nhwc(2, 3, 8, 8), strict=True)
+
+
+def test_flatten_is_an_exit_with_bytes_when_it_copies_and_free_after_pooling():
+    flat = _converted(lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 6 * 6, 2)))
+    report = audit_model(flat, _nhwc(2, 3, 8, 8))
+    assert report.ok
+    assert [(e.op, e.module_path, e.nbytes) for e in report.exits] == [('aten.clone.default', '1', 2 * 8 * 6 * 6 * 4)]
+    pooled = _converted(lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                              nn.Linear(8, 2)))
+    report = audit_model(pooled, _nhwc(2, 3, 8, 8))
+    assert report.ok
+    assert [(e.op, e.module_path, e.nbytes) for e in report.exits] == [('aten.view.default', '2', 0)]
+
+
+def test_input_conversion_outside_the_model_is_not_a_break():
+    model = _converted(lambda: nn.Conv2d(3, 4, 3))
+    with LayoutAudit(model) as audit:
+        model(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+    assert audit.report.ok
+
+
+def test_audit_model_leaves_parameters_buffers_and_grads_as_they_were():
+    model = _converted(lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), _Contiguous()))
+    model[0].weight.grad = old_grad = torch.ones_like(model[0].weight)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    audit_model(model, _nhwc(2, 3, 8, 8))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert model[0].weight.grad is old_grad and torch.equal(old_grad, torch.ones_like(old_grad))
+    assert model[0].bias.grad is None and model[1].weight.grad is None
+
+
+def test_audit_spans_per_step_merge_into_the_whole_report_and_leave_nothing_installed():
+    model = _converted(_forward_break_net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    pre_hooks, hooks = len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks)
+    audit = LayoutAudit(model)
+    step_reports = []
+    for _ in range(2):
+        audit.start()
+        assert _python_dispatch._get_current_dispatch_mode() is not None
+        optimizer.zero_grad()
+        model(_nhwc(2, 3, 8, 8)).sum().backward()
+        optimizer.step()
+        step_reports.append(audit.stop())
+        assert _python_dispatch._get_current_dispatch_mode() is None
+        assert (len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks)) == (
+            pre_hooks, hooks)
+    assert [len(r.breaks) for r in step_reports] == [2, 2]
+    assert AuditReport.merge(step_reports) == audit.report
+    assert audit.report.steps == 2 and '2 steps' in str(audit.report)
+    with pytest.raises(RuntimeError, match='not active'):
+        audit.stop()
+
+
+def test_report_from_dict_names_the_bad_key():
+    with pytest.raises(ValueError, match=r'breaks\[0\]'):
+        AuditReport.from_dict({'steps': 1, 'breaks': [{'op': 'aten.cat.default'}], 'exits': []})
+    with pytest.raises(ValueError, match='exits'):
+        AuditReport.from_dict({'steps': 1, 'breaks': []})
+
+
+# the command
+
+
+def test_cli_audit_prints_the_report_and_exits_0_on_a_resnet(capsys):
+    assert cli.main(['audit', 'resnet18', '--input', '2,3,32,32', '--strict']) == 0
+    out = capsys.readouterr().out
+    assert 'ResNet, NHWC input (2, 3, 32, 32)' in out and 'no layout breaks' in out
+
+
+def test_cli_audit_strict_exits_1_on_a_breaking_model(capsys):
+    spec = f'{__name__}:_forward_break_net'
+    assert cli.main(['audit', spec, '--input', '2,3,8,8', '--strict']) == 1
+    captured = capsys.readouterr()
+    assert 'body.1' in captured.out and 'aten.clone.default' in captured.out
+    assert '2 layout breaks' in captured.err
+    assert cli.main(['audit', spec, '--input', '2,3,8,8', '--json']) == 0
+    report = AuditReport.from_dict(json.loads(capsys.readouterr().out))
+    assert [r.module_path for r in report.breaks] == ['body.1', 'body.2']
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['audit', 'resnet_51'], "'resnet_51' is no torchvision model name"),
+    (['audit', 'no_such_module:build'], "cannot load 'no_such_module:build'"),
+    (['audit', 'resnet18', '--input', '2,3,x'], "'2,3,x' is not an input shape"),
+    (['audit', 'resnet18', '--input', '2,3,32'], "'2,3,32' is not an input shape"),
+])
+def test_cli_audit_exits_2_on_a_bad_model_or_input(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
