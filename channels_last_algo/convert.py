@@ -26,6 +26,7 @@ import warnings
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from channels_last_algo.layout import channels_last_format, to_channels_last
 
@@ -42,11 +43,13 @@ class ConversionSummary:
         converted: names (as in ``state_dict``) of the 4D/5D tensors that were restrided.
         already_channels_last: names of the 4D/5D tensors that needed nothing.
         optimizer_states: how many optimizer state tensors were restrided with their parameter.
+        uninitialized: names of lazy-module parameters that have no shape yet and were skipped.
     """
 
     converted: list[str] = dataclasses.field(default_factory=list)
     already_channels_last: list[str] = dataclasses.field(default_factory=list)
     optimizer_states: int = 0
+    uninitialized: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def channels_last_tensors(self) -> int:
@@ -103,6 +106,9 @@ def apply_channels_last(
     summary = ConversionSummary()
     named = list(model.named_parameters()) + list(model.named_buffers())
     for name, tensor in named:
+        if is_lazy(tensor):
+            summary.uninitialized.append(name)
+            continue
         if channels_last_format(tensor) is None:
             continue
         changed = _restride_in_place(tensor)
@@ -117,7 +123,14 @@ def apply_channels_last(
         params = {id(p) for _, p in model.named_parameters()}
         summary.optimizer_states = _restride_optimizer_state(optimizers, params)
 
-    if summary.channels_last_tensors == 0:
+    if summary.uninitialized:
+        warnings.warn(
+            f'{type(model).__name__} has uninitialized lazy parameters {summary.uninitialized}, '
+            'which were left as they are; run one forward pass to initialize them, then call '
+            'apply_channels_last again.',
+            stacklevel=2,
+        )
+    elif summary.channels_last_tensors == 0:
         warnings.warn(
             f'{type(model).__name__} has no 4D or 5D parameter or buffer (no Conv2d/Conv3d), '
             'so channels last cannot change anything; the model was left as it is.',

@@ -98,3 +98,12 @@ def test_model_without_conv_weights_is_left_alone_with_a_warning():
     with pytest.warns(UserWarning, match='no 4D or 5D parameter'):
         summary = apply_channels_last(model)
     assert summary.channels_last_tensors == 0
+
+
+def test_lazy_parameters_are_skipped_with_advice_then_converted_after_a_forward():
+    model = nn.Sequential(nn.LazyConv2d(8, 3), nn.Conv2d(8, 8, 3))
+    with pytest.warns(UserWarning, match='run one forward pass'):
+        summary = apply_channels_last(model)
+    assert summary.uninitialized == ['0.weight', '0.bias'] and summary.converted == ['1.weight']
+    model(torch.randn(1, 3, 8, 8))
+    assert apply_channels_last(model).converted == ['0.weight']
