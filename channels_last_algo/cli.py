@@ -48,37 +48,13 @@ def _input_shape(text: str) -> tuple[int, ...]:
 
 
 def _model_factory(spec: str):
-    """A no-argument callable building the model that ``spec`` names: a torchvision model name
-    (built with ``weights=None``, and ``weights_backbone=None`` where the builder takes it) or
-    ``module.path:callable``."""
-    import difflib
-    import functools
-    import importlib
-    import inspect
+    """argparse type for MODEL: the builder :func:`~channels_last_algo.models.model_builder` finds."""
+    from channels_last_algo.models import model_builder
 
-    if ':' in spec:
-        module_name, _, attr = spec.partition(':')
-        try:
-            target = importlib.import_module(module_name)
-            return functools.reduce(getattr, attr.split('.'), target)
-        except (ImportError, AttributeError) as error:
-            raise argparse.ArgumentTypeError(
-                f'cannot load {spec!r} ({error}); give module.path:callable, importable from here, '
-                'where the callable takes no argument and returns the model') from error
-    import torchvision
-
-    names = torchvision.models.list_models()
-    if spec not in names:
-        close = difflib.get_close_matches(spec, names, n=3)
-        hint = f' Did you mean {", ".join(close)}?' if close else ''
-        raise argparse.ArgumentTypeError(
-            f'{spec!r} is no torchvision model name (see torchvision.models.list_models()) and no '
-            f'module.path:callable.{hint}')
-    builder = torchvision.models.get_model_builder(spec)
-    kwargs = {'weights': None}
-    if 'weights_backbone' in inspect.signature(builder).parameters:
-        kwargs['weights_backbone'] = None
-    return functools.partial(builder, **kwargs)
+    try:
+        return model_builder(spec)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def _add_audit(subparsers: argparse._SubParsersAction) -> None:
@@ -130,6 +106,61 @@ def _run_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument('recipe', metavar='RECIPE', help='a YAML recipe, e.g. recipes/resnet50_imagenet.yaml')
+    parser.add_argument('--data', metavar='PATH', help='an ImageNet folder with train/ and val/ (default: the '
+                        "recipe's data.path, else the embedded synthetic ImageNet)")
+    parser.add_argument('--set', dest='overrides', action='append', default=[], metavar='KEY=VALUE',
+                        help='override a recipe key, e.g. --set optimizer.lr=0.1 (repeatable; VALUE is YAML)')
+
+
+def _add_train(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser('train', help="train a recipe with Composer's Trainer",
+                                   description='Train RECIPE with Composer, saving checkpoints to its '
+                                   'train.save_folder; --resume continues from the latest one there.')
+    _add_recipe_arguments(parser)
+    parser.add_argument('--resume', action='store_true', help='continue from the latest checkpoint in the save folder')
+    parser.set_defaults(run=_run_train)
+
+
+def _run_train(args: argparse.Namespace) -> int:
+    from channels_last_algo.recipes import build_trainer, load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    trainer = build_trainer(recipe, data_path=args.data, resume=args.resume)
+    trainer.fit()
+    print(f'channels-last train: done; checkpoints in {recipe.save_folder()}')
+    return 0
+
+
+def _add_compare(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        'compare', help="time a recipe's training steps with channels last off, on, and Composer's",
+        description="Train RECIPE's model on its data with channels last off (NCHW), with Composer's "
+        'ChannelsLast and with this project, interleaved step by step after warm-up; print images/s, '
+        'speedups and the layout audit of each.')
+    _add_recipe_arguments(parser)
+    parser.add_argument('--batches', type=int, default=10, help='timed training steps per variant (default 10)')
+    parser.add_argument('--warmup', type=int, default=2, help='untimed steps per variant first (default 2)')
+    parser.add_argument('--json', metavar='FILE', help='also write the results as JSON to FILE')
+    parser.set_defaults(run=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    import json
+
+    from channels_last_algo.compare import compare_recipe, format_comparison
+    from channels_last_algo.recipes import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    result = compare_recipe(recipe, batches=args.batches, warmup=args.warmup, data_path=args.data)
+    print(format_comparison(result))
+    if args.json:
+        with open(args.json, 'w') as file:
+            json.dump(result, file, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand registered."""
     parser = argparse.ArgumentParser(
@@ -137,9 +168,11 @@ def build_parser() -> argparse.ArgumentParser:
         description='Train conv nets in channels-last (NHWC) memory format, and check that they stay there.',
     )
     parser.add_argument('--version', action='version', version=f'%(prog)s {__version__}')
-    subparsers = parser.add_subparsers(title='commands', metavar='COMMAND')
+    subparsers = parser.add_subparsers(title='commands', metavar='COMMAND', dest='command')
     _add_demo(subparsers)
     _add_audit(subparsers)
+    _add_train(subparsers)
+    _add_compare(subparsers)
     return parser
 
 
@@ -150,7 +183,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not hasattr(args, 'run'):
         parser.print_help()
         return 0
-    return args.run(args)
+    from channels_last_algo.recipes import RecipeError
+
+    try:
+        return args.run(args)
+    except RecipeError as error:
+        print(f'channels-last {args.command}: error: {error}', file=sys.stderr)
+        return 2
 
 
 if __name__ == '__main__':

@@ -1,0 +1,192 @@
+"""``channels-last compare``: one recipe's model and data, channels last off and on, timed side by side.
+
+Three variants train the same model from the same initial weights on the same batches:
+
+- ``NCHW``: channels last off, the batch collated NCHW as a usual loader gives it;
+- ``composer ChannelsLast``: Composer's own algorithm, ``model.to(memory_format=channels_last)``
+  as its ``Event.INIT`` does it, the batch left NCHW;
+- ``channels_last_algo``: this project: the model restrided by the guard and the NHWC batches
+  of the data path, no conversion at all on the way in.
+
+After warm-up steps, each round times one full training step (forward, loss, backward,
+optimizer step) of every variant in turn, so a noisy machine slows all of them alike. The
+recipe's model (with BlurPool's layers when the recipe turns BlurPool on), optimizer, label
+smoothing and precision are used; EMA and progressive resizing, which do not change the
+per-step work of a layout, are left out. A layout audit of one extra step of each variant
+counts its breaks.
+
+Example:
+    >>> from channels_last_algo.recipes import load_recipe
+    >>> recipe = load_recipe('recipes/resnet50_imagenet.yaml', ['model.name=resnet18',
+    ...     'model.num_classes=10', 'train.global_batch_size=4', 'data.train_crop=32'])
+    >>> result = compare_recipe(recipe, batches=1, warmup=1)
+    >>> [row['variant'] for row in result['rows']]
+    ['NCHW', 'composer ChannelsLast', 'channels_last_algo']
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import platform
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from channels_last_algo.audit import LayoutAudit
+from channels_last_algo.guard import LayoutGuard
+from channels_last_algo.recipes import Recipe, build_datasets, device_and_precision
+
+__all__ = ['compare_recipe', 'format_comparison']
+
+_AUTOCAST = {'amp_fp16': torch.float16, 'amp_bf16': torch.bfloat16}
+
+
+def _machine(device: str) -> str:
+    if device == 'gpu':
+        return torch.cuda.get_device_name()
+    model_name = next((line.split(':', 1)[1].strip() for line in open('/proc/cpuinfo') if line.startswith('model name')),
+                      platform.processor() or platform.machine())
+    return f'{model_name}, {torch.get_num_threads()} threads'
+
+
+def _batches(recipe: Recipe, count: int, device: torch.device,
+             data_path: Optional[str]) -> list[dict[bool, tuple[torch.Tensor, torch.Tensor]]]:
+    """``count`` training batches of the recipe's data path, normalised on the device, each
+    both NHWC (as this project's loader gives it) and NCHW (as a ``ToTensor`` loader would),
+    keyed by ``nhwc``; made before timing so that no variant pays for the other's layout."""
+    from channels_last_algo.data import NormalizeBatch, build_loader
+
+    train_data, _ = build_datasets(recipe, data_path)
+    loader = build_loader(train_data, batch_size=recipe.train.global_batch_size, train=True,
+                          workers=recipe.data.workers, seed=recipe.train.seed)
+    normalize = NormalizeBatch()
+    batches = []
+    for images, labels in itertools.islice(itertools.cycle(loader), count):
+        images, labels = normalize((images.to(device), labels.to(device)))
+        batches.append({True: (images, labels), False: (images.contiguous(), labels)})
+    return batches
+
+
+def _model(recipe: Recipe) -> torch.nn.Module:
+    from composer.algorithms.blurpool import apply_blurpool
+
+    from channels_last_algo.models import build_model
+
+    torch.manual_seed(recipe.train.seed)
+    model = build_model(recipe.model.name, num_classes=recipe.model.num_classes)
+    blurpool = recipe.enabled_algorithms().get('blurpool')
+    if blurpool is not None:
+        apply_blurpool(model, **blurpool)
+    return model
+
+
+def _variants(base: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, bool, Callable[[Any], Any]]]:
+    """Each variant's model, whether its loader gives NHWC batches, and what it does to a batch."""
+    from composer.algorithms.channels_last import apply_channels_last as composer_apply
+
+    composer_model = copy.deepcopy(base)
+    composer_apply(composer_model)
+    ours = copy.deepcopy(base)
+    guard = LayoutGuard()
+    guard.on_init(ours)
+    untouched = lambda batch: batch
+    return {
+        'NCHW': (base, False, untouched),
+        'composer ChannelsLast': (composer_model, False, untouched),
+        'channels_last_algo': (ours, True, guard.on_batch),
+    }
+
+
+def compare_recipe(recipe: Recipe, batches: int = 10, warmup: int = 2, data_path: Optional[str] = None) -> dict[str, Any]:
+    """Time ``batches`` interleaved training steps of each variant after ``warmup`` untimed ones.
+
+    Returns a JSON-ready dict: the machine, settings, and one row per variant with min and
+    median step time (s), images/s, speedups over NCHW and over Composer's ChannelsLast, and
+    the layout audit's break count and bytes.
+    """
+    if batches < 1 or warmup < 0:
+        raise ValueError(f'batches must be >= 1 and warmup >= 0, got batches={batches}, warmup={warmup}')
+    from composer.optim import DecoupledSGDW
+
+    device_name, precision = device_and_precision(recipe)
+    device = torch.device('cuda' if device_name == 'gpu' else 'cpu')
+    if device.type == 'cuda':
+        torch.backends.cudnn.benchmark = True
+    data = _batches(recipe, warmup + batches, device, data_path)
+    smoothing = float(recipe.enabled_algorithms().get('label_smoothing', {}).get('smoothing', 0.0))
+    opt = recipe.optimizer
+    lr = opt.lr * recipe.train.global_batch_size / opt.reference_batch_size
+
+    variants = _variants(_model(recipe).to(device))
+    optimizers = {name: DecoupledSGDW(model.parameters(), lr=lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
+                  for name, (model, _, _) in variants.items()}
+
+    def step(name: str, batch: dict[bool, tuple[torch.Tensor, torch.Tensor]]) -> float:
+        model, nhwc, prepare = variants[name]
+        start = time.perf_counter()
+        images, labels = prepare(batch[nhwc])
+        with torch.autocast(device.type, dtype=_AUTOCAST.get(precision, torch.float32), enabled=precision in _AUTOCAST):
+            loss = torch.nn.functional.cross_entropy(model(images), labels, label_smoothing=smoothing)
+        loss.backward()
+        optimizers[name].step()
+        optimizers[name].zero_grad(set_to_none=True)
+        if device.type == 'cuda':
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for index, batch in enumerate(data):
+        for name in variants:
+            elapsed = step(name, batch)
+            if index >= warmup:
+                times[name].append(elapsed)
+
+    audits = {}
+    for name, (model, _, _) in variants.items():
+        with LayoutAudit(model) as audit:
+            step(name, data[-1])
+        audits[name] = audit.report
+
+    batch_size = recipe.train.global_batch_size
+    medians = {name: statistics.median(samples) for name, samples in times.items()}
+    rows = [{
+        'variant': name,
+        'min_s': min(samples),
+        'median_s': medians[name],
+        'images_per_s': batch_size / medians[name],
+        'speedup_vs_nchw': medians['NCHW'] / medians[name],
+        'speedup_vs_composer': medians['composer ChannelsLast'] / medians[name],
+        'layout_breaks': len(audits[name].breaks),
+        'break_bytes': audits[name].break_bytes,
+    } for name, samples in times.items()]
+    return {
+        'recipe': recipe.name,
+        'model': recipe.model.name,
+        'machine': _machine(device_name),
+        'torch': torch.__version__,
+        'precision': precision,
+        'batch_size': batch_size,
+        'image_size': recipe.data.train_crop,
+        'warmup': warmup,
+        'batches': batches,
+        'rows': rows,
+    }
+
+
+def format_comparison(result: dict[str, Any]) -> str:
+    """The comparison as a readable table."""
+    lines = [
+        f"{result['recipe']}: {result['model']}, batch {result['batch_size']} x {result['image_size']}px, "
+        f"{result['precision']}, {result['machine']}, torch {result['torch']}",
+        f"{result['batches']} timed training steps per variant after {result['warmup']} warm-up, interleaved",
+        '',
+        f"{'variant':<23} {'min ms':>9} {'median ms':>10} {'images/s':>9} {'vs NCHW':>8} {'vs Composer':>12} {'breaks':>7}",
+    ]
+    for row in result['rows']:
+        lines.append(f"{row['variant']:<23} {row['min_s'] * 1e3:9.1f} {row['median_s'] * 1e3:10.1f} "
+                     f"{row['images_per_s']:9.1f} {row['speedup_vs_nchw']:7.2f}x {row['speedup_vs_composer']:11.2f}x "
+                     f"{row['layout_breaks']:7d}")
+    return '\n'.join(lines)
