@@ -85,7 +85,7 @@ class ChannelsLast(Algorithm):
             summary = self.guard.on_init(state.model, state.optimizers)
             logger.log_hyperparameters({
                 'channels_last/restrided_tensors': len(summary.converted),
-                'channels_last/channels_last_tensors': summary.channels_last_tensors,
+                'channels_last/channels_last_tensors': summary.tensors,
             })
             log.info('%s: %s', type(state.model).__name__, summary)
         elif event in _BATCH_EVENTS:

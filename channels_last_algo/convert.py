@@ -1,4 +1,4 @@
-"""``apply_channels_last``: the functional form of the algorithm.
+"""``apply_channels_last``: the functional form of the algorithm, and its inverse.
 
 Restrides every 4D parameter and buffer of a model to ``torch.channels_last`` and every 5D
 one to ``torch.channels_last_3d``, in place. The ``Parameter`` objects stay the same (an
@@ -16,6 +16,8 @@ Example:
     True
     >>> apply_channels_last(model).converted        # idempotent
     []
+    >>> apply_channels_first(model).converted       # back to NCHW / NCDHW
+    ['0.weight', '1.weight']
 """
 
 from __future__ import annotations
@@ -23,56 +25,61 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch.nn.parameter import is_lazy
 
-from channels_last_algo.layout import channels_last_format, to_channels_last
+from channels_last_algo.layout import channels_last_format, to_channels_first, to_channels_last
 
-__all__ = ['ConversionSummary', 'apply_channels_last']
+__all__ = ['ConversionSummary', 'apply_channels_first', 'apply_channels_last']
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class ConversionSummary:
-    """What :func:`apply_channels_last` changed.
+    """What :func:`apply_channels_last` (or :func:`apply_channels_first`) changed.
 
     Attributes:
+        layout: ``'channels last'`` or ``'channels first'``, the layout the tensors now have.
         converted: names (as in ``state_dict``) of the 4D/5D tensors that were restrided.
-        already_channels_last: names of the 4D/5D tensors that needed nothing.
+        unchanged: names of the 4D/5D tensors that already had that layout.
         optimizer_states: how many optimizer state tensors were restrided with their parameter.
         uninitialized: names of lazy-module parameters that have no shape yet and were skipped.
     """
 
+    layout: str = 'channels last'
     converted: list[str] = dataclasses.field(default_factory=list)
-    already_channels_last: list[str] = dataclasses.field(default_factory=list)
+    unchanged: list[str] = dataclasses.field(default_factory=list)
     optimizer_states: int = 0
     uninitialized: list[str] = dataclasses.field(default_factory=list)
 
     @property
-    def channels_last_tensors(self) -> int:
-        """How many 4D/5D tensors the model holds, all channels last now."""
-        return len(self.converted) + len(self.already_channels_last)
+    def tensors(self) -> int:
+        """How many 4D/5D tensors the model holds, all in :attr:`layout` now."""
+        return len(self.converted) + len(self.unchanged)
 
     def __str__(self) -> str:
-        return (f'channels last: {len(self.converted)} tensors restrided, '
-                f'{len(self.already_channels_last)} already channels last, '
+        return (f'{self.layout}: {len(self.converted)} tensors restrided, '
+                f'{len(self.unchanged)} already {self.layout}, '
                 f'{self.optimizer_states} optimizer state tensors restrided')
 
 
-def _restride_in_place(tensor: torch.Tensor) -> bool:
-    """Give ``tensor`` channels-last strides by swapping its ``.data``; True if it changed."""
+Restride = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _restride_in_place(tensor: torch.Tensor, restride: Restride) -> bool:
+    """Give ``tensor`` new strides by swapping its ``.data``; True if it changed."""
     data = tensor.data  # a new alias object on each access: compare against this one
-    restrided = to_channels_last(data)
+    restrided = restride(data)
     if restrided is data:
         return False
     tensor.data = restrided
     return True
 
 
-def _restride_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], params: set[int]) -> int:
+def _restride_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], params: set[int], restride: Restride) -> int:
     count = 0
     for optimizer in optimizers:
         for param, state in optimizer.state.items():
@@ -80,11 +87,35 @@ def _restride_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], param
                 continue
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.shape == param.shape:
-                    restrided = to_channels_last(value)
+                    restrided = restride(value)
                     if restrided is not value:
                         state[key] = restrided
                         count += 1
     return count
+
+
+def _restride_model(model: torch.nn.Module, restride: Restride, layout: str,
+                    optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]) -> ConversionSummary:
+    summary = ConversionSummary(layout=layout)
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    for name, tensor in named:
+        if is_lazy(tensor):
+            summary.uninitialized.append(name)
+            continue
+        if channels_last_format(tensor) is None:
+            continue
+        changed = _restride_in_place(tensor, restride)
+        grad = getattr(tensor, 'grad', None)
+        if grad is not None and channels_last_format(grad) is not None:
+            changed = _restride_in_place(grad, restride) or changed
+        (summary.converted if changed else summary.unchanged).append(name)
+
+    if optimizers is not None:
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        params = {id(p) for _, p in model.named_parameters()}
+        summary.optimizer_states = _restride_optimizer_state(optimizers, params, restride)
+    return summary
 
 
 def apply_channels_last(
@@ -103,26 +134,7 @@ def apply_channels_last(
         A :class:`ConversionSummary`. A model with no 4D/5D tensor is left alone with a
         warning, since channels last can do nothing for it.
     """
-    summary = ConversionSummary()
-    named = list(model.named_parameters()) + list(model.named_buffers())
-    for name, tensor in named:
-        if is_lazy(tensor):
-            summary.uninitialized.append(name)
-            continue
-        if channels_last_format(tensor) is None:
-            continue
-        changed = _restride_in_place(tensor)
-        grad = getattr(tensor, 'grad', None)
-        if grad is not None and channels_last_format(grad) is not None:
-            changed = _restride_in_place(grad) or changed
-        (summary.converted if changed else summary.already_channels_last).append(name)
-
-    if optimizers is not None:
-        if isinstance(optimizers, torch.optim.Optimizer):
-            optimizers = [optimizers]
-        params = {id(p) for _, p in model.named_parameters()}
-        summary.optimizer_states = _restride_optimizer_state(optimizers, params)
-
+    summary = _restride_model(model, to_channels_last, 'channels last', optimizers)
     if summary.uninitialized:
         warnings.warn(
             f'{type(model).__name__} has uninitialized lazy parameters {summary.uninitialized}, '
@@ -130,7 +142,7 @@ def apply_channels_last(
             'apply_channels_last again.',
             stacklevel=2,
         )
-    elif summary.channels_last_tensors == 0:
+    elif summary.tensors == 0:
         warnings.warn(
             f'{type(model).__name__} has no 4D or 5D parameter or buffer (no Conv2d/Conv3d), '
             'so channels last cannot change anything; the model was left as it is.',
@@ -139,3 +151,12 @@ def apply_channels_last(
     else:
         log.info('%s: %s', type(model).__name__, summary)
     return summary
+
+
+def apply_channels_first(
+    model: torch.nn.Module,
+    optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]] = None,
+) -> ConversionSummary:
+    """The inverse of :func:`apply_channels_last`: every 4D/5D parameter, buffer, gradient and
+    optimizer state tensor back to the default contiguous (NCHW / NCDHW) strides, in place."""
+    return _restride_model(model, to_channels_first, 'channels first', optimizers)

@@ -36,6 +36,7 @@ __all__ = [
     'has_channels_last_strides',
     'is_channels_last',
     'layout_of',
+    'to_channels_first',
     'to_channels_last',
 ]
 
@@ -126,3 +127,19 @@ def to_channels_last(tensor: torch.Tensor) -> torch.Tensor:
     if fmt is None or is_channels_last(tensor):
         return tensor
     return tensor.to(memory_format=fmt)
+
+
+def to_channels_first(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` restrided to the default contiguous (NCHW / NCDHW) order; itself, without a
+    copy, when it already has exactly those strides or is not 4D/5D.
+
+    Example:
+        >>> x = to_channels_last(torch.randn(2, 3, 4, 4))
+        >>> layout_of(to_channels_first(x))
+        <Layout.NCHW: 'NCHW'>
+    """
+    if channels_last_format(tensor) is None:
+        return tensor
+    if tensor.stride() == torch.empty(tensor.shape, device='meta').stride():
+        return tensor
+    return tensor.to(memory_format=torch.contiguous_format)

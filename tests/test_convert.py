@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from channels_last_algo import apply_channels_last, has_channels_last_strides
+from channels_last_algo.convert import apply_channels_first
 from channels_last_algo.demo import TinyResNet
 
 
@@ -40,7 +41,7 @@ def test_ambiguous_kernels_get_real_strides_and_conversion_is_idempotent():
     strides = [conv.weight.stride() for conv in model]
     data_ptrs = [conv.weight.data_ptr() for conv in model]
     again = apply_channels_last(model)
-    assert again.converted == [] and len(again.already_channels_last) == 3
+    assert again.converted == [] and len(again.unchanged) == 3
     assert [conv.weight.stride() for conv in model] == strides
     assert [conv.weight.data_ptr() for conv in model] == data_ptrs
 
@@ -97,7 +98,7 @@ def test_model_without_conv_weights_is_left_alone_with_a_warning():
     model = nn.Sequential(nn.Linear(4, 4))
     with pytest.warns(UserWarning, match='no 4D or 5D parameter'):
         summary = apply_channels_last(model)
-    assert summary.channels_last_tensors == 0
+    assert summary.tensors == 0
 
 
 def test_lazy_parameters_are_skipped_with_advice_then_converted_after_a_forward():
@@ -107,3 +108,18 @@ def test_lazy_parameters_are_skipped_with_advice_then_converted_after_a_forward(
     assert summary.uninitialized == ['0.weight', '0.bias'] and summary.converted == ['1.weight']
     model(torch.randn(1, 3, 8, 8))
     assert apply_channels_last(model).converted == ['0.weight']
+
+
+def test_apply_channels_first_undoes_the_conversion_with_optimizer_state():
+    model = TinyResNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    apply_channels_last(model)
+    model(torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last)).sum().backward()
+    optimizer.step()
+    summary = apply_channels_first(model, optimizers=optimizer)
+    assert summary.layout == 'channels first' and summary.converted
+    for p in model.parameters():
+        if p.dim() == 4:
+            contiguous = torch.empty(p.shape).stride()
+            assert p.stride() == contiguous and p.grad.stride() == contiguous
+            assert optimizer.state[p]['momentum_buffer'].stride() == contiguous
