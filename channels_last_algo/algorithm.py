@@ -5,18 +5,23 @@ It decides *when*; :class:`~channels_last_algo.guard.LayoutGuard` does the work.
 Example:
     >>> from channels_last_algo import ChannelsLast
     >>> ChannelsLast(audit_steps=2)
-    ChannelsLast(audit_steps=2, strict=False)
+    ChannelsLast(mode='on', audit_steps=2, strict=False)
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 from composer.core import Algorithm, Event, State
+from composer.core.precision import get_precision_context
 from composer.loggers import Logger
+from composer.utils import dist
+from torch.utils._pytree import tree_map_only
 
 from channels_last_algo.audit import AuditReport
+from channels_last_algo.auto import LayoutDecision
 from channels_last_algo.guard import LayoutGuard
 
 __all__ = ['ChannelsLast']
@@ -25,6 +30,23 @@ log = logging.getLogger(__name__)
 
 _BATCH_EVENTS = (Event.BEFORE_FORWARD, Event.EVAL_BEFORE_FORWARD, Event.PREDICT_BEFORE_FORWARD)
 _AUDIT_EVENTS = (Event.AFTER_BACKWARD, Event.FIT_END)
+_AUTO_EVENTS = (Event.AFTER_LOAD, Event.FIT_START)
+
+
+def _total_loss(loss: Any) -> torch.Tensor:
+    """One scalar from what a ComposerModel's ``loss`` returns (a tensor, a sequence, or a dict
+    with or without ``'total'``)."""
+    if isinstance(loss, dict):
+        return loss['total'] if 'total' in loss else sum(loss.values())
+    if isinstance(loss, (list, tuple)):
+        return sum(loss)
+    return loss
+
+
+def _float_images(batch: Any) -> Any:
+    """Integer 4D/5D tensors (uint8 images waiting for a device-side normalisation) as float32,
+    so a trial step can run on a raw batch; timing does not depend on the pixel values."""
+    return tree_map_only(torch.Tensor, lambda t: t.float() if t.dim() in (4, 5) and not t.is_floating_point() else t, batch)
 
 
 class ChannelsLast(Algorithm):
@@ -42,11 +64,21 @@ class ChannelsLast(Algorithm):
     ``channels_last/exit_bytes`` per audited step and the full report at the end, and keeps it
     in :attr:`report`. With ``audit_steps=0`` nothing is installed.
 
+    With ``mode='auto'`` it times a few real forward + backward passes of the first training
+    batch in NCHW and in channels last at ``Event.AFTER_LOAD`` (after a checkpoint is loaded,
+    before DDP wrapping; at ``FIT_START`` when the train dataloader is given to ``fit``) and
+    keeps the faster; the trial steps leave no trace (weights, buffers, optimizer state and RNG
+    as before). Under DDP rank 0 decides and broadcasts, so all ranks agree. The decision and
+    its timings are logged (``channels_last/auto_*``), kept in :attr:`decision` and saved in
+    checkpoints, so a resumed run keeps its layout without measuring again.
+
     Unlike ``composer.algorithms.ChannelsLast``, which only calls
     ``model.to(memory_format=torch.channels_last)``, this one also handles the inputs, 5D
     weights, and the real channels-last strides of 1x1 and depthwise kernels.
 
     Args:
+        mode: ``'on'`` (default), ``'off'`` (the algorithm does nothing: a recipe switch), or
+            ``'auto'`` (channels last only where it is measured faster).
         audit_steps: how many training steps to audit from the start (default 0: none).
         strict: raise :class:`~channels_last_algo.audit.LayoutBreakError` at the end of the
             first audited step with a layout break, naming its module path and op.
@@ -65,20 +97,40 @@ class ChannelsLast(Algorithm):
             )
     """
 
-    def __init__(self, audit_steps: int = 0, strict: bool = False) -> None:
-        self.guard = LayoutGuard(audit_steps=audit_steps, strict=strict)
+    def __init__(self, mode: str = 'on', audit_steps: int = 0, strict: bool = False) -> None:
+        self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict)
+        self._resumed_decision: Optional[LayoutDecision] = None
 
     @property
     def report(self) -> Optional[AuditReport]:
         """The layout audit of the audited steps so far (None before any)."""
         return self.guard.report
 
+    @property
+    def decision(self) -> Optional[LayoutDecision]:
+        """Auto mode's decision, once made (or loaded from a checkpoint)."""
+        return self.guard.decision
+
     def __repr__(self) -> str:
-        return f'{type(self).__name__}(audit_steps={self.guard.audit_steps}, strict={self.guard.strict})'
+        return (f'{type(self).__name__}(mode={self.guard.mode!r}, audit_steps={self.guard.audit_steps}, '
+                f'strict={self.guard.strict})')
+
+    def state_dict(self) -> dict[str, Any]:
+        decision = self.guard.decision
+        return {**super().state_dict(), 'decision': None if decision is None else decision.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get('decision') is not None:
+            self._resumed_decision = LayoutDecision.from_dict(state['decision'])
 
     def match(self, event: Event, state: State) -> bool:
         del state  # unused
-        return event == Event.INIT or event in _BATCH_EVENTS or (self.guard.audit_steps > 0 and event in _AUDIT_EVENTS)
+        mode = self.guard.mode
+        if mode == 'off':
+            return False
+        return (event == Event.INIT or event in _BATCH_EVENTS
+                or (self.guard.audit_steps > 0 and event in _AUDIT_EVENTS)
+                or (mode == 'auto' and event in _AUTO_EVENTS and self.guard.decision is None))
 
     def apply(self, event: Event, state: State, logger: Logger) -> Optional[int]:
         if event == Event.INIT:
@@ -88,6 +140,8 @@ class ChannelsLast(Algorithm):
                 'channels_last/channels_last_tensors': summary.tensors,
             })
             log.info('%s: %s', type(state.model).__name__, summary)
+        elif event in _AUTO_EVENTS:
+            self._settle_layout(event, state, logger)
         elif event in _BATCH_EVENTS:
             state.batch = self.guard.on_batch(state.batch)
             if event == Event.BEFORE_FORWARD:
@@ -103,3 +157,33 @@ class ChannelsLast(Algorithm):
         else:  # FIT_END
             self.guard.close()
         return None
+
+    def _settle_layout(self, event: Event, state: State, logger: Logger) -> None:
+        """Auto mode: apply the checkpoint's decision, or measure one on the first train batch."""
+        if self._resumed_decision is not None:
+            self.guard.apply_decision(state.model, self._resumed_decision, state.optimizers)
+            log.info('auto layout: resumed with %s, decided in the checkpointed run', self._resumed_decision.layout)
+            return
+        if state.dataloader is None:
+            return  # the train dataloader comes with fit(): decide at FIT_START
+        if event == Event.FIT_START and dist.get_world_size() > 1:
+            log.warning('auto layout: deciding after DDP wrapping (the train dataloader was passed to fit()); '
+                        "pass it to the Trainer's constructor so the layout is settled before wrapping")
+        model = state.model.module if isinstance(state.model, torch.nn.parallel.DistributedDataParallel) else state.model
+        batch = _float_images(state.device.batch_to_device(next(iter(state.dataloader))))
+
+        def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+            with get_precision_context(state.precision, state.precision_config):
+                return _total_loss(model.loss(model(batch), batch))
+
+        decision = self.guard.decide(model, batch, loss_fn, state.optimizers) if dist.get_global_rank() == 0 else None
+        if dist.get_world_size() > 1:  # rank 0 decided; every rank takes its layout
+            shared = [None if decision is None else decision.to_dict()]
+            dist.broadcast_object_list(shared, src=0)
+            decision = LayoutDecision.from_dict(shared[0])
+            self.guard.apply_decision(model, decision, state.optimizers)
+        logger.log_hyperparameters({
+            'channels_last/auto_layout': decision.layout,
+            'channels_last/auto_speedup': decision.speedup,
+            'channels_last/auto_cost_s': decision.cost_seconds,
+        })

@@ -1,9 +1,10 @@
 """The framework-neutral event layer that keeps a training run channels last.
 
 :class:`LayoutGuard` holds the work of each event: convert the model once (``on_init``), put
-every batch in NHWC (``on_batch``), and audit the first training steps (``on_step_start``,
-``on_step_end``, or the ``step()`` context manager). The Composer algorithm drives it from
-Trainer events; a plain PyTorch loop calls it directly.
+every batch in NHWC (``on_batch``), audit the first training steps (``on_step_start``,
+``on_step_end``, or the ``step()`` context manager), and in auto mode settle the layout from
+timed trial steps (``decide``). The Composer algorithm drives it from Trainer events; a
+plain PyTorch loop calls it directly.
 
 Example:
     >>> import torch
@@ -19,16 +20,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 
 import torch
 from torch.utils._pytree import tree_map_only
 
 from channels_last_algo.audit import AuditReport, LayoutAudit, LayoutBreakError
-from channels_last_algo.convert import ConversionSummary, apply_channels_last
-from channels_last_algo.layout import to_channels_last
+from channels_last_algo.auto import LayoutDecision, decide_layout
+from channels_last_algo.convert import ConversionSummary, apply_channels_first, apply_channels_last
+from channels_last_algo.layout import to_channels_first, to_channels_last
 
-__all__ = ['LayoutGuard', 'batch_to_channels_last']
+__all__ = ['MODES', 'LayoutGuard', 'batch_to_channels_first', 'batch_to_channels_last']
+
+MODES = ('on', 'off', 'auto')
+Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
 
 Batch = TypeVar('Batch')
 
@@ -49,6 +54,11 @@ def batch_to_channels_last(batch: Batch) -> Batch:
     return tree_map_only(torch.Tensor, to_channels_last, batch)
 
 
+def batch_to_channels_first(batch: Batch) -> Batch:
+    """Every 4D/5D tensor in ``batch`` restrided to NCHW / NCDHW (see :func:`batch_to_channels_last`)."""
+    return tree_map_only(torch.Tensor, to_channels_first, batch)
+
+
 class LayoutGuard:
     """The events of a channels-last run, usable from any training loop.
 
@@ -58,6 +68,9 @@ class LayoutGuard:
     in :meth:`step` (or call :meth:`on_step_start` / :meth:`on_step_end`).
 
     Args:
+        mode: ``'on'`` (channels last), ``'off'`` (leave the model and batches as they are), or
+            ``'auto'``: channels last until :meth:`decide` has timed both layouts on a real
+            batch, then whichever is faster (see :mod:`channels_last_algo.auto`).
         audit_steps: audit the layouts of the first ``audit_steps`` training steps (forward,
             loss, backward) with :class:`~channels_last_algo.audit.LayoutAudit`. 0 installs
             nothing: no overhead.
@@ -74,13 +87,26 @@ class LayoutGuard:
         (True, 1)
     """
 
-    def __init__(self, audit_steps: int = 0, strict: bool = False) -> None:
+    def __init__(self, mode: str = 'on', audit_steps: int = 0, strict: bool = False) -> None:
+        if isinstance(mode, bool):  # YAML 1.1 reads an unquoted `mode: on` / `mode: off` as a bool
+            mode = 'on' if mode else 'off'
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if audit_steps < 0:
             raise ValueError(f'audit_steps must be >= 0 (0 turns the audit off), got {audit_steps}')
+        self.mode = mode
         self.audit_steps = audit_steps
         self.strict = strict
         self.summary: Optional[ConversionSummary] = None
+        self.decision: Optional[LayoutDecision] = None
         self._audit: Optional[LayoutAudit] = None
+
+    @property
+    def channels_last(self) -> bool:
+        """Whether the model and batches are channels last now (in auto mode: until decided, yes)."""
+        if self.mode == 'auto':
+            return self.decision is None or self.decision.channels_last
+        return self.mode == 'on'
 
     @property
     def report(self) -> Optional[AuditReport]:
@@ -94,23 +120,47 @@ class LayoutGuard:
         """True while a step is being audited."""
         return self._audit is not None and self._audit.active
 
-    def on_init(
-        self,
-        model: torch.nn.Module,
-        optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]] = None,
-    ) -> ConversionSummary:
-        """Restride the model (and any optimizer state it already has) to channels last."""
+    def on_init(self, model: torch.nn.Module, optimizers: Optimizers = None) -> Optional[ConversionSummary]:
+        """Restride the model (and any optimizer state it already has) to channels last;
+        nothing in mode ``'off'`` (returns None)."""
+        if self.mode == 'off':
+            return None
         self.summary = apply_channels_last(model, optimizers=optimizers)
         self._audit = LayoutAudit(model) if self.audit_steps else None
         return self.summary
 
+    def decide(self, model: torch.nn.Module, batch: Any, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+               optimizers: Optimizers = None, **options: Any) -> LayoutDecision:
+        """Auto mode: time ``loss_fn(model, batch).backward()`` in both layouts and keep the faster.
+
+        ``options`` go to :func:`~channels_last_algo.auto.decide_layout` (``steps``, ``margin``,
+        ...). The model is left in the chosen layout and otherwise untouched; later batches
+        follow it.
+        """
+        if self.mode != 'auto':
+            raise RuntimeError(f"decide() is for mode='auto'; this guard's mode is {self.mode!r}")
+
+        def run_step(channels_last: bool) -> None:
+            inputs = batch_to_channels_last(batch) if channels_last else batch_to_channels_first(batch)
+            loss_fn(model, inputs).backward()
+
+        self.decision = decide_layout(model, run_step, optimizers=optimizers, **options)
+        log.info('%s', self.decision)
+        return self.decision
+
+    def apply_decision(self, model: torch.nn.Module, decision: LayoutDecision, optimizers: Optimizers = None) -> None:
+        """Put ``model`` in the layout of a decision made before (on resume, or on rank 0)."""
+        self.decision = decision
+        (apply_channels_last if decision.channels_last else apply_channels_first)(model, optimizers)
+
     def on_batch(self, batch: Any) -> Any:
-        """The batch with its image tensors in NHWC; no copy when they already are."""
-        return batch_to_channels_last(batch)
+        """The batch with its image tensors in NHWC (no copy when they already are); as it is
+        when the guard's layout is NCHW."""
+        return batch_to_channels_last(batch) if self.channels_last else batch
 
     def on_step_start(self) -> None:
         """Start auditing this step if audited steps remain; otherwise do nothing."""
-        if self._audit is None:
+        if self._audit is None or not self.channels_last:
             return
         if self._audit.active:  # the last step ended in an exception before on_step_end
             self._audit.stop()

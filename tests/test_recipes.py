@@ -32,6 +32,9 @@ def test_recipe_loads_and_every_algorithm_resolves():
     algorithms = build_algorithms(recipe)
     assert [type(a) for a in algorithms] == [algorithm_registry()[n] for n in names]
     assert isinstance(algorithms[-1], ChannelsLast) and algorithms[-1].guard.audit_steps == 1
+    assert algorithms[-1].guard.mode == 'on'   # `mode: on` is a YAML bool; the guard reads it as 'on'
+    auto = build_algorithms(load_recipe(RECIPE, ['algorithms.channels_last.mode=auto']))[-1]
+    assert repr(auto) == "ChannelsLast(mode='auto', audit_steps=1, strict=False)"
 
 
 def test_overrides_set_values_and_turn_channels_last_off():
