@@ -25,7 +25,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,10 +35,10 @@ from typing import Callable, Iterable
 import numpy as np
 import PIL
 import torch
-import torchvision
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
+from channels_last_algo.machine import describe_machine
 from channels_last_algo.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -64,29 +63,6 @@ def write_jpeg_folder(root: Path, images: int, classes: int, seed: int) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
         PIL.Image.fromarray(source.image(index)[:height, :width]).save(folder / f'{index:05d}.jpg', quality=90)
     return root
-
-
-def machine() -> dict:
-    """The CPU, cores, library versions and device the figures were taken on."""
-    cpu = 'unknown'
-    if Path('/proc/cpuinfo').exists():
-        for line in Path('/proc/cpuinfo').read_text().splitlines():
-            if line.startswith('model name'):
-                cpu = line.split(':', 1)[1].strip()
-                break
-    return {
-        'cpu': cpu,
-        'cores': os.cpu_count(),
-        'cores_usable': len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count(),
-        'torch_threads': torch.get_num_threads(),
-        'gpu': torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        'python': platform.python_version(),
-        'torch': torch.__version__,
-        'torchvision': torchvision.__version__,
-        'pillow': PIL.__version__,
-        'numpy': np.__version__,
-        'platform': platform.platform(),
-    }
 
 
 def make_loaders(source: Callable, split: str, args: argparse.Namespace) -> dict[str, Callable[[], Iterable]]:
@@ -250,7 +226,7 @@ def main(argv=None) -> int:
                               f"  ({row['speedup_vs_torchvision']:.2f}x)", flush=True)
     result = {
         'command': ' '.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
-        'machine': machine(),
+        'machine': {**describe_machine(), 'pillow': PIL.__version__, 'numpy': np.__version__},
         'settings': {
             'images': args.images,
             'batch_size': args.batch_size,

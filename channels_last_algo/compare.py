@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import platform
 import statistics
 import time
 from typing import Any, Callable, Optional
@@ -37,19 +36,12 @@ import torch
 
 from channels_last_algo.audit import LayoutAudit
 from channels_last_algo.guard import LayoutGuard
+from channels_last_algo.machine import describe_machine, machine_label
 from channels_last_algo.recipes import Recipe, build_datasets, device_and_precision
 
 __all__ = ['compare_recipe', 'format_comparison']
 
 _AUTOCAST = {'amp_fp16': torch.float16, 'amp_bf16': torch.bfloat16}
-
-
-def _machine(device: str) -> str:
-    if device == 'gpu':
-        return torch.cuda.get_device_name()
-    model_name = next((line.split(':', 1)[1].strip() for line in open('/proc/cpuinfo') if line.startswith('model name')),
-                      platform.processor() or platform.machine())
-    return f'{model_name}, {torch.get_num_threads()} threads'
 
 
 def _batches(recipe: Recipe, count: int, device: torch.device,
@@ -165,8 +157,7 @@ def compare_recipe(recipe: Recipe, batches: int = 10, warmup: int = 2, data_path
     return {
         'recipe': recipe.name,
         'model': recipe.model.name,
-        'machine': _machine(device_name),
-        'torch': torch.__version__,
+        'machine': describe_machine(),
         'precision': precision,
         'batch_size': batch_size,
         'image_size': recipe.data.train_crop,
@@ -180,7 +171,7 @@ def format_comparison(result: dict[str, Any]) -> str:
     """The comparison as a readable table."""
     lines = [
         f"{result['recipe']}: {result['model']}, batch {result['batch_size']} x {result['image_size']}px, "
-        f"{result['precision']}, {result['machine']}, torch {result['torch']}",
+        f"{result['precision']}, {machine_label(result['machine'])}",
         f"{result['batches']} timed training steps per variant after {result['warmup']} warm-up, interleaved",
         '',
         f"{'variant':<23} {'min ms':>9} {'median ms':>10} {'images/s':>9} {'vs NCHW':>8} {'vs Composer':>12} {'breaks':>7}",
