@@ -9,7 +9,16 @@ __version__ = '0.1.0'
 from channels_last_algo.algorithm import ChannelsLast
 from channels_last_algo.audit import AuditRecord, AuditReport, LayoutAudit, LayoutBreakError, audit_model
 from channels_last_algo.convert import ConversionSummary, apply_channels_last
+from channels_last_algo.fuse import (
+    FusedConv2d,
+    FusedEvaluation,
+    FusionSummary,
+    InferenceModel,
+    export_for_inference,
+    fuse_for_inference,
+)
 from channels_last_algo.guard import LayoutGuard, batch_to_channels_last
+from channels_last_algo.parallel import WeightLayoutPlan, weight_layout_for
 from channels_last_algo.layout import Layout, has_channels_last_strides, is_channels_last, layout_of, to_channels_last
 
 __all__ = [
@@ -20,6 +29,12 @@ __all__ = [
     'audit_model',
     'ChannelsLast',
     'ConversionSummary',
+    'FusedConv2d',
+    'FusedEvaluation',
+    'FusionSummary',
+    'InferenceModel',
+    'export_for_inference',
+    'fuse_for_inference',
     'Layout',
     'LayoutGuard',
     'apply_channels_last',
@@ -28,4 +43,6 @@ __all__ = [
     'is_channels_last',
     'layout_of',
     'to_channels_last',
+    'WeightLayoutPlan',
+    'weight_layout_for',
 ]

@@ -6,6 +6,8 @@ Example:
     >>> from channels_last_algo import ChannelsLast
     >>> ChannelsLast(audit_steps=2)
     ChannelsLast(mode='on', audit_steps=2, strict=False)
+    >>> ChannelsLast(fuse_eval=True)
+    ChannelsLast(mode='on', audit_steps=0, strict=False, fuse_eval=True)
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from torch.utils._pytree import tree_map_only
 
 from channels_last_algo.audit import AuditReport
 from channels_last_algo.auto import LayoutDecision
+from channels_last_algo.fuse import FusedEvaluation
 from channels_last_algo.guard import LayoutGuard
+from channels_last_algo.parallel import weight_layout_for
 
 __all__ = ['ChannelsLast']
 
@@ -31,6 +35,8 @@ log = logging.getLogger(__name__)
 _BATCH_EVENTS = (Event.BEFORE_FORWARD, Event.EVAL_BEFORE_FORWARD, Event.PREDICT_BEFORE_FORWARD)
 _AUDIT_EVENTS = (Event.AFTER_BACKWARD, Event.FIT_END)
 _AUTO_EVENTS = (Event.AFTER_LOAD, Event.FIT_START)
+_FUSE_START_EVENTS = (Event.EVAL_START, Event.PREDICT_START)
+_FUSE_END_EVENTS = (Event.EVAL_END, Event.PREDICT_END)
 
 
 def _total_loss(loss: Any) -> torch.Tensor:
@@ -56,7 +62,10 @@ class ChannelsLast(Algorithm):
     buffer of the model is restrided to ``torch.channels_last`` and every 5D one to
     ``torch.channels_last_3d``, in place, so Conv3d models work too. Before every forward pass
     (training, evaluation, prediction) the batch's image tensors are put in NHWC, without a
-    copy when the data loader already delivers them so.
+    copy when the data loader already delivers them so. Under FSDP or tensor parallelism
+    (Composer's ``parallelism_config``, or a model already sharded), which need contiguous
+    parameters, the weights stay contiguous and only the activations go NHWC; the log and the
+    ``channels_last/weight_layout`` hyperparameter say which (see :mod:`channels_last_algo.parallel`).
 
     With ``audit_steps`` > 0 it watches the forward, loss and backward of the first training
     steps (each microbatch is a step) for ops that drop NHWC, logs
@@ -82,6 +91,15 @@ class ChannelsLast(Algorithm):
         audit_steps: how many training steps to audit from the start (default 0: none).
         strict: raise :class:`~channels_last_algo.audit.LayoutBreakError` at the end of the
             first audited step with a layout break, naming its module path and op.
+        fuse_eval: evaluate and predict on a fused inference copy of the network
+            (:func:`~channels_last_algo.fuse.fuse_for_inference`: BatchNorm folded,
+            activations and residual adds fused into oneDNN / cuDNN convolutions, NHWC),
+            built from the current weights (EMA's, when EMA has swapped them in) before the
+            first forward pass of each evaluation or prediction pass and dropped at its
+            ``EVAL_END`` / ``PREDICT_END``, so training, checkpoints and callbacks outside
+            evaluation see the training network. Needs a ComposerModel that keeps its network
+            in ``.module`` (as ``ComposerClassifier`` does); a sharded network (FSDP, tensor
+            parallel) is evaluated unfused, with a warning.
 
     Example:
         .. code-block:: python
@@ -97,9 +115,12 @@ class ChannelsLast(Algorithm):
             )
     """
 
-    def __init__(self, mode: str = 'on', audit_steps: int = 0, strict: bool = False) -> None:
+    def __init__(self, mode: str = 'on', audit_steps: int = 0, strict: bool = False, fuse_eval: bool = False) -> None:
         self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict)
         self._resumed_decision: Optional[LayoutDecision] = None
+        self.fuse_eval = fuse_eval
+        self.fused_evaluation = FusedEvaluation()
+        self._fuse_pending = False  # an evaluation or prediction pass began; fuse before its first forward
 
     @property
     def report(self) -> Optional[AuditReport]:
@@ -113,7 +134,7 @@ class ChannelsLast(Algorithm):
 
     def __repr__(self) -> str:
         return (f'{type(self).__name__}(mode={self.guard.mode!r}, audit_steps={self.guard.audit_steps}, '
-                f'strict={self.guard.strict})')
+                f'strict={self.guard.strict}{", fuse_eval=True" if self.fuse_eval else ""})')
 
     def state_dict(self) -> dict[str, Any]:
         decision = self.guard.decision
@@ -129,23 +150,34 @@ class ChannelsLast(Algorithm):
         if mode == 'off':
             return False
         return (event == Event.INIT or event in _BATCH_EVENTS
+                or (self.fuse_eval and (event in _FUSE_START_EVENTS or event in _FUSE_END_EVENTS))
                 or (self.guard.audit_steps > 0 and event in _AUDIT_EVENTS)
                 or (mode == 'auto' and event in _AUTO_EVENTS and self.guard.decision is None))
 
     def apply(self, event: Event, state: State, logger: Logger) -> Optional[int]:
         if event == Event.INIT:
-            summary = self.guard.on_init(state.model, state.optimizers)
+            weight_layout = weight_layout_for(state.model, fsdp_config=state.fsdp_config, tp_config=state.tp_config)
+            summary = self.guard.on_init(state.model, state.optimizers, weight_layout=weight_layout)
             logger.log_hyperparameters({
+                'channels_last/weight_layout': weight_layout.mode,
                 'channels_last/restrided_tensors': len(summary.converted),
-                'channels_last/channels_last_tensors': summary.tensors,
+                'channels_last/channels_last_tensors': 0 if weight_layout.contiguous else summary.tensors,
             })
             log.info('%s: %s', type(state.model).__name__, summary)
         elif event in _AUTO_EVENTS:
             self._settle_layout(event, state, logger)
         elif event in _BATCH_EVENTS:
             state.batch = self.guard.on_batch(state.batch)
+            if self._fuse_pending and event != Event.BEFORE_FORWARD:
+                self._fuse_pending = False
+                self._start_fused_evaluation(state)
             if event == Event.BEFORE_FORWARD:
                 self.guard.on_step_start()
+        elif event in _FUSE_START_EVENTS:
+            self._fuse_pending = True
+        elif event in _FUSE_END_EVENTS:
+            self._fuse_pending = False
+            self.fused_evaluation.end()
         elif event == Event.AFTER_BACKWARD:
             step_report = self.guard.on_step_end()
             if step_report is not None:
@@ -187,3 +219,19 @@ class ChannelsLast(Algorithm):
             'channels_last/auto_speedup': decision.speedup,
             'channels_last/auto_cost_s': decision.cost_seconds,
         })
+
+    def _start_fused_evaluation(self, state: State) -> None:
+        """Swap a fused copy of the ComposerModel's ``.module`` in for this evaluation pass."""
+        model = state.model.module if isinstance(state.model, torch.nn.parallel.DistributedDataParallel) else state.model
+        network = getattr(model, 'module', None)
+        if not isinstance(network, torch.nn.Module):
+            raise ValueError(f'ChannelsLast(fuse_eval=True) fuses the network a ComposerModel keeps in .module (as '
+                             f'ComposerClassifier does); {type(model).__name__} has none. Keep the network there, or '
+                             'leave fuse_eval off.')
+        plan = weight_layout_for(network)
+        if plan.sharded:
+            log.warning('fuse_eval: evaluating unfused, since %s', plan.reason)
+            return
+        batch = state.batch
+        inputs = batch[0] if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) else None
+        self.fused_evaluation.start(model, 'module', example_input=inputs)  # checked on this batch's inputs

@@ -161,6 +161,79 @@ def _run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_export(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        'export', help='fuse a model for NHWC inference and save it with torch.export (.pt2)',
+        description='Build MODEL (with --weights loaded into it), fold its BatchNorms and fuse its convolutions '
+        'with their activations and residual adds (fuse_for_inference), check the result against the model on a '
+        'random input of the --input shape, and save it with torch.export to OUT. It loads without this package: '
+        'torch.export.load(OUT).module()(images).')
+    parser.add_argument('model', metavar='MODEL', type=_model_factory,
+                        help='a torchvision model name (e.g. resnet50) or module.path:callable')
+    parser.add_argument('out', metavar='OUT', help='the .pt2 file to write')
+    parser.add_argument('--input', type=_input_shape, default=(2, 3, 224, 224), metavar='N,C,H,W',
+                        help='the example input shape (default: 2,3,224,224); the batch size stays dynamic')
+    parser.add_argument('--static-batch', action='store_true', help='fix the batch size to N instead')
+    parser.add_argument('--num-classes', type=int, metavar='K', help="the model's number of classes")
+    parser.add_argument('--weights', metavar='FILE', help="a state_dict saved with torch.save (a ComposerModel's, "
+                        "with its 'module.' prefix, too); default: the random initial weights")
+    parser.set_defaults(run=_run_export)
+
+
+def _read_weights(path: str) -> dict:
+    """The state_dict in ``path`` (loaded with ``weights_only=True``), without the ``module.``
+    prefix a ComposerModel's state_dict puts on every key."""
+    import torch
+
+    try:
+        state = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as error:  # missing file, not a torch file, or objects weights_only refuses
+        raise ValueError(
+            f'cannot read weights from {path!r}: {str(error).splitlines()[0]}; give a file written with '
+            'torch.save(model.state_dict(), FILE) (from a Composer checkpoint you trust: save '
+            "torch.load(CHECKPOINT, weights_only=False)['state']['model'])") from error
+    if not isinstance(state, dict) or not all(isinstance(key, str) for key in state):
+        raise ValueError(f'{path!r} holds a {type(state).__name__}, not a state_dict; give a file written with '
+                         'torch.save(model.state_dict(), FILE)')
+    if state and all(key.startswith('module.') for key in state):
+        state = {key[len('module.'):]: value for key, value in state.items()}
+    return state
+
+
+def _run_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from channels_last_algo.fuse import export_for_inference
+
+    if len(args.input) != 4:
+        print('channels-last export: error: --input must be N,C,H,W (export fuses 2D convolutions)', file=sys.stderr)
+        return 2
+    model = args.model() if args.num_classes is None else args.model(num_classes=args.num_classes)
+    if not isinstance(model, torch.nn.Module):
+        print(f'channels-last export: error: MODEL built a {type(model).__name__}, not a torch.nn.Module',
+              file=sys.stderr)
+        return 2
+    if args.weights:
+        try:
+            model.load_state_dict(_read_weights(args.weights))
+        except (ValueError, RuntimeError) as error:
+            print(f'channels-last export: error: --weights {args.weights}: {error}', file=sys.stderr)
+            return 2
+    torch.manual_seed(0)
+    try:
+        _, summary = export_for_inference(model.eval(), args.out, torch.randn(args.input),
+                                          dynamic_batch=not args.static_batch)
+    except ValueError as error:
+        print(f'channels-last export: error: {error}', file=sys.stderr)
+        return 2
+    size = Path(args.out).stat().st_size
+    print(f'{type(model).__name__}: {summary}')
+    print(f'wrote {args.out} ({size / 2**20:.1f} MiB); run it with torch.export.load({str(args.out)!r}).module()')
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand registered."""
     parser = argparse.ArgumentParser(
@@ -173,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_audit(subparsers)
     _add_train(subparsers)
     _add_compare(subparsers)
+    _add_export(subparsers)
     return parser
 
 

@@ -29,6 +29,7 @@ from channels_last_algo.audit import AuditReport, LayoutAudit, LayoutBreakError
 from channels_last_algo.auto import LayoutDecision, decide_layout
 from channels_last_algo.convert import ConversionSummary, apply_channels_first, apply_channels_last
 from channels_last_algo.layout import to_channels_first, to_channels_last
+from channels_last_algo.parallel import WeightLayoutPlan, weight_layout_for
 
 __all__ = ['MODES', 'LayoutGuard', 'batch_to_channels_first', 'batch_to_channels_last']
 
@@ -99,6 +100,7 @@ class LayoutGuard:
         self.strict = strict
         self.summary: Optional[ConversionSummary] = None
         self.decision: Optional[LayoutDecision] = None
+        self.weight_layout: Optional[WeightLayoutPlan] = None
         self._audit: Optional[LayoutAudit] = None
 
     @property
@@ -120,12 +122,29 @@ class LayoutGuard:
         """True while a step is being audited."""
         return self._audit is not None and self._audit.active
 
-    def on_init(self, model: torch.nn.Module, optimizers: Optimizers = None) -> Optional[ConversionSummary]:
+    def on_init(self, model: torch.nn.Module, optimizers: Optimizers = None,
+                weight_layout: Optional[WeightLayoutPlan] = None) -> Optional[ConversionSummary]:
         """Restride the model (and any optimizer state it already has) to channels last;
-        nothing in mode ``'off'`` (returns None)."""
+        nothing in mode ``'off'`` (returns None).
+
+        ``weight_layout`` is what the distributed setting allows (see
+        :func:`~channels_last_algo.parallel.weight_layout_for`; by default it is read from the
+        model, which must not be wrapped in DDP yet). Where it asks for contiguous weights (FSDP,
+        tensor parallelism) the weights stay contiguous, restrided back if they are not and not
+        yet sharded, only the batches go NHWC, and auto mode becomes ``'on'``.
+        """
         if self.mode == 'off':
             return None
-        self.summary = apply_channels_last(model, optimizers=optimizers)
+        self.weight_layout = weight_layout_for(model) if weight_layout is None else weight_layout
+        log.info('%s: %s', type(model).__name__, self.weight_layout)
+        if not self.weight_layout.contiguous:
+            self.summary = apply_channels_last(model, optimizers=optimizers)
+        else:
+            if self.mode == 'auto':
+                log.info("auto mode would time channels-last weights, which sharding does not allow: mode 'on'")
+                self.mode = 'on'
+            self.summary = (ConversionSummary(layout='channels first') if self.weight_layout.sharded
+                            else apply_channels_first(model, optimizers=optimizers))
         self._audit = LayoutAudit(model) if self.audit_steps else None
         return self.summary
 

@@ -1,0 +1,294 @@
+"""Fused NHWC inference: the zoo matches eager NCHW, the contract holds, export and Composer work."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from composer import Trainer
+from composer.algorithms import EMA
+from composer.models import ComposerClassifier
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from channels_last_algo import ChannelsLast, FusedConv2d, InferenceModel, fuse_for_inference
+from channels_last_algo.cli import main
+from channels_last_algo.demo import TinyResNet
+from channels_last_algo.fuse import PostOp
+from channels_last_algo.layout import has_channels_last_strides
+from channels_last_algo.models import build_model
+
+# model -> (convolutions fused, BatchNorms folded, residual adds fused, adds written in place)
+ZOO = {
+    'resnet50': (53, 53, 16, 16),
+    'resnext50_32x4d': (53, 53, 16, 16),
+    'wide_resnet50_2': (53, 53, 16, 16),
+    'densenet121': (120, 59, 0, 0),  # pre-activation BN -> ReLU -> conv: only conv -> BN pairs fold
+    'efficientnet_b0': (81, 49, 9, 9),  # squeeze-excitation 1x1 convs have no BatchNorm
+    'mobilenet_v2': (52, 52, 10, 10),
+    'mobilenet_v3_large': (62, 46, 10, 10),
+    'shufflenet_v2_x1_0': (56, 56, 0, 0),
+    'squeezenet1_1': (26, 0, 0, 0),
+    'googlenet': (57, 57, 0, 0),
+    'vgg11_bn': (8, 8, 0, 0),
+    'mnasnet1_0': (52, 52, 10, 10),
+    'regnet_y_400mf': (85, 53, 16, 16),
+    'convnext_tiny': (22, 0, 0, 0),  # depthwise conv -> permute -> LayerNorm: nothing to fold
+}
+
+
+def _relative_error(actual, expected):
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+
+
+def _randomize_batchnorm(model, seed=0):
+    """Running statistics and affine parameters far from their initial values, so folding matters."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                size = module.num_features
+                module.running_mean.copy_(torch.rand(size, generator=generator) - 0.5)
+                module.running_var.copy_(torch.rand(size, generator=generator) * 1.5 + 0.5)
+                module.weight.copy_(torch.rand(size, generator=generator) + 0.5)
+                module.bias.copy_(torch.rand(size, generator=generator) * 0.4 - 0.2)
+    return model
+
+
+@pytest.mark.parametrize('name', list(ZOO))
+def test_zoo_matches_eager_nchw_and_leaves_the_model_alone(name):
+    torch.manual_seed(0)
+    model = _randomize_batchnorm(build_model(name, num_classes=10)).eval()
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    strides = {key: value.stride() for key, value in model.state_dict().items()}
+    x = torch.randn(2, 3, 64, 64)
+
+    fused = fuse_for_inference(model)
+    with torch.no_grad():
+        expected, actual = model(x), fused(x)
+
+    assert _relative_error(actual, expected) < 1e-4
+    summary = fused.summary
+    in_place = sum(module.add_in_place for module in fused.modules() if isinstance(module, FusedConv2d))
+    counts = (len(summary.fused), summary.count('bn'), summary.count('add'), in_place)
+    assert summary.route == 'fx' and counts == ZOO[name]
+    assert all(has_channels_last_strides(m.weight) for m in fused.modules() if isinstance(m, FusedConv2d))
+    assert not any(p.requires_grad for p in fused.parameters())
+    for key, value in model.state_dict().items():  # the training model: same values, same (NCHW) strides
+        assert torch.equal(value, before[key]) and value.stride() == strides[key], key
+    assert all(p.requires_grad for p in model.parameters())
+
+
+ACTIVATIONS = [None, PostOp('relu'), PostOp('hardtanh', (0.0, 6.0)), PostOp('swish'), PostOp('hardswish'),
+               PostOp('sigmoid'), PostOp('hardsigmoid'), PostOp('tanh'), PostOp('gelu', algorithm='none'),
+               PostOp('gelu', algorithm='tanh'), PostOp('leaky_relu', (0.1,))]
+
+
+@pytest.mark.parametrize('prepack', [True, False])
+@pytest.mark.parametrize('post_op', ACTIVATIONS, ids=str)
+def test_fused_convolution_matches_conv_then_activation(post_op, prepack):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 16, 3, stride=2, padding=1, groups=2)
+    fused = FusedConv2d(conv, post_op, prepack=prepack)
+    x = torch.randn(2, 8, 15, 15)
+    with torch.no_grad():
+        expected = conv(x) if post_op is None else post_op.eager(conv(x))
+        torch.testing.assert_close(fused(x), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused(torch.randn(3, 8, 9, 9)).shape, torch.Size([3, 16, 5, 5]))  # other shape
+
+
+@pytest.mark.parametrize('in_place', [False, True])
+@pytest.mark.parametrize('post_op', [None, PostOp('relu')], ids=str)
+def test_fused_residual_add(post_op, in_place):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 8, 1)
+    fused = FusedConv2d(conv, post_op, add=True)
+    fused.add_in_place = in_place
+    x = torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last)
+    other = torch.randn(2, 8, 6, 6).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        expected = conv(x) + other
+        expected = expected if post_op is None else torch.relu(expected)
+        out = fused(x, other.clone() if not in_place else other)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert (out.data_ptr() == other.data_ptr()) == in_place
+
+
+def test_fused_convolution_falls_back_to_eager_ops_where_onednn_does_not_apply():
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 4, 3, padding=1).double()
+    fused = FusedConv2d(conv, PostOp('relu'), add=True)
+    x, other = torch.randn(2, 4, 5, 5, dtype=torch.float64), torch.randn(2, 4, 5, 5, dtype=torch.float64)
+    with torch.no_grad():  # float64: the eager ops, agreeing to float64 rounding
+        torch.testing.assert_close(fused(x, other), torch.relu(conv(x) + other), rtol=1e-12, atol=1e-12)
+        broadcast = torch.randn(1, 4, 1, 1, dtype=torch.float64)  # not the output's shape: no fused add
+        torch.testing.assert_close(fused(x, broadcast), torch.relu(conv(x) + broadcast), rtol=1e-12, atol=1e-12)
+    x.requires_grad_()
+    fused(x, other).sum().backward()  # an input needing a gradient gets the differentiable eager ops
+    assert x.grad is not None
+
+
+def test_a_model_in_train_mode_is_refused_naming_the_submodule():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    with pytest.raises(ValueError, match=r'Sequential in eval mode, but it is in train mode.*model.eval\(\)'):
+        fuse_for_inference(model)
+    model.eval()
+    model[1].train()
+    with pytest.raises(ValueError, match=r"submodule '1' \(BatchNorm2d\) is in train mode"):
+        fuse_for_inference(model)
+
+
+def test_the_copy_refuses_train_mode_and_inputs_needing_grad():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2)).eval()
+    fused = fuse_for_inference(model)
+    assert isinstance(fused, InferenceModel) and not fused.training
+    x = torch.randn(2, 3, 4, 4)
+    fused.train()
+    with pytest.raises(RuntimeError, match='in train mode; it is eval-only'):
+        fused(x)
+    fused.eval()
+    with pytest.raises(RuntimeError, match='requires grad; it has no backward'):
+        fused(x.requires_grad_())
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), rtol=1e-4, atol=1e-5)
+    fused(x.detach())  # grad mode on is fine when nothing asks for a gradient
+
+
+class _DataDependent(nn.Module):
+    """Control flow on a tensor value: symbolic tracing fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Hardswish(),
+                                      nn.Conv2d(8, 8, 1), nn.ReLU6())
+        self.head = nn.Conv2d(8, 2, 1)
+
+    def forward(self, x):
+        x = self.features(x)
+        return self.head(x) if x.sum() > 0 else -self.head(x)
+
+
+class _TracesWrong(nn.Module):
+    """``isinstance(x, Tensor)`` is False for a tracing proxy: the traced graph drops a branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+
+    def forward(self, x):
+        if isinstance(x, torch.Tensor):
+            x = x * 2
+        return self.body(x)
+
+
+def test_module_route_when_tracing_fails():
+    model = _randomize_batchnorm(_DataDependent()).eval()
+    fused = fuse_for_inference(model)
+    summary = fused.summary
+    assert summary.route == 'modules' and 'TraceError' in summary.trace_error
+    assert summary.fused == {'features.0': 'conv+bn+hardswish', 'features.3': 'conv+relu6', 'head': 'conv'}
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert _relative_error(fused(x), model(x)) < 1e-5
+
+
+def test_example_input_catches_a_wrong_trace_and_takes_the_module_route():
+    model = _TracesWrong().eval()
+    x = torch.randn(2, 3, 8, 8)
+    fused = fuse_for_inference(model, x)
+    assert fused.summary.route == 'modules' and 'differs from the model' in fused.summary.trace_error
+    with torch.no_grad():
+        assert _relative_error(fused(x), model(x)) < 1e-5
+
+
+class _ResidualReadAfterwards(nn.Module):
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.third = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+
+    def forward(self, x):
+        residual = self.first(x)
+        out = torch.relu(self.second(residual) + residual)  # residual is the conv's own input
+        return torch.relu(self.third(out) + residual), residual  # and is read after this add
+
+
+def test_residual_add_is_in_place_only_when_nothing_reads_the_residual_later():
+    model = _ResidualReadAfterwards().eval()
+    fused = fuse_for_inference(model)
+    adds = {path: kernel for path, kernel in fused.summary.fused.items() if 'add' in kernel}
+    assert adds == {'second': 'conv+add+relu', 'third': 'conv+add+relu'}
+    assert not any(m.add_in_place for m in fused.modules() if isinstance(m, FusedConv2d))
+    x = torch.randn(2, 4, 6, 6)
+    with torch.no_grad():
+        for actual, expected in zip(fused(x), model(x)):
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason='oneDNN has no bfloat16 on this CPU')
+def test_bfloat16_under_autocast_and_as_a_bfloat16_copy():
+    torch.manual_seed(0)
+    model = _randomize_batchnorm(build_model('resnet18', num_classes=10)).eval()
+    fused = fuse_for_inference(model)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        expected = model(x)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            autocast = fused(x)
+        bf16_copy = fused.to(torch.bfloat16)(x.bfloat16())
+    assert autocast.dtype == bf16_copy.dtype == torch.bfloat16
+    assert _relative_error(autocast, expected) < 3e-2
+    assert _relative_error(bf16_copy, expected) < 3e-2
+
+
+def test_export_command_saves_a_program_that_runs_without_this_package(tmp_path):
+    torch.manual_seed(0)
+    model = _randomize_batchnorm(build_model('resnet18', num_classes=10)).eval()
+    torch.save(model.state_dict(), tmp_path / 'weights.pt')
+    out = tmp_path / 'resnet18.pt2'
+    assert main(['export', 'resnet18', str(out), '--input', '2,3,64,64', '--num-classes', '10',
+                 '--weights', str(tmp_path / 'weights.pt')]) == 0
+    x = torch.randn(3, 3, 64, 64)  # another batch size: the batch dimension is dynamic
+    torch.save(x, tmp_path / 'x.pt')
+    script = ("import sys; sys.modules['channels_last_algo'] = None; import torch; "
+              f"program = torch.export.load({str(out)!r}).module(); x = torch.load({str(tmp_path / 'x.pt')!r}); "
+              f"torch.save(program(x.to(memory_format=torch.channels_last)), {str(tmp_path / 'y.pt')!r})")
+    subprocess.run([sys.executable, '-c', script], check=True, cwd=tmp_path)
+    with torch.no_grad():
+        assert _relative_error(torch.load(tmp_path / 'y.pt'), model(x)) < 1e-4
+
+
+def _trainer(fuse_eval, loader, save_folder):
+    torch.manual_seed(0)
+    model = ComposerClassifier(_randomize_batchnorm(TinyResNet(width=16)), num_classes=10)
+    return Trainer(model=model, train_dataloader=loader, eval_dataloader=loader, max_duration='3ba',
+                   eval_interval='1ba', device='cpu', progress_bar=False, seed=0, save_folder=save_folder,
+                   save_interval='1ba', save_overwrite=True,
+                   algorithms=[ChannelsLast(fuse_eval=fuse_eval), EMA(half_life='1ba', update_interval='1ba')])
+
+
+def test_composer_evaluation_with_fuse_eval_gives_the_same_metrics(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    loader = DataLoader(TensorDataset(torch.randn(24, 3, 16, 16, generator=generator),
+                                      torch.randint(0, 10, (24,), generator=generator)), batch_size=8)
+    results = {}
+    for fuse_eval in (False, True):
+        trainer = _trainer(fuse_eval, loader, save_folder=str(tmp_path / f'fuse_eval_{fuse_eval}'))
+        network = trainer.state.model.module
+        calls = []
+        network.register_forward_pre_hook(lambda module, args: calls.append(module.training))
+        trainer.fit()
+        metrics = {name: metric.compute().item() for name, metric in trainer.state.eval_metrics['eval'].items()}
+        predictions = torch.cat(trainer.predict(loader))
+        assert trainer.state.model.module is network  # the training network is back after each pass
+        # 3 evaluation passes of 3 batches and a prediction pass of 3; with fuse_eval, the training
+        # network runs in eval mode once per pass: the check of the fused copy on the first batch
+        assert calls.count(False) == (3 + 1 if fuse_eval else 3 * 3 + 3)
+        results[fuse_eval] = metrics, predictions, network.state_dict().keys()
+    (metrics, predictions, _), (fused_metrics, fused_predictions, keys) = results[False], results[True]
+    assert metrics.keys() == fused_metrics.keys()
+    for name in metrics:
+        assert fused_metrics[name] == pytest.approx(metrics[name], rel=1e-4), name
+    torch.testing.assert_close(fused_predictions, predictions, rtol=1e-4, atol=1e-4)
+    checkpoint = torch.load(tmp_path / 'fuse_eval_True' / 'latest-rank0.pt', weights_only=False)
+    assert checkpoint['state']['model'].keys() == {f'module.{key}' for key in keys}  # the training network
