@@ -18,6 +18,7 @@ from channels_last_algo.fuse import (
     fuse_for_inference,
 )
 from channels_last_algo.guard import LayoutGuard, batch_to_channels_last
+from channels_last_algo.layers import RULES, RepairRecord, RepairRule, repair_model
 from channels_last_algo.parallel import WeightLayoutPlan, weight_layout_for
 from channels_last_algo.layout import Layout, has_channels_last_strides, is_channels_last, layout_of, to_channels_last
 
@@ -43,6 +44,10 @@ __all__ = [
     'is_channels_last',
     'layout_of',
     'to_channels_last',
+    'RULES',
+    'RepairRecord',
+    'RepairRule',
+    'repair_model',
     'WeightLayoutPlan',
     'weight_layout_for',
 ]

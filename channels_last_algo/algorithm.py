@@ -91,6 +91,11 @@ class ChannelsLast(Algorithm):
         audit_steps: how many training steps to audit from the start (default 0: none).
         strict: raise :class:`~channels_last_algo.audit.LayoutBreakError` at the end of the
             first audited step with a layout break, naming its module path and op.
+        repair: at ``Event.INIT``, also swap the layers that drop NHWC (ShuffleNet's channel
+            shuffle, the gradient of global average pooling, instance norm, bicubic upsampling;
+            on CUDA group norm, pixel shuffle, reflection/replication padding) for
+            NHWC-preserving subclasses with the same parameters, keys and numbers
+            (:mod:`channels_last_algo.layers`). Default on.
         fuse_eval: evaluate and predict on a fused inference copy of the network
             (:func:`~channels_last_algo.fuse.fuse_for_inference`: BatchNorm folded,
             activations and residual adds fused into oneDNN / cuDNN convolutions, NHWC),
@@ -115,8 +120,9 @@ class ChannelsLast(Algorithm):
             )
     """
 
-    def __init__(self, mode: str = 'on', audit_steps: int = 0, strict: bool = False, fuse_eval: bool = False) -> None:
-        self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict)
+    def __init__(self, mode: str = 'on', audit_steps: int = 0, strict: bool = False, fuse_eval: bool = False,
+                 repair: bool = True) -> None:
+        self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair)
         self._resumed_decision: Optional[LayoutDecision] = None
         self.fuse_eval = fuse_eval
         self.fused_evaluation = FusedEvaluation()
@@ -134,7 +140,8 @@ class ChannelsLast(Algorithm):
 
     def __repr__(self) -> str:
         return (f'{type(self).__name__}(mode={self.guard.mode!r}, audit_steps={self.guard.audit_steps}, '
-                f'strict={self.guard.strict}{", fuse_eval=True" if self.fuse_eval else ""})')
+                f'strict={self.guard.strict}{", fuse_eval=True" if self.fuse_eval else ""}'
+                f'{"" if self.guard.repair else ", repair=False"})')
 
     def state_dict(self) -> dict[str, Any]:
         decision = self.guard.decision

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from channels_last_algo.convert import apply_channels_first, apply_channels_last
+from channels_last_algo.convert import restride
 
 __all__ = ['LayoutDecision', 'decide_layout']
 
@@ -155,7 +155,7 @@ def decide_layout(
         return timer()
 
     def trial(channels_last: bool) -> float:
-        (apply_channels_last if channels_last else apply_channels_first)(model, optimizers)
+        restride(model, channels_last, optimizers)
         start = clock()
         run_step(channels_last)
         elapsed = clock() - start
@@ -176,7 +176,7 @@ def decide_layout(
             for layout in (False, True):
                 times[layout].append(trial(layout))
         keep = statistics.median(times[True]) < (1 - margin) * statistics.median(times[False])
-        (apply_channels_last if keep else apply_channels_first)(model, optimizers)
+        restride(model, keep, optimizers)
     finally:
         snapshot.restore(model)
     return LayoutDecision(channels_last=keep, nchw_seconds=times[False], channels_last_seconds=times[True],

@@ -71,6 +71,8 @@ def _add_audit(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument('--eval', action='store_true',
                         help='audit an eval-mode forward pass only (default: train-mode forward and backward)')
     parser.add_argument('--strict', action='store_true', help='exit with code 1 if there is any layout break')
+    parser.add_argument('--no-repair', action='store_true',
+                        help="restride only (plain channels last); by default the layers that drop NHWC are repaired")
     parser.add_argument('--json', action='store_true', help='print the report as JSON (AuditReport.to_dict())')
     parser.set_defaults(run=_run_audit)
 
@@ -90,7 +92,7 @@ def _run_audit(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     model.train(not args.eval)
-    apply_channels_last(model)
+    apply_channels_last(model, repair=not args.no_repair)
     torch.manual_seed(0)
     example = to_channels_last(torch.randn(args.input))
     report = audit_model(model, example, backward=not args.eval)

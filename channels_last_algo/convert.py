@@ -1,7 +1,8 @@
 """``apply_channels_last``: the functional form of the algorithm, and its inverse.
 
 Restrides every 4D parameter and buffer of a model to ``torch.channels_last`` and every 5D
-one to ``torch.channels_last_3d``, in place. The ``Parameter`` objects stay the same (an
+one to ``torch.channels_last_3d``, in place, and (``repair=True``) swaps the layers that would
+drop NHWC for their NHWC-preserving equivalents (see :mod:`channels_last_algo.layers`). The ``Parameter`` objects stay the same (an
 optimizer built before stays valid), their gradients and any optimizer state shaped like
 them are restrided too, and the ``state_dict`` keys do not change. Ambiguous shapes (1x1 and
 depthwise kernels, ``in_channels=1``) get real channels-last strides.
@@ -30,9 +31,10 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch.nn.parameter import is_lazy
 
+from channels_last_algo.layers import RepairRecord, repair_model
 from channels_last_algo.layout import channels_last_format, to_channels_first, to_channels_last
 
-__all__ = ['ConversionSummary', 'apply_channels_first', 'apply_channels_last']
+__all__ = ['ConversionSummary', 'apply_channels_first', 'apply_channels_last', 'restride']
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class ConversionSummary:
         unchanged: names of the 4D/5D tensors that already had that layout.
         optimizer_states: how many optimizer state tensors were restrided with their parameter.
         uninitialized: names of lazy-module parameters that have no shape yet and were skipped.
+        repaired: the layers swapped for NHWC-preserving ones (``repair=True``).
     """
 
     layout: str = 'channels last'
@@ -54,6 +57,7 @@ class ConversionSummary:
     unchanged: list[str] = dataclasses.field(default_factory=list)
     optimizer_states: int = 0
     uninitialized: list[str] = dataclasses.field(default_factory=list)
+    repaired: list[RepairRecord] = dataclasses.field(default_factory=list)
 
     @property
     def tensors(self) -> int:
@@ -63,7 +67,7 @@ class ConversionSummary:
     def __str__(self) -> str:
         return (f'{self.layout}: {len(self.converted)} tensors restrided, '
                 f'{len(self.unchanged)} already {self.layout}, '
-                f'{self.optimizer_states} optimizer state tensors restrided')
+                f'{self.optimizer_states} optimizer state tensors restrided, {len(self.repaired)} layers repaired')
 
 
 Restride = Callable[[torch.Tensor], torch.Tensor]
@@ -121,6 +125,7 @@ def _restride_model(model: torch.nn.Module, restride: Restride, layout: str,
 def apply_channels_last(
     model: torch.nn.Module,
     optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]] = None,
+    repair: bool = True,
 ) -> ConversionSummary:
     """Restride ``model``'s 4D/5D parameters, buffers and gradients to channels last in place.
 
@@ -129,12 +134,18 @@ def apply_channels_last(
             that already holds its parameters.
         optimizers: optimizers whose per-parameter state (momentum, Adam moments) should be
             restrided with their parameters; only needed when they already hold state.
+        repair: also swap the layers that drop NHWC (channel shuffle, global pooling's
+            gradient, instance norm, bicubic upsampling; on CUDA group norm, pixel shuffle,
+            padding) for NHWC-preserving subclasses: same parameters, ``state_dict`` keys and
+            numbers (:func:`~channels_last_algo.layers.repair_model`).
 
     Returns:
         A :class:`ConversionSummary`. A model with no 4D/5D tensor is left alone with a
         warning, since channels last can do nothing for it.
     """
     summary = _restride_model(model, to_channels_last, 'channels last', optimizers)
+    if repair:
+        summary.repaired = repair_model(model)
     if summary.uninitialized:
         warnings.warn(
             f'{type(model).__name__} has uninitialized lazy parameters {summary.uninitialized}, '
@@ -157,6 +168,19 @@ def apply_channels_first(
     model: torch.nn.Module,
     optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]] = None,
 ) -> ConversionSummary:
-    """The inverse of :func:`apply_channels_last`: every 4D/5D parameter, buffer, gradient and
-    optimizer state tensor back to the default contiguous (NCHW / NCDHW) strides, in place."""
+    """The inverse restride of :func:`apply_channels_last`: every 4D/5D parameter, buffer,
+    gradient and optimizer state tensor back to the default contiguous (NCHW / NCDHW) strides,
+    in place. Repaired layers stay: they compute the same numbers in either layout."""
+    return restride(model, channels_last=False, optimizers=optimizers)
+
+
+def restride(
+    model: torch.nn.Module,
+    channels_last: bool,
+    optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]] = None,
+) -> ConversionSummary:
+    """Only restride (no repair, no warning): to channels last, or back to channels first.
+    What auto mode does between its trial steps."""
+    if channels_last:
+        return _restride_model(model, to_channels_last, 'channels last', optimizers)
     return _restride_model(model, to_channels_first, 'channels first', optimizers)

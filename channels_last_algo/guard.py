@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_map_only
 
 from channels_last_algo.audit import AuditReport, LayoutAudit, LayoutBreakError
 from channels_last_algo.auto import LayoutDecision, decide_layout
-from channels_last_algo.convert import ConversionSummary, apply_channels_first, apply_channels_last
+from channels_last_algo.convert import ConversionSummary, apply_channels_first, apply_channels_last, restride
 from channels_last_algo.layout import to_channels_first, to_channels_last
 from channels_last_algo.parallel import WeightLayoutPlan, weight_layout_for
 
@@ -77,6 +77,8 @@ class LayoutGuard:
             nothing: no overhead.
         strict: raise :class:`~channels_last_algo.audit.LayoutBreakError`, naming the first
             break's module path and op, at the end of an audited step that had a break.
+        repair: swap the layers that drop NHWC for NHWC-preserving ones at :meth:`on_init`
+            (see :mod:`channels_last_algo.layers`); same parameters, keys and numbers.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(288, 2))
@@ -88,7 +90,7 @@ class LayoutGuard:
         (True, 1)
     """
 
-    def __init__(self, mode: str = 'on', audit_steps: int = 0, strict: bool = False) -> None:
+    def __init__(self, mode: str = 'on', audit_steps: int = 0, strict: bool = False, repair: bool = True) -> None:
         if isinstance(mode, bool):  # YAML 1.1 reads an unquoted `mode: on` / `mode: off` as a bool
             mode = 'on' if mode else 'off'
         if mode not in MODES:
@@ -96,6 +98,7 @@ class LayoutGuard:
         if audit_steps < 0:
             raise ValueError(f'audit_steps must be >= 0 (0 turns the audit off), got {audit_steps}')
         self.mode = mode
+        self.repair = repair
         self.audit_steps = audit_steps
         self.strict = strict
         self.summary: Optional[ConversionSummary] = None
@@ -138,7 +141,7 @@ class LayoutGuard:
         self.weight_layout = weight_layout_for(model) if weight_layout is None else weight_layout
         log.info('%s: %s', type(model).__name__, self.weight_layout)
         if not self.weight_layout.contiguous:
-            self.summary = apply_channels_last(model, optimizers=optimizers)
+            self.summary = apply_channels_last(model, optimizers=optimizers, repair=self.repair)
         else:
             if self.mode == 'auto':
                 log.info("auto mode would time channels-last weights, which sharding does not allow: mode 'on'")
@@ -170,7 +173,7 @@ class LayoutGuard:
     def apply_decision(self, model: torch.nn.Module, decision: LayoutDecision, optimizers: Optimizers = None) -> None:
         """Put ``model`` in the layout of a decision made before (on resume, or on rank 0)."""
         self.decision = decision
-        (apply_channels_last if decision.channels_last else apply_channels_first)(model, optimizers)
+        restride(model, decision.channels_last, optimizers)
 
     def on_batch(self, batch: Any) -> Any:
         """The batch with its image tensors in NHWC (no copy when they already are); as it is

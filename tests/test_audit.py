@@ -35,7 +35,7 @@ def zoo():
             with warnings.catch_warnings():
                 warnings.simplefilter('ignore', FutureWarning)  # googlenet's init_weights notice
                 model = getattr(torchvision.models, name)(weights=None)
-            apply_channels_last(model)
+            apply_channels_last(model, repair=False)
             cache[name] = model, audit_model(model, _nhwc(*ZOO_INPUT))
         return cache[name]
 
@@ -162,7 +162,7 @@ def _backward_break_net():
 def _converted(factory):
     torch.manual_seed(0)
     model = factory()
-    apply_channels_last(model)
+    apply_channels_last(model, repair=False)
     return model
 
 
@@ -271,3 +271,12 @@ def test_cli_audit_exits_2_on_a_bad_model_or_input(argv, message, capsys):
         cli.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_cli_audit_repairs_by_default_and_no_repair_shows_the_plain_breaks(capsys):
+    args = ['audit', 'shufflenet_v2_x1_0', '--input', '1,3,64,64', '--json']
+    assert cli.main(args) == 0
+    assert AuditReport.from_dict(json.loads(capsys.readouterr().out)).ok
+    assert cli.main(args + ['--no-repair']) == 0
+    plain = AuditReport.from_dict(json.loads(capsys.readouterr().out))
+    assert {r.op for r in plain.breaks} == {'aten.cat.default'}

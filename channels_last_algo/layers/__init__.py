@@ -1,0 +1,47 @@
+"""NHWC-preserving replacements for the layers that drop channels last, and the rules that apply them.
+
+Example:
+    >>> import torch
+    >>> from channels_last_algo.layers import repair_model
+    >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1))
+    >>> [record.rule for record in repair_model(model)]
+    ['global_avg_pool']
+"""
+
+from channels_last_algo.layers.bicubic import ChannelsLastBicubicUpsample, bicubic_upsample_nhwc
+from channels_last_algo.layers.channel_shuffle import ChannelsLastInvertedResidual, interleave_channels
+from channels_last_algo.layers.global_avg_pool import ChannelsLastAdaptiveAvgPool2d, global_avg_pool_nhwc
+from channels_last_algo.layers.group_norm_nhwc import ChannelsLastGroupNorm, ChannelsLastInstanceNorm2d, group_norm_nhwc
+from channels_last_algo.layers.mobilenet_v2 import ChannelsLastMobileNetV2
+from channels_last_algo.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d, pad_nhwc
+from channels_last_algo.layers.pixel_shuffle import (
+    ChannelsLastPixelShuffle,
+    ChannelsLastPixelUnshuffle,
+    pixel_shuffle_nhwc,
+    pixel_unshuffle_nhwc,
+)
+from channels_last_algo.layers.rules import RULES, RepairRecord, RepairRule, repair_model
+
+__all__ = [
+    'RULES',
+    'ChannelsLastAdaptiveAvgPool2d',
+    'ChannelsLastBicubicUpsample',
+    'ChannelsLastGroupNorm',
+    'ChannelsLastInstanceNorm2d',
+    'ChannelsLastInvertedResidual',
+    'ChannelsLastMobileNetV2',
+    'ChannelsLastPixelShuffle',
+    'ChannelsLastPixelUnshuffle',
+    'ChannelsLastReflectionPad2d',
+    'ChannelsLastReplicationPad2d',
+    'RepairRecord',
+    'RepairRule',
+    'bicubic_upsample_nhwc',
+    'global_avg_pool_nhwc',
+    'group_norm_nhwc',
+    'interleave_channels',
+    'pad_nhwc',
+    'pixel_shuffle_nhwc',
+    'pixel_unshuffle_nhwc',
+    'repair_model',
+]

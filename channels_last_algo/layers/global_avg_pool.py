@@ -1,0 +1,54 @@
+"""Global average pooling whose backward keeps NHWC.
+
+``adaptive_avg_pool2d(x, 1)`` is ``x.mean((-2, -1))``, and the backward of that mean expands
+the N x C x 1 x 1 gradient over H x W and divides it by H*W. The expanded gradient has stride 0
+in H and W, so nothing tells the division which order to write: it writes NCHW. The layer
+that produced ``x`` then gets an NCHW gradient next to its NHWC activation, and activations
+whose backward follows the gradient's layout (``silu_backward``, ``hardswish_backward``,
+``hardtanh_backward``, ConvNeXt's layer-scale ``mul``) turn NCHW, up to the last convolution.
+Taking the mean over H and W of the (N, H, W, C) view instead makes the backward write
+(N, H, W, C) in order, which is NHWC memory.
+
+Example:
+    >>> import torch
+    >>> x = torch.randn(2, 8, 5, 5).to(memory_format=torch.channels_last).requires_grad_()
+    >>> global_avg_pool_nhwc(x).shape
+    torch.Size([2, 8, 1, 1])
+    >>> global_avg_pool_nhwc(x).sum().backward()
+    >>> x.grad.is_contiguous(memory_format=torch.channels_last)
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ['ChannelsLastAdaptiveAvgPool2d', 'global_avg_pool_nhwc', 'is_global_pool']
+
+
+def global_avg_pool_nhwc(x: torch.Tensor) -> torch.Tensor:
+    """Mean over H and W of a 4D tensor, kept as N x C x 1 x 1, computed in NHWC order."""
+    return x.permute(0, 2, 3, 1).mean(dim=(1, 2), keepdim=True).permute(0, 3, 1, 2)
+
+
+def is_global_pool(module: nn.AdaptiveAvgPool2d) -> bool:
+    """True when ``module`` pools every map to 1 x 1 (``output_size`` 1 or (1, 1))."""
+    size = module.output_size
+    sizes = (size, size) if isinstance(size, int) else tuple(size)
+    return sizes == (1, 1)
+
+
+class ChannelsLastAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
+    """``nn.AdaptiveAvgPool2d`` to 1 x 1 whose backward writes an NHWC gradient.
+
+    Example:
+        >>> pool = ChannelsLastAdaptiveAvgPool2d(1)
+        >>> pool(torch.ones(2, 3, 4, 4)).flatten().tolist()
+        [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.dim() != 4 or not is_global_pool(self):
+            return super().forward(input)
+        return global_avg_pool_nhwc(input)

@@ -1,0 +1,62 @@
+"""Pixel shuffle and unshuffle as one NHWC copy, for CUDA.
+
+On CPU ``pixel_shuffle``/``pixel_unshuffle`` have channels-last kernels; elsewhere they run a
+reshape-permute-``clone(contiguous)`` that returns NCHW. The same rearrangement on the
+(N, H, W, C) view, with the channel axis split last, copies once into NHWC order, and its
+backward (a reshape of the NHWC gradient) stays NHWC too.
+
+Example:
+    >>> import torch
+    >>> x = torch.randn(1, 8, 3, 3).to(memory_format=torch.channels_last)
+    >>> torch.equal(pixel_shuffle_nhwc(x, 2), torch.nn.functional.pixel_shuffle(x, 2))
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ['ChannelsLastPixelShuffle', 'ChannelsLastPixelUnshuffle', 'pixel_shuffle_nhwc', 'pixel_unshuffle_nhwc']
+
+
+def pixel_shuffle_nhwc(x: torch.Tensor, upscale_factor: int) -> torch.Tensor:
+    """``F.pixel_shuffle`` of a 4D tensor, computed in NHWC order."""
+    n, c, h, w = x.shape
+    r = upscale_factor
+    if c % (r * r):
+        raise ValueError(
+            f'pixel_shuffle needs channels divisible by upscale_factor**2; got {c} channels and factor {r}')
+    blocks = x.permute(0, 2, 3, 1).reshape(n, h, w, c // (r * r), r, r)
+    out = blocks.permute(0, 1, 4, 2, 5, 3).reshape(n, h * r, w * r, c // (r * r))
+    return out.permute(0, 3, 1, 2)
+
+
+def pixel_unshuffle_nhwc(x: torch.Tensor, downscale_factor: int) -> torch.Tensor:
+    """``F.pixel_unshuffle`` of a 4D tensor, computed in NHWC order."""
+    n, c, h, w = x.shape
+    r = downscale_factor
+    if h % r or w % r:
+        raise ValueError(
+            f'pixel_unshuffle needs height and width divisible by downscale_factor; got {h}x{w} and factor {r}')
+    blocks = x.permute(0, 2, 3, 1).reshape(n, h // r, r, w // r, r, c)
+    out = blocks.permute(0, 1, 3, 5, 2, 4).reshape(n, h // r, w // r, c * r * r)
+    return out.permute(0, 3, 1, 2)
+
+
+class ChannelsLastPixelShuffle(nn.PixelShuffle):
+    """``nn.PixelShuffle`` that returns NHWC on every device."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.dim() != 4:
+            return super().forward(input)
+        return pixel_shuffle_nhwc(input, self.upscale_factor)
+
+
+class ChannelsLastPixelUnshuffle(nn.PixelUnshuffle):
+    """``nn.PixelUnshuffle`` that returns NHWC on every device."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if input.dim() != 4:
+            return super().forward(input)
+        return pixel_unshuffle_nhwc(input, self.downscale_factor)
