@@ -64,6 +64,7 @@ from torch.nn.utils.fusion import fuse_conv_bn_weights
 from torch.utils._pytree import tree_flatten
 
 from channels_last_algo.convert import apply_channels_last
+from channels_last_algo.layers import RULES
 from channels_last_algo.guard import batch_to_channels_last
 from channels_last_algo.layout import to_channels_last
 
@@ -679,6 +680,18 @@ def _first_training_module(model: nn.Module) -> Optional[tuple[str, nn.Module]]:
     return next(((name, m) for name, m in model.named_modules() if m.training), None)
 
 
+_REPAIRED_LAYERS = tuple(rule.replacement for rule in RULES if rule.original.__module__.startswith('torch.nn.'))
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, keeping repaired ``torch.nn`` layers (:mod:`channels_last_algo.layers`) as
+    leaves, as the built-in layers they replace are: their forwards branch on the input's shape,
+    which symbolic tracing cannot follow."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return isinstance(module, _REPAIRED_LAYERS) or super().is_leaf_module(module, qualified_name)
+
+
 def fuse_for_inference(model: nn.Module, example_input: Any = None, *, traceable: bool = False,
                        rtol: float = 1e-4) -> InferenceModel:
     """An eval-only, NHWC, fused copy of ``model`` (see the module docstring for what is fused).
@@ -732,7 +745,8 @@ def fuse_for_inference(model: nn.Module, example_input: Any = None, *, traceable
 
     trace_error = None
     try:
-        graph_module = fx.symbolic_trace(copy.deepcopy(model))
+        root = copy.deepcopy(model)
+        graph_module = fx.GraphModule(root, _Tracer().trace(root))
     except Exception as error:  # any model code can fail under symbolic tracing
         trace_error = f'{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ""}'
     else:

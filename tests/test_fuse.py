@@ -11,7 +11,7 @@ from composer.models import ComposerClassifier
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from channels_last_algo import ChannelsLast, FusedConv2d, InferenceModel, fuse_for_inference
+from channels_last_algo import ChannelsLast, FusedConv2d, InferenceModel, apply_channels_last, fuse_for_inference
 from channels_last_algo.cli import main
 from channels_last_algo.demo import TinyResNet
 from channels_last_algo.fuse import PostOp
@@ -292,3 +292,17 @@ def test_composer_evaluation_with_fuse_eval_gives_the_same_metrics(tmp_path):
     torch.testing.assert_close(fused_predictions, predictions, rtol=1e-4, atol=1e-4)
     checkpoint = torch.load(tmp_path / 'fuse_eval_True' / 'latest-rank0.pt', weights_only=False)
     assert checkpoint['state']['model'].keys() == {f'module.{key}' for key in keys}  # the training network
+
+
+@pytest.mark.parametrize('name', ['resnet50', 'efficientnet_b0'])
+def test_repaired_models_still_fuse_on_the_fx_route(name):
+    """apply_channels_last repairs by default; the repaired layers branch on their input's shape,
+    so they must stay fx leaves or the whole model would fall back to the weaker module route."""
+    torch.manual_seed(0)
+    model = build_model(name)
+    assert apply_channels_last(model).repaired
+    model.eval()
+    x = torch.randn(2, 3, 64, 64).to(memory_format=torch.channels_last)
+    fused = fuse_for_inference(model, x)
+    assert fused.summary.trace_error is None and str(fused.summary).startswith('fx:')
+    assert str(fused.summary).count('0 with a residual add') == 0
