@@ -50,7 +50,7 @@ from channels_last_algo.convert import apply_channels_last
 from channels_last_algo.demo import TinyResNet
 from channels_last_algo.guard import LayoutGuard
 from channels_last_algo.layout import to_channels_last
-from channels_last_algo.machine import describe_machine, machine_label
+from channels_last_algo.machine import describe_machine, machine_label, write_results
 
 VARIANTS = ('nchw', 'channels_last', 'restrided_after_wrap')
 STRIDE_WARNING = 'Grad strides do not match bucket view strides'
@@ -245,9 +245,7 @@ def main(argv=None) -> int:
     text = markdown(result)
     print(text)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / 'ddp.json').write_text(json.dumps(result, indent=2) + '\n')
-        (args.out / 'ddp.md').write_text(text)
+        write_results(args.out, 'ddp', result, text)
         print(f'wrote {args.out / "ddp.json"} and {args.out / "ddp.md"}')
     return 0
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import math
 import os
 import statistics
@@ -46,7 +45,7 @@ import torch
 from composer.algorithms.channels_last import apply_channels_last as composer_channels_last
 
 from channels_last_algo.fuse import export_for_inference, fuse_for_inference
-from channels_last_algo.machine import describe_machine, machine_label
+from channels_last_algo.machine import describe_machine, machine_label, write_results
 from channels_last_algo.models import build_model
 
 VARIANTS = ('nchw', 'channels_last', 'composer', 'torchscript', 'fused', 'fused (copy)', 'export')
@@ -301,9 +300,7 @@ def main(argv=None) -> int:
     if verdict:
         print(verdict)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / 'inference.json').write_text(json.dumps(result, indent=2) + '\n')
-        (args.out / 'inference.md').write_text(markdown(result))
+        write_results(args.out, 'inference', result, markdown(result))
         print(f'wrote {args.out / "inference.json"} and {args.out / "inference.md"}')
     return 0
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ import torch
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from channels_last_algo.machine import describe_machine
+from channels_last_algo.machine import describe_machine, write_results
 from channels_last_algo.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -242,9 +241,7 @@ def main(argv=None) -> int:
         'rows': rows,
     }
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / 'loader.json').write_text(json.dumps(result, indent=2) + '\n')
-        (args.out / 'loader.md').write_text(markdown(result))
+        write_results(args.out, 'loader', result, markdown(result))
         print(f'wrote {args.out / "loader.json"} and {args.out / "loader.md"}')
     return 0
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -39,7 +38,7 @@ from torch import nn
 from channels_last_algo.audit import LayoutAudit
 from channels_last_algo.convert import apply_channels_last
 from channels_last_algo.layers import RULES, RepairRule, repair_model
-from channels_last_algo.machine import describe_machine
+from channels_last_algo.machine import describe_machine, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'tests'))
 from unet import UNet  # noqa: E402  (the UNet-style model the repair tests use)
@@ -217,9 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown(result)
     print(table)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / 'repair.json').write_text(json.dumps(result, indent=2) + '\n')
-        (args.out / 'repair.md').write_text(table)
+        write_results(args.out, 'repair', result, table)
     return 0
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import os
 import statistics
@@ -37,16 +36,16 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from channels_last_algo.audit import LayoutAudit
 from channels_last_algo.auto import decide_layout
-from channels_last_algo.convert import apply_channels_first, apply_channels_last
+from channels_last_algo.convert import apply_channels_last
 from channels_last_algo.fuse import fuse_for_inference
-from channels_last_algo.machine import describe_machine, machine_label
+from channels_last_algo.machine import describe_machine, machine_label, write_results
 from channels_last_algo.models import build_model
 
 MODELS = ('resnet50', 'resnext50_32x4d', 'densenet121', 'efficientnet_b0', 'mobilenet_v3_large',
@@ -373,8 +372,7 @@ def main(argv=None) -> int:
         'rows': rows,
     }
     result['targets'] = check_targets(rows)
-    (out / f'{args.name}.json').write_text(json.dumps(result, indent=1))
-    (out / f'{args.name}.md').write_text(markdown(result))
+    write_results(out, args.name, result, markdown(result))
     chart(result, out / f'{args.name}.png')
     print(markdown(result))
     print(f'results in {out}, {result["seconds"]:.0f} s')

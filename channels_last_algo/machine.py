@@ -1,4 +1,5 @@
-"""What machine a measurement was taken on: CPU, cores, GPU and library versions.
+"""The record of a measurement: what machine it was taken on (CPU, cores, GPU, library
+versions) and its results files.
 
 Example:
     >>> info = describe_machine()
@@ -10,6 +11,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -18,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ['describe_machine', 'machine_label']
+__all__ = ['describe_machine', 'machine_label', 'write_results']
 
 
 def _cpu_model() -> str:
@@ -60,3 +62,19 @@ def machine_label(info: dict[str, Any]) -> str:
     if info['gpu']:
         return f"{info['gpu']} (cuDNN {info['cudnn']}), torch {info['torch']}"
     return f"{info['cpu']}, {info['torch_threads']} threads (oneDNN {info['onednn']}), torch {info['torch']}"
+
+
+def write_results(folder: Path, stem: str, result: dict[str, Any], markdown: str) -> tuple[Path, Path]:
+    """Write ``result`` as ``<folder>/<stem>.json`` and its Markdown table as ``<stem>.md``.
+
+    Example:
+        >>> import tempfile
+        >>> paths = write_results(Path(tempfile.mkdtemp()) / 'cpu', 'demo', {'rows': []}, '# demo\\n')
+        >>> [p.name for p in paths]
+        ['demo.json', 'demo.md']
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    json_path, markdown_path = folder / f'{stem}.json', folder / f'{stem}.md'
+    json_path.write_text(json.dumps(result, indent=2) + '\n')
+    markdown_path.write_text(markdown)
+    return json_path, markdown_path
