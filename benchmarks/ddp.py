@@ -4,7 +4,7 @@ For each world size (default 1 and 2) the script starts that many ranks with Com
 launcher (``python -m composer.cli.launcher -n W``, which sets RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, ...), each rank with ``--threads-per-rank`` torch threads (default 1: one core per
 rank, as one GPU per rank). Each rank builds the small ResNet-like net of the demo
-(:class:`channels_last_algo.demo.TinyResNet`: conv-BN-ReLU stem, max pooling, two residual
+(:class:`channels_last_algo.app.demo.TinyResNet`: conv-BN-ReLU stem, max pooling, two residual
 blocks, global pooling, a linear head) from the same weights three times and wraps each copy in
 ``DistributedDataParallel``:
 
@@ -46,11 +46,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from channels_last_algo.convert import apply_channels_last
-from channels_last_algo.demo import TinyResNet
-from channels_last_algo.guard import LayoutGuard
-from channels_last_algo.layout import to_channels_last
-from channels_last_algo.machine import describe_machine, machine_label, write_results
+from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.app.demo import TinyResNet
+from channels_last_algo.core.guard import LayoutGuard
+from channels_last_algo.core.layout import to_channels_last
+from channels_last_algo.core.machine import describe_machine, machine_label, write_results
 
 VARIANTS = ('nchw', 'channels_last', 'restrided_after_wrap')
 STRIDE_WARNING = 'Grad strides do not match bucket view strides'

@@ -44,9 +44,9 @@ from typing import Any, Callable, Optional
 import torch
 from composer.algorithms.channels_last import apply_channels_last as composer_channels_last
 
-from channels_last_algo.fuse import export_for_inference, fuse_for_inference
-from channels_last_algo.machine import describe_machine, machine_label, write_results
-from channels_last_algo.models import build_model
+from channels_last_algo.core.fuse import export_for_inference, fuse_for_inference
+from channels_last_algo.core.machine import describe_machine, machine_label, write_results
+from channels_last_algo.app.models import build_model
 
 VARIANTS = ('nchw', 'channels_last', 'composer', 'torchscript', 'fused', 'fused (copy)', 'export')
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}

@@ -37,8 +37,8 @@ import torch
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from channels_last_algo.machine import describe_machine, write_results
-from channels_last_algo.data import (
+from channels_last_algo.core.machine import describe_machine, write_results
+from channels_last_algo.app.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     CheckedImageFolder,

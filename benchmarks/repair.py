@@ -35,10 +35,10 @@ import torch
 import torchvision
 from torch import nn
 
-from channels_last_algo.audit import LayoutAudit
-from channels_last_algo.convert import apply_channels_last
-from channels_last_algo.layers import RULES, RepairRule, repair_model
-from channels_last_algo.machine import describe_machine, write_results
+from channels_last_algo.core.audit import LayoutAudit
+from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.layers import RULES, RepairRule, repair_model
+from channels_last_algo.core.machine import describe_machine, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'tests'))
 from unet import UNet  # noqa: E402  (the UNet-style model the repair tests use)

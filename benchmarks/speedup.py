@@ -41,12 +41,12 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from channels_last_algo.audit import LayoutAudit
-from channels_last_algo.auto import decide_layout
-from channels_last_algo.convert import apply_channels_last
-from channels_last_algo.fuse import fuse_for_inference
-from channels_last_algo.machine import describe_machine, machine_label, write_results
-from channels_last_algo.models import build_model
+from channels_last_algo.core.audit import LayoutAudit
+from channels_last_algo.core.auto import decide_layout
+from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.fuse import fuse_for_inference
+from channels_last_algo.core.machine import describe_machine, machine_label, write_results
+from channels_last_algo.app.models import build_model
 
 MODELS = ('resnet50', 'resnext50_32x4d', 'densenet121', 'efficientnet_b0', 'mobilenet_v3_large',
           'shufflenet_v2_x1_0', 'regnet_y_400mf', 'convnext_tiny')

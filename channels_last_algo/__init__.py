@@ -1,53 +1,33 @@
 """Train conv nets in channels-last (NHWC) memory format, and keep them there.
 
+The package has three layers, and imports point down only:
+
+- :mod:`channels_last_algo.core`: torch only. Layout, conversion, repair, audit, auto mode,
+  kernel safety, the framework-neutral guard and fused inference.
+- :mod:`channels_last_algo.integrations`: thin adapters that decide *when* the core acts in
+  a trainer (Composer, Lightning). Each is imported on first use, so
+  ``import channels_last_algo`` needs only torch, torchvision and pyyaml.
+- :mod:`channels_last_algo.app`: the NHWC data path, YAML recipes, the comparison and the
+  ``channels-last`` command.
+
 Example:
-    >>> from channels_last_algo import ChannelsLast, apply_channels_last
+    >>> import torch
+    >>> from channels_last_algo import apply_channels_last
+    >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3))
+    >>> apply_channels_last(model).converted
+    ['0.weight']
 """
 
-__version__ = '0.1.0'
+__version__ = '0.2.0'
 
-from channels_last_algo.algorithm import ChannelsLast
-from channels_last_algo.audit import AuditRecord, AuditReport, LayoutAudit, LayoutBreakError, audit_model
-from channels_last_algo.convert import ConversionSummary, apply_channels_last
-from channels_last_algo.fuse import (
-    FusedConv2d,
-    FusedEvaluation,
-    FusionSummary,
-    InferenceModel,
-    export_for_inference,
-    fuse_for_inference,
-)
-from channels_last_algo.guard import LayoutGuard, batch_to_channels_last
-from channels_last_algo.layers import RULES, RepairRecord, RepairRule, repair_model
-from channels_last_algo.parallel import WeightLayoutPlan, weight_layout_for
-from channels_last_algo.layout import Layout, has_channels_last_strides, is_channels_last, layout_of, to_channels_last
+from channels_last_algo.core import *  # noqa: F401,F403  (the core's public API)
+from channels_last_algo.core import __all__ as _core_all
+from channels_last_algo.integrations import integration_attribute
 
-__all__ = [
-    'AuditRecord',
-    'AuditReport',
-    'LayoutAudit',
-    'LayoutBreakError',
-    'audit_model',
-    'ChannelsLast',
-    'ConversionSummary',
-    'FusedConv2d',
-    'FusedEvaluation',
-    'FusionSummary',
-    'InferenceModel',
-    'export_for_inference',
-    'fuse_for_inference',
-    'Layout',
-    'LayoutGuard',
-    'apply_channels_last',
-    'batch_to_channels_last',
-    'has_channels_last_strides',
-    'is_channels_last',
-    'layout_of',
-    'to_channels_last',
-    'RULES',
-    'RepairRecord',
-    'RepairRule',
-    'repair_model',
-    'WeightLayoutPlan',
-    'weight_layout_for',
-]
+__all__ = [*_core_all, 'ChannelsLast', 'ChannelsLastCallback', 'FusedEvaluation']
+
+
+def __getattr__(name: str):
+    """``ChannelsLast`` (Composer), ``ChannelsLastCallback`` (Lightning), ``FusedEvaluation``:
+    loaded from their integration on first use, with the install command when it is missing."""
+    return integration_attribute(name, __name__)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from channels_last_algo import ChannelsLast, LayoutGuard, batch_to_channels_last, has_channels_last_strides, is_channels_last
-from channels_last_algo.demo import TinyResNet
+from channels_last_algo.app.demo import TinyResNet
 
 
 def _images(n=16, size=16, seed=0):

@@ -12,10 +12,10 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils import _python_dispatch
 
-from channels_last_algo import cli
-from channels_last_algo.audit import AuditRecord, AuditReport, LayoutAudit, LayoutBreakError, audit_model
-from channels_last_algo.convert import apply_channels_last
-from channels_last_algo.layout import to_channels_last
+from channels_last_algo.app import cli
+from channels_last_algo.core.audit import AuditRecord, AuditReport, LayoutAudit, LayoutBreakError, audit_model
+from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.layout import to_channels_last
 
 ZOO_INPUT = (1, 3, 64, 64)  # small, but large enough that the last stage is 2x2 (not ambiguous)
 

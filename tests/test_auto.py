@@ -14,8 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from channels_last_algo import ChannelsLast, LayoutGuard, has_channels_last_strides
-from channels_last_algo import guard as guard_module
-from channels_last_algo.auto import LayoutDecision, decide_layout
+from channels_last_algo.core import guard as guard_module
+from channels_last_algo.core.auto import LayoutDecision, decide_layout
 
 
 class LayoutClock:

@@ -3,7 +3,7 @@
 import pytest
 
 from channels_last_algo import __version__
-from channels_last_algo.cli import main
+from channels_last_algo.app.cli import main
 
 
 def test_version_and_help(capsys):

@@ -15,7 +15,7 @@ from torch.utils.data import DistributedSampler
 from torchvision import transforms
 
 from channels_last_algo import ChannelsLast, Layout, has_channels_last_strides, layout_of
-from channels_last_algo.data import (
+from channels_last_algo.app.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     CheckedImageFolder,

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from channels_last_algo import ChannelsLast, LayoutGuard, apply_channels_last
-from channels_last_algo.parallel import WeightLayoutPlan, weight_layout_for
+from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
 
 pytestmark = pytest.mark.distributed
 

@@ -12,11 +12,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from channels_last_algo import ChannelsLast, FusedConv2d, InferenceModel, apply_channels_last, fuse_for_inference
-from channels_last_algo.cli import main
-from channels_last_algo.demo import TinyResNet
-from channels_last_algo.fuse import PostOp
-from channels_last_algo.layout import has_channels_last_strides
-from channels_last_algo.models import build_model
+from channels_last_algo.app.cli import main
+from channels_last_algo.app.demo import TinyResNet
+from channels_last_algo.core.fuse import PostOp
+from channels_last_algo.core.layout import has_channels_last_strides
+from channels_last_algo.app.models import build_model
 
 # model -> (convolutions fused, BatchNorms folded, residual adds fused, adds written in place)
 ZOO = {

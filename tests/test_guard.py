@@ -10,7 +10,7 @@ from torch.utils import _python_dispatch
 from torch.utils.data import DataLoader, TensorDataset
 
 from channels_last_algo import ChannelsLast, LayoutBreakError, LayoutGuard
-from channels_last_algo.demo import TinyResNet
+from channels_last_algo.app.demo import TinyResNet
 
 
 class _DropsNHWC(nn.Module):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from channels_last_algo.layout import Layout, has_channels_last_strides, is_channels_last, layout_of, to_channels_last
+from channels_last_algo.core.layout import Layout, has_channels_last_strides, is_channels_last, layout_of, to_channels_last
 
 
 @pytest.mark.parametrize('shape,first,last', [

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from channels_last_algo import ChannelsLast
-from channels_last_algo.cli import main
-from channels_last_algo.recipes import RecipeError, algorithm_registry, build_algorithms, load_recipe
+from channels_last_algo.app.cli import main
+from channels_last_algo.app.recipes import RecipeError, algorithm_registry, build_algorithms, load_recipe
 
 RECIPE = str(Path(__file__).resolve().parent.parent / 'recipes' / 'resnet50_imagenet.yaml')
 TINY = [

@@ -13,9 +13,9 @@ from torch import nn
 from torchvision.models.mobilenetv2 import MobileNetV2
 from torchvision.models.shufflenetv2 import InvertedResidual, channel_shuffle
 
-from channels_last_algo.audit import audit_model
-from channels_last_algo.convert import apply_channels_last
-from channels_last_algo.layers import (
+from channels_last_algo.core.audit import audit_model
+from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.layers import (
     RULES,
     ChannelsLastBicubicUpsample,
     ChannelsLastGroupNorm,
@@ -34,8 +34,8 @@ from channels_last_algo.layers import (
     pixel_unshuffle_nhwc,
     repair_model,
 )
-from channels_last_algo.layers import bicubic as bicubic_module
-from channels_last_algo.layout import is_channels_last, to_channels_last
+from channels_last_algo.core.layers import bicubic as bicubic_module
+from channels_last_algo.core.layout import is_channels_last, to_channels_last
 from unet import UNet
 
 ZOO = [

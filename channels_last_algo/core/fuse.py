@@ -63,10 +63,10 @@ from torch import fx, nn
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 from torch.utils._pytree import tree_flatten
 
-from channels_last_algo.convert import apply_channels_last
-from channels_last_algo.layers import RULES
-from channels_last_algo.guard import batch_to_channels_last
-from channels_last_algo.layout import to_channels_last
+from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.layers import RULES
+from channels_last_algo.core.guard import batch_to_channels_last
+from channels_last_algo.core.layout import to_channels_last
 
 __all__ = [
     'FusedConv2d',
@@ -684,7 +684,7 @@ _REPAIRED_LAYERS = tuple(rule.replacement for rule in RULES if rule.original.__m
 
 
 class _Tracer(fx.Tracer):
-    """fx's tracer, keeping repaired ``torch.nn`` layers (:mod:`channels_last_algo.layers`) as
+    """fx's tracer, keeping repaired ``torch.nn`` layers (:mod:`channels_last_algo.core.layers`) as
     leaves, as the built-in layers they replace are: their forwards branch on the input's shape,
     which symbolic tracing cannot follow."""
 

@@ -38,8 +38,6 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 import torch.utils.data
-from composer.core import DataSpec
-from composer.utils import dist
 from PIL import Image
 from torchvision import transforms
 from torchvision.datasets import ImageFolder
@@ -473,6 +471,20 @@ def imagenet_dataset(
 # --- loaders -------------------------------------------------------------------------------------------
 
 
+def _world_size() -> int:
+    """The number of ranks: torch.distributed's when it is set up, else the launcher's ``WORLD_SIZE``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get('WORLD_SIZE', 1))
+
+
+def _global_rank() -> int:
+    """This process's rank: torch.distributed's when it is set up, else the launcher's ``RANK``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get('RANK', 0))
+
+
 def build_loader(
     dataset: torch.utils.data.Dataset,
     *,
@@ -487,7 +499,7 @@ def build_loader(
     """A ``DataLoader`` of NHWC uint8 batches (:func:`collate_nhwc`) over ``dataset``.
 
     Shuffles and drops the last partial batch when ``train`` (``drop_last`` overrides the
-    latter). The sampler is Composer's ``dist.get_sampler``: a ``DistributedSampler`` that
+    latter). The sampler is a ``DistributedSampler`` (as Composer's ``dist.get_sampler``) that
     shards across ranks when the world size is above 1 and, at any world size, gives an order
     fixed by ``seed`` and the epoch, so a resumed run sees the batches an uninterrupted one
     would; Composer's Trainer calls ``set_epoch``, a plain loop calls
@@ -503,7 +515,8 @@ def build_loader(
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f'workers must be a non-negative int, got {workers!r}')
     drop_last = train if drop_last is None else drop_last
-    sampler = dist.get_sampler(dataset, shuffle=train, drop_last=drop_last, seed=seed)
+    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=_world_size(), rank=_global_rank(),
+                                                  shuffle=train, drop_last=drop_last, seed=seed)
     if drop_last and len(sampler) < batch_size:
         raise ValueError(f'the data set gives {len(sampler)} samples per rank, fewer than batch_size {batch_size}, '
                          'and drop_last is on: no batch would be made. Lower batch_size or add samples.')
@@ -526,7 +539,7 @@ def build_data_spec(
     train: bool,
     normalize: Optional[NormalizeBatch] = None,
     **loader_options: Any,
-) -> DataSpec:
+) -> Any:
     """A Composer ``DataSpec``: :func:`build_loader` (``loader_options`` go to it) with
     ``normalize`` (default ImageNet mean/std to float32) as its ``microbatch_transforms``, which
     the Trainer runs on each microbatch after moving it to the device.
@@ -537,5 +550,7 @@ def build_data_spec(
         >>> spec.microbatch_transforms
         NormalizeBatch(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225), dtype=torch.float32)
     """
+    from composer.core import DataSpec
+
     loader = build_loader(dataset, batch_size=batch_size, train=train, **loader_options)
     return DataSpec(loader, microbatch_transforms=NormalizeBatch() if normalize is None else normalize)

@@ -1,6 +1,6 @@
 """``ChannelsLast``: the Composer algorithm.
 
-It decides *when*; :class:`~channels_last_algo.guard.LayoutGuard` does the work.
+It decides *when*; :class:`~channels_last_algo.core.guard.LayoutGuard` does the work.
 
 Example:
     >>> from channels_last_algo import ChannelsLast
@@ -16,17 +16,22 @@ import logging
 from typing import Any, Optional
 
 import torch
+
+from channels_last_algo.integrations import require
+
+require('composer', 'composer')
+
 from composer.core import Algorithm, Event, State
 from composer.core.precision import get_precision_context
 from composer.loggers import Logger
 from composer.utils import dist
 from torch.utils._pytree import tree_map_only
 
-from channels_last_algo.audit import AuditReport
-from channels_last_algo.auto import LayoutDecision
-from channels_last_algo.fuse import FusedEvaluation
-from channels_last_algo.guard import LayoutGuard
-from channels_last_algo.parallel import weight_layout_for
+from channels_last_algo.core.audit import AuditReport
+from channels_last_algo.core.auto import LayoutDecision
+from channels_last_algo.core.fuse import FusedEvaluation
+from channels_last_algo.core.guard import LayoutGuard
+from channels_last_algo.core.parallel import weight_layout_for
 
 __all__ = ['ChannelsLast']
 
@@ -65,7 +70,7 @@ class ChannelsLast(Algorithm):
     copy when the data loader already delivers them so. Under FSDP or tensor parallelism
     (Composer's ``parallelism_config``, or a model already sharded), which need contiguous
     parameters, the weights stay contiguous and only the activations go NHWC; the log and the
-    ``channels_last/weight_layout`` hyperparameter say which (see :mod:`channels_last_algo.parallel`).
+    ``channels_last/weight_layout`` hyperparameter say which (see :mod:`channels_last_algo.core.parallel`).
 
     With ``audit_steps`` > 0 it watches the forward, loss and backward of the first training
     steps (each microbatch is a step) for ops that drop NHWC, logs
@@ -89,15 +94,15 @@ class ChannelsLast(Algorithm):
         mode: ``'on'`` (default), ``'off'`` (the algorithm does nothing: a recipe switch), or
             ``'auto'`` (channels last only where it is measured faster).
         audit_steps: how many training steps to audit from the start (default 0: none).
-        strict: raise :class:`~channels_last_algo.audit.LayoutBreakError` at the end of the
+        strict: raise :class:`~channels_last_algo.core.audit.LayoutBreakError` at the end of the
             first audited step with a layout break, naming its module path and op.
         repair: at ``Event.INIT``, also swap the layers that drop NHWC (ShuffleNet's channel
             shuffle, the gradient of global average pooling, instance norm, bicubic upsampling;
             on CUDA group norm, pixel shuffle, reflection/replication padding) for
             NHWC-preserving subclasses with the same parameters, keys and numbers
-            (:mod:`channels_last_algo.layers`). Default on.
+            (:mod:`channels_last_algo.core.layers`). Default on.
         fuse_eval: evaluate and predict on a fused inference copy of the network
-            (:func:`~channels_last_algo.fuse.fuse_for_inference`: BatchNorm folded,
+            (:func:`~channels_last_algo.core.fuse.fuse_for_inference`: BatchNorm folded,
             activations and residual adds fused into oneDNN / cuDNN convolutions, NHWC),
             built from the current weights (EMA's, when EMA has swapped them in) before the
             first forward pass of each evaluation or prediction pass and dropped at its

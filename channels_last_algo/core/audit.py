@@ -58,7 +58,7 @@ from torch.nn.modules import module as _module_hooks
 from torch.utils import _python_dispatch
 from torch.utils._pytree import tree_flatten
 
-from channels_last_algo.layout import Layout, layout_of
+from channels_last_algo.core.layout import Layout, layout_of
 
 __all__ = ['AuditRecord', 'AuditReport', 'LayoutAudit', 'LayoutBreakError', 'audit_model']
 
@@ -71,7 +71,7 @@ _COPY_OPS = frozenset({_aten.clone, _aten._to_copy, _aten.copy_, _aten.copy})
 # Reshapes that can take a 4D/5D tensor to a lower rank without copying.
 _RESHAPE_OPS = frozenset({_aten.view, _aten._unsafe_view, _aten.squeeze})
 # Key under which the audit stores (module path, is_exit) in an autograd node's metadata.
-_NODE_KEY = 'channels_last_algo.audit'
+_NODE_KEY = 'channels_last_algo.core.audit'
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,11 +25,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
 import torch
 from torch.utils._pytree import tree_map_only
 
-from channels_last_algo.audit import AuditReport, LayoutAudit, LayoutBreakError
-from channels_last_algo.auto import LayoutDecision, decide_layout
-from channels_last_algo.convert import ConversionSummary, apply_channels_first, apply_channels_last, restride
-from channels_last_algo.layout import to_channels_first, to_channels_last
-from channels_last_algo.parallel import WeightLayoutPlan, weight_layout_for
+from channels_last_algo.core.audit import AuditReport, LayoutAudit, LayoutBreakError
+from channels_last_algo.core.auto import LayoutDecision, decide_layout
+from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last, restride
+from channels_last_algo.core.layout import to_channels_first, to_channels_last
+from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
 
 __all__ = ['MODES', 'LayoutGuard', 'batch_to_channels_first', 'batch_to_channels_last']
 
@@ -71,14 +71,14 @@ class LayoutGuard:
     Args:
         mode: ``'on'`` (channels last), ``'off'`` (leave the model and batches as they are), or
             ``'auto'``: channels last until :meth:`decide` has timed both layouts on a real
-            batch, then whichever is faster (see :mod:`channels_last_algo.auto`).
+            batch, then whichever is faster (see :mod:`channels_last_algo.core.auto`).
         audit_steps: audit the layouts of the first ``audit_steps`` training steps (forward,
-            loss, backward) with :class:`~channels_last_algo.audit.LayoutAudit`. 0 installs
+            loss, backward) with :class:`~channels_last_algo.core.audit.LayoutAudit`. 0 installs
             nothing: no overhead.
-        strict: raise :class:`~channels_last_algo.audit.LayoutBreakError`, naming the first
+        strict: raise :class:`~channels_last_algo.core.audit.LayoutBreakError`, naming the first
             break's module path and op, at the end of an audited step that had a break.
         repair: swap the layers that drop NHWC for NHWC-preserving ones at :meth:`on_init`
-            (see :mod:`channels_last_algo.layers`); same parameters, keys and numbers.
+            (see :mod:`channels_last_algo.core.layers`); same parameters, keys and numbers.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(288, 2))
@@ -131,7 +131,7 @@ class LayoutGuard:
         nothing in mode ``'off'`` (returns None).
 
         ``weight_layout`` is what the distributed setting allows (see
-        :func:`~channels_last_algo.parallel.weight_layout_for`; by default it is read from the
+        :func:`~channels_last_algo.core.parallel.weight_layout_for`; by default it is read from the
         model, which must not be wrapped in DDP yet). Where it asks for contiguous weights (FSDP,
         tensor parallelism) the weights stay contiguous, restrided back if they are not and not
         yet sharded, only the batches go NHWC, and auto mode becomes ``'on'``.
@@ -155,7 +155,7 @@ class LayoutGuard:
                optimizers: Optimizers = None, **options: Any) -> LayoutDecision:
         """Auto mode: time ``loss_fn(model, batch).backward()`` in both layouts and keep the faster.
 
-        ``options`` go to :func:`~channels_last_algo.auto.decide_layout` (``steps``, ``margin``,
+        ``options`` go to :func:`~channels_last_algo.core.auto.decide_layout` (``steps``, ``margin``,
         ...). The model is left in the chosen layout and otherwise untouched; later batches
         follow it.
         """

@@ -282,7 +282,7 @@ def algorithm_registry() -> dict[str, type]:
     import composer.algorithms
     from composer.core import Algorithm
 
-    from channels_last_algo.algorithm import ChannelsLast
+    from channels_last_algo.integrations.composer import ChannelsLast
 
     registry: dict[str, type] = {}
     for attr in composer.algorithms.__all__:
@@ -331,7 +331,7 @@ def _batch_sizes(recipe: Recipe) -> tuple[int, int]:
 def build_datasets(recipe: Recipe, data_path: Optional[str] = None):
     """The recipe's train and eval datasets (NHWC uint8 samples): ``data_path`` (or
     ``data.path``) as an ImageNet folder, the synthetic set when neither is given."""
-    from channels_last_algo.data import DataPathError, imagenet_dataset
+    from channels_last_algo.app.data import DataPathError, imagenet_dataset
 
     data = recipe.data
     path = data_path if data_path is not None else data.path
@@ -358,8 +358,8 @@ def build_trainer(recipe: Recipe, data_path: Optional[str] = None, resume: bool 
     from composer.optim import CosineAnnealingWithWarmupScheduler, DecoupledSGDW
     from composer.utils import reproducibility
 
-    from channels_last_algo.data import build_data_spec
-    from channels_last_algo.models import build_model
+    from channels_last_algo.app.data import build_data_spec
+    from channels_last_algo.app.models import build_model
 
     device, precision = device_and_precision(recipe)
     train_batch, eval_batch = _batch_sizes(recipe)

@@ -2,7 +2,7 @@
 
 Restrides every 4D parameter and buffer of a model to ``torch.channels_last`` and every 5D
 one to ``torch.channels_last_3d``, in place, and (``repair=True``) swaps the layers that would
-drop NHWC for their NHWC-preserving equivalents (see :mod:`channels_last_algo.layers`). The ``Parameter`` objects stay the same (an
+drop NHWC for their NHWC-preserving equivalents (see :mod:`channels_last_algo.core.layers`). The ``Parameter`` objects stay the same (an
 optimizer built before stays valid), their gradients and any optimizer state shaped like
 them are restrided too, and the ``state_dict`` keys do not change. Ambiguous shapes (1x1 and
 depthwise kernels, ``in_channels=1``) get real channels-last strides.
@@ -31,8 +31,8 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch.nn.parameter import is_lazy
 
-from channels_last_algo.layers import RepairRecord, repair_model
-from channels_last_algo.layout import channels_last_format, to_channels_first, to_channels_last
+from channels_last_algo.core.layers import RepairRecord, repair_model
+from channels_last_algo.core.layout import channels_last_format, to_channels_first, to_channels_last
 
 __all__ = ['ConversionSummary', 'apply_channels_first', 'apply_channels_last', 'restride']
 
@@ -137,7 +137,7 @@ def apply_channels_last(
         repair: also swap the layers that drop NHWC (channel shuffle, global pooling's
             gradient, instance norm, bicubic upsampling; on CUDA group norm, pixel shuffle,
             padding) for NHWC-preserving subclasses: same parameters, ``state_dict`` keys and
-            numbers (:func:`~channels_last_algo.layers.repair_model`).
+            numbers (:func:`~channels_last_algo.core.layers.repair_model`).
 
     Returns:
         A :class:`ConversionSummary`. A model with no 4D/5D tensor is left alone with a

@@ -42,17 +42,17 @@ from torch import nn
 from torchvision.models.mobilenetv2 import MobileNetV2
 from torchvision.models.shufflenetv2 import InvertedResidual
 
-from channels_last_algo.layers.bicubic import ChannelsLastBicubicUpsample, is_bicubic
-from channels_last_algo.layers.channel_shuffle import ChannelsLastInvertedResidual
-from channels_last_algo.layers.global_avg_pool import ChannelsLastAdaptiveAvgPool2d, is_global_pool
-from channels_last_algo.layers.group_norm_nhwc import (
+from channels_last_algo.core.layers.bicubic import ChannelsLastBicubicUpsample, is_bicubic
+from channels_last_algo.core.layers.channel_shuffle import ChannelsLastInvertedResidual
+from channels_last_algo.core.layers.global_avg_pool import ChannelsLastAdaptiveAvgPool2d, is_global_pool
+from channels_last_algo.core.layers.group_norm_nhwc import (
     ChannelsLastGroupNorm,
     ChannelsLastInstanceNorm2d,
     uses_input_statistics,
 )
-from channels_last_algo.layers.mobilenet_v2 import ChannelsLastMobileNetV2
-from channels_last_algo.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d
-from channels_last_algo.layers.pixel_shuffle import ChannelsLastPixelShuffle, ChannelsLastPixelUnshuffle
+from channels_last_algo.core.layers.mobilenet_v2 import ChannelsLastMobileNetV2
+from channels_last_algo.core.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d
+from channels_last_algo.core.layers.pixel_shuffle import ChannelsLastPixelShuffle, ChannelsLastPixelUnshuffle
 
 __all__ = ['RULES', 'RepairRecord', 'RepairRule', 'repair_model']
 

@@ -2,25 +2,25 @@
 
 Example:
     >>> import torch
-    >>> from channels_last_algo.layers import repair_model
+    >>> from channels_last_algo.core.layers import repair_model
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1))
     >>> [record.rule for record in repair_model(model)]
     ['global_avg_pool']
 """
 
-from channels_last_algo.layers.bicubic import ChannelsLastBicubicUpsample, bicubic_upsample_nhwc
-from channels_last_algo.layers.channel_shuffle import ChannelsLastInvertedResidual, interleave_channels
-from channels_last_algo.layers.global_avg_pool import ChannelsLastAdaptiveAvgPool2d, global_avg_pool_nhwc
-from channels_last_algo.layers.group_norm_nhwc import ChannelsLastGroupNorm, ChannelsLastInstanceNorm2d, group_norm_nhwc
-from channels_last_algo.layers.mobilenet_v2 import ChannelsLastMobileNetV2
-from channels_last_algo.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d, pad_nhwc
-from channels_last_algo.layers.pixel_shuffle import (
+from channels_last_algo.core.layers.bicubic import ChannelsLastBicubicUpsample, bicubic_upsample_nhwc
+from channels_last_algo.core.layers.channel_shuffle import ChannelsLastInvertedResidual, interleave_channels
+from channels_last_algo.core.layers.global_avg_pool import ChannelsLastAdaptiveAvgPool2d, global_avg_pool_nhwc
+from channels_last_algo.core.layers.group_norm_nhwc import ChannelsLastGroupNorm, ChannelsLastInstanceNorm2d, group_norm_nhwc
+from channels_last_algo.core.layers.mobilenet_v2 import ChannelsLastMobileNetV2
+from channels_last_algo.core.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d, pad_nhwc
+from channels_last_algo.core.layers.pixel_shuffle import (
     ChannelsLastPixelShuffle,
     ChannelsLastPixelUnshuffle,
     pixel_shuffle_nhwc,
     pixel_unshuffle_nhwc,
 )
-from channels_last_algo.layers.rules import RULES, RepairRecord, RepairRule, repair_model
+from channels_last_algo.core.layers.rules import RULES, RepairRecord, RepairRule, repair_model
 
 __all__ = [
     'RULES',

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from channels_last_algo.convert import restride
+from channels_last_algo.core.convert import restride
 
 __all__ = ['LayoutDecision', 'decide_layout']
 

@@ -16,7 +16,7 @@ per-step work of a layout, are left out. A layout audit of one extra step of eac
 counts its breaks.
 
 Example:
-    >>> from channels_last_algo.recipes import load_recipe
+    >>> from channels_last_algo.app.recipes import load_recipe
     >>> recipe = load_recipe('recipes/resnet50_imagenet.yaml', ['model.name=resnet18',
     ...     'model.num_classes=10', 'train.global_batch_size=4', 'data.train_crop=32'])
     >>> result = compare_recipe(recipe, batches=1, warmup=1)
@@ -34,10 +34,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from channels_last_algo.audit import LayoutAudit
-from channels_last_algo.guard import LayoutGuard
-from channels_last_algo.machine import describe_machine, machine_label
-from channels_last_algo.recipes import Recipe, build_datasets, device_and_precision
+from channels_last_algo.core.audit import LayoutAudit
+from channels_last_algo.core.guard import LayoutGuard
+from channels_last_algo.core.machine import describe_machine, machine_label
+from channels_last_algo.app.recipes import Recipe, build_datasets, device_and_precision
 
 __all__ = ['compare_recipe', 'format_comparison']
 
@@ -49,7 +49,7 @@ def _batches(recipe: Recipe, count: int, device: torch.device,
     """``count`` training batches of the recipe's data path, normalised on the device, each
     both NHWC (as this project's loader gives it) and NCHW (as a ``ToTensor`` loader would),
     keyed by ``nhwc``; made before timing so that no variant pays for the other's layout."""
-    from channels_last_algo.data import NormalizeBatch, build_loader
+    from channels_last_algo.app.data import NormalizeBatch, build_loader
 
     train_data, _ = build_datasets(recipe, data_path)
     loader = build_loader(train_data, batch_size=recipe.train.global_batch_size, train=True,
@@ -65,7 +65,7 @@ def _batches(recipe: Recipe, count: int, device: torch.device,
 def _model(recipe: Recipe) -> torch.nn.Module:
     from composer.algorithms.blurpool import apply_blurpool
 
-    from channels_last_algo.models import build_model
+    from channels_last_algo.app.models import build_model
 
     torch.manual_seed(recipe.train.seed)
     model = build_model(recipe.model.name, num_classes=recipe.model.num_classes)

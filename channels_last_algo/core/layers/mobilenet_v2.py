@@ -3,7 +3,7 @@
 ``MobileNetV2`` pools with the functional ``adaptive_avg_pool2d`` inside its forward, so there
 is no pooling module to swap; its last ``ReLU6`` (``hardtanh_backward``, which follows the
 gradient's layout) then turns NCHW in backward. This subclass overrides only the forward, with
-:func:`~channels_last_algo.layers.global_avg_pool.global_avg_pool_nhwc` in place of the pool.
+:func:`~channels_last_algo.core.layers.global_avg_pool.global_avg_pool_nhwc` in place of the pool.
 
 Example:
     >>> import torch
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torchvision.models.mobilenetv2 import MobileNetV2
 
-from channels_last_algo.layers.global_avg_pool import global_avg_pool_nhwc
+from channels_last_algo.core.layers.global_avg_pool import global_avg_pool_nhwc
 
 __all__ = ['ChannelsLastMobileNetV2']
 

@@ -28,7 +28,7 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from channels_last_algo.demo import run_demo
+    from channels_last_algo.app.demo import run_demo
 
     run_demo(steps=args.steps, batch_size=args.batch_size, image_size=args.image_size)
     return 0
@@ -48,8 +48,8 @@ def _input_shape(text: str) -> tuple[int, ...]:
 
 
 def _model_factory(spec: str):
-    """argparse type for MODEL: the builder :func:`~channels_last_algo.models.model_builder` finds."""
-    from channels_last_algo.models import model_builder
+    """argparse type for MODEL: the builder :func:`~channels_last_algo.app.models.model_builder` finds."""
+    from channels_last_algo.app.models import model_builder
 
     try:
         return model_builder(spec)
@@ -82,9 +82,9 @@ def _run_audit(args: argparse.Namespace) -> int:
 
     import torch
 
-    from channels_last_algo.audit import audit_model
-    from channels_last_algo.convert import apply_channels_last
-    from channels_last_algo.layout import to_channels_last
+    from channels_last_algo.core.audit import audit_model
+    from channels_last_algo.core.convert import apply_channels_last
+    from channels_last_algo.core.layout import to_channels_last
 
     model = args.model()
     if not isinstance(model, torch.nn.Module):
@@ -126,7 +126,7 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from channels_last_algo.recipes import build_trainer, load_recipe
+    from channels_last_algo.app.recipes import build_trainer, load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     trainer = build_trainer(recipe, data_path=args.data, resume=args.resume)
@@ -151,8 +151,8 @@ def _add_compare(subparsers: argparse._SubParsersAction) -> None:
 def _run_compare(args: argparse.Namespace) -> int:
     import json
 
-    from channels_last_algo.compare import compare_recipe, format_comparison
-    from channels_last_algo.recipes import load_recipe
+    from channels_last_algo.app.compare import compare_recipe, format_comparison
+    from channels_last_algo.app.recipes import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     result = compare_recipe(recipe, batches=args.batches, warmup=args.warmup, data_path=args.data)
@@ -207,7 +207,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
     import torch
 
-    from channels_last_algo.fuse import export_for_inference
+    from channels_last_algo.core.fuse import export_for_inference
 
     if len(args.input) != 4:
         print('channels-last export: error: --input must be N,C,H,W (export fuses 2D convolutions)', file=sys.stderr)
@@ -259,7 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not hasattr(args, 'run'):
         parser.print_help()
         return 0
-    from channels_last_algo.recipes import RecipeError
+    from channels_last_algo.app.recipes import RecipeError
 
     try:
         return args.run(args)

@@ -18,8 +18,8 @@ import time
 import torch
 from torch import nn
 
-from channels_last_algo.guard import LayoutGuard
-from channels_last_algo.layout import layout_of
+from channels_last_algo.core.guard import LayoutGuard
+from channels_last_algo.core.layout import layout_of
 
 __all__ = ['TinyResNet', 'run_demo']
 

@@ -1,0 +1,45 @@
+"""The core: everything that needs only torch (and torchvision's model classes for repair).
+
+Layout (:mod:`.layout`), the functional conversion (:mod:`.convert`), the repair rules and
+layers (:mod:`.layers`), the layout audit (:mod:`.audit`), auto mode (:mod:`.auto`), what
+parallel wrappers allow (:mod:`.parallel`), the framework-neutral event layer
+(:mod:`.guard`) and fused inference (:mod:`.fuse`). Integrations and the application import
+from here; nothing here imports from them.
+"""
+
+from channels_last_algo.core.audit import AuditRecord, AuditReport, LayoutAudit, LayoutBreakError, audit_model
+from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last
+from channels_last_algo.core.fuse import FusedConv2d, FusionSummary, InferenceModel, export_for_inference, fuse_for_inference
+from channels_last_algo.core.guard import LayoutGuard, batch_to_channels_last
+from channels_last_algo.core.layers import RULES, RepairRecord, RepairRule, repair_model
+from channels_last_algo.core.layout import Layout, has_channels_last_strides, is_channels_last, layout_of, to_channels_last
+from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
+
+__all__ = [
+    'AuditRecord',
+    'AuditReport',
+    'ConversionSummary',
+    'FusedConv2d',
+    'FusionSummary',
+    'InferenceModel',
+    'Layout',
+    'LayoutAudit',
+    'LayoutBreakError',
+    'LayoutGuard',
+    'RULES',
+    'RepairRecord',
+    'RepairRule',
+    'WeightLayoutPlan',
+    'apply_channels_first',
+    'apply_channels_last',
+    'audit_model',
+    'batch_to_channels_last',
+    'export_for_inference',
+    'fuse_for_inference',
+    'has_channels_last_strides',
+    'is_channels_last',
+    'layout_of',
+    'repair_model',
+    'to_channels_last',
+    'weight_layout_for',
+]
