@@ -47,7 +47,7 @@ def test_ambiguous_kernels_get_real_strides_and_conversion_is_idempotent():
 
 
 def test_conv3d_model_converts_where_composers_algorithm_raises():
-    from composer.algorithms.channels_last import apply_channels_last as composer_apply
+    composer_apply = pytest.importorskip('composer.algorithms.channels_last').apply_channels_last
     from torchvision.models.video import r3d_18
 
     model = r3d_18(weights=None)

@@ -20,7 +20,7 @@ Example:
     >>> import torch
     >>> str(weight_layout_for(torch.nn.Conv2d(3, 8, 3)))
     'weights channels last (no sharding: one process, or DDP wrapped after the conversion)'
-    >>> from composer.utils import FSDP2Config
+    >>> class FSDP2Config: ...      # any sharding config: Composer's, a Lightning FSDPStrategy
     >>> plan = weight_layout_for(torch.nn.Conv2d(3, 8, 3), fsdp_config=FSDP2Config())
     >>> plan.contiguous, plan.sharded
     (True, False)
@@ -75,8 +75,9 @@ def weight_layout_for(
 
     Args:
         model: the model, bare or already wrapped (FSDP1, FSDP2, DTensor parameters).
-        fsdp_config: Composer's FSDP config (``FSDPConfig`` or ``FSDP2Config``, as
-            ``State.fsdp_config`` holds it), or None when the model will not be sharded.
+        fsdp_config: the sharding config the trainer will apply (Composer's ``FSDPConfig`` or
+            ``FSDP2Config`` as ``State.fsdp_config`` holds it, a Lightning ``FSDPStrategy``), or
+            None when the model will not be sharded.
         tp_config: Composer's tensor-parallel config (``State.tp_config``), or None.
 
     Raises:
