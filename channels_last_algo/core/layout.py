@@ -32,6 +32,8 @@ import torch
 
 __all__ = [
     'Layout',
+    'MemoryFormat',
+    'Mode',
     'channels_last_format',
     'has_channels_last_strides',
     'is_channels_last',
@@ -58,6 +60,44 @@ class Layout(str, enum.Enum):
     @property
     def is_channels_first(self) -> bool:
         return self in (Layout.NCHW, Layout.NCDHW)
+
+
+class MemoryFormat(str, enum.Enum):
+    """The memory format a model's 4D/5D tensors are given: the one word for it in summaries,
+    decisions, weight plans and logs.
+
+    Example:
+        >>> MemoryFormat.CHANNELS_LAST.of(5)
+        torch.channels_last_3d
+        >>> MemoryFormat.CHANNELS_FIRST == 'channels_first'
+        True
+    """
+
+    CHANNELS_FIRST = 'channels_first'  # NCHW / NCDHW, PyTorch's default contiguous strides
+    CHANNELS_LAST = 'channels_last'  # NHWC / NDHWC
+
+    def of(self, rank: int) -> torch.memory_format:
+        """The ``torch.memory_format`` of this format for a tensor of ``rank`` (4 or 5)."""
+        if self is MemoryFormat.CHANNELS_FIRST:
+            return torch.contiguous_format
+        return _FORMATS[rank]
+
+    def __str__(self) -> str:
+        return self.value.replace('_', ' ')
+
+
+class Mode(str, enum.Enum):
+    """How the algorithm runs: channels last ``on``, ``off`` (a recipe switch: nothing is
+    touched), or ``auto`` (time both formats on the first batch, keep the faster).
+
+    Example:
+        >>> Mode('auto') is Mode.AUTO
+        True
+    """
+
+    ON = 'on'
+    OFF = 'off'
+    AUTO = 'auto'
 
 
 _FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
