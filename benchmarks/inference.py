@@ -1,29 +1,38 @@
-"""Inference throughput: fused NHWC inference against eager NCHW, channels last, Composer and TorchScript.
+"""Inference throughput: fused NHWC inference against eager NCHW, channels last, Composer, TorchScript and inductor.
 
 Every variant runs the same weights on the same batch, in one process:
 
-    nchw           the eager model, NCHW input (1.00x: the baseline)
-    channels_last  model.to(memory_format=torch.channels_last), NHWC input
-    composer       composer.algorithms.channels_last.apply_channels_last(model): the model only,
-                   NCHW input, as Composer's ChannelsLast leaves evaluation
-    torchscript    torch.jit.optimize_for_inference(torch.jit.freeze(torch.jit.script(model)))
-    fused          channels_last_algo.fuse_for_inference(model): BatchNorm folded, activations and
-                   residual adds fused into oneDNN (CPU) / cuDNN (GPU) convolutions, NHWC, prepacked
-                   weights; NHWC input
-    export         fuse_for_inference(model, traceable=True) saved with torch.export and loaded back
-                   with torch.export.load (what `channels-last export` writes; CPU float32 only)
+    nchw              the eager model, NCHW input (1.00x: the baseline)
+    channels_last     model.to(memory_format=torch.channels_last), NHWC input
+    composer          composer.algorithms.channels_last.apply_channels_last(model): the model only,
+                      NCHW input, as Composer's ChannelsLast leaves evaluation (where Composer is installed)
+    torchscript       torch.jit.optimize_for_inference(torch.jit.freeze(torch.jit.script(model)))
+    inductor          the strongest peer on current torch: torch.compile(model.to(channels_last)) with
+                      torch._inductor.config.freezing = True (weights as constants: BatchNorm folded,
+                      conv + post-op fusion on prepacked oneDNN weights), NHWC input
+    fused             channels_last_algo.fuse_for_inference(model): BatchNorm folded, activations and
+                      residual adds fused into oneDNN (CPU) / cuDNN (GPU) convolutions, NHWC, prepacked
+                      weights; NHWC input
+    fused (copy)      the fused copy converted to the reduced precision (bfloat16 / float16 groups only)
+    fused (inductor)  fuse_for_inference(model, backend='inductor'): the fused copy compiled by inductor
+                      with freezing
+    export            fuse_for_inference(model, traceable=True) saved with torch.export and loaded back
+                      with torch.export.load (what `channels-last export` writes; CPU float32 only)
 
-In bfloat16 (CPU) and float16 (GPU) the eager variants and `fused` run under autocast; TorchScript
-(whose frozen graphs autocast does not reach) and `fused (copy)` run a copy converted to that dtype.
+In bfloat16 (CPU) and float16 (GPU) the eager, inductor and fused variants run under autocast;
+TorchScript (whose frozen graphs autocast does not reach) and `fused (copy)` run a copy converted to
+that dtype.
 
-Each (model, dtype) group builds its variants, calls each --warmup times, then times --rounds
-interleaved rounds (every variant once per round, in turn, so load on the machine hits all
-alike); a measurement is --iterations calls, or as many as make the NCHW model take about
---min-seconds. The table gives images/s of the best and the median round, and the speedup over
-`nchw`: the median over rounds of the NCHW time over the variant's time in the same round.
+Each (model, dtype) group builds its variants and calls each once (the compiled ones compile
+then; the time is reported), then times them with the project's interleaved timer
+(channels_last_algo.core.timing: --warmup untimed rounds, --rounds timed rounds, the order
+rotated each round, so load on the machine hits all alike); a measurement is --iterations calls,
+or as many as make the NCHW model take about --min-seconds. The table gives images/s of the best
+and the median round, the speedup over `nchw` and over `inductor`: the median over rounds of the
+other's time over the variant's time in the same round, with its 95% interval.
 
-Example:
-    flock /tmp/channels_last_timing.lock .venv/bin/python benchmarks/inference.py \\
+Example (the full run; --smoke checks the script in a few minutes, timings meaningless):
+    flock /tmp/channels_last_timing.lock .venv-newest/bin/python benchmarks/inference.py \\
         --out benchmarks/results/cpu-2core
 """
 
@@ -32,24 +41,39 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import importlib.util
 import math
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
-from composer.algorithms.channels_last import apply_channels_last as composer_channels_last
+from inference_report import inductor_verdicts, markdown, times  # benchmarks/, next to this script
 
-from channels_last_algo.core.fuse import export_for_inference, fuse_for_inference
-from channels_last_algo.core.machine import describe_machine, machine_label, write_results
 from channels_last_algo.app.models import build_model
+from channels_last_algo.core.fuse import export_for_inference, fuse_for_inference
+from channels_last_algo.core.machine import describe_machine, write_results
+from channels_last_algo.core.timing import synchronizer, time_interleaved
 
-VARIANTS = ('nchw', 'channels_last', 'composer', 'torchscript', 'fused', 'fused (copy)', 'export')
+VARIANTS = (
+    'nchw',
+    'channels_last',
+    'composer',
+    'torchscript',
+    'inductor',
+    'fused',
+    'fused (copy)',
+    'fused (inductor)',
+    'export',
+)
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
+MODELS = ('resnet50', 'mobilenet_v2', 'efficientnet_b0', 'regnet_y_400mf', 'densenet121')
+SMOKE = {'models': ['resnet18'], 'batch_size': 2, 'image_size': 32, 'warmup': 1, 'rounds': 2, 'iterations': 1}
 
 
 class Variant:
@@ -63,76 +87,138 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
-def build_variants(model: torch.nn.Module, images: torch.Tensor, dtype: torch.dtype, names: tuple[str, ...],
-                   workdir: Path) -> tuple[list[Variant], dict[str, Any]]:
-    """The variants of ``model`` on ``images`` in ``dtype``, and notes (fusion summary, skips)."""
+def _inductor_freezing(model: torch.nn.Module) -> Callable[[torch.Tensor], Any]:
+    """The peer: ``torch.compile`` on the channels-last eval model, compiled and run with
+    ``torch._inductor.config.freezing = True`` (patched for its calls only)."""
+    import torch._inductor.config as inductor_config
+
+    compiled = torch.compile(copy.deepcopy(model).to(memory_format=torch.channels_last))
+
+    def run(inputs: torch.Tensor) -> Any:
+        with inductor_config.patch(freezing=True):
+            return compiled(inputs)
+
+    return run
+
+
+def build_variants(
+    model: torch.nn.Module, images: torch.Tensor, dtype: torch.dtype, names: tuple[str, ...], workdir: Path
+) -> tuple[list[Variant], dict[str, Any]]:
+    """The variants of ``model`` on ``images`` in ``dtype``, and notes (fusion summary, skips,
+    seconds to build and make the first call)."""
     device = images.device
     nhwc = images.to(memory_format=torch.channels_last)
     low = dtype != torch.float32
     autocast_how = f'autocast {dtype}'.replace('torch.', '') if low else 'float32'
-    notes: dict[str, Any] = {'skipped': {}}
-    variants = []
+    typed = str(dtype).replace('torch.', '')
+    notes: dict[str, Any] = {'skipped': {}, 'first_call_seconds': {}}
 
-    def under_autocast(module: torch.nn.Module, inputs: torch.Tensor) -> Callable[[], Any]:
+    def under_autocast(module: Callable[[torch.Tensor], Any], inputs: torch.Tensor) -> Callable[[], Any]:
         def run():
             with _autocast(device, dtype):
                 return module(inputs)
+
         return run
 
-    if 'nchw' in names:
-        variants.append(Variant('nchw', under_autocast(model, images), f'eager, NCHW input, {autocast_how}'))
-    if 'channels_last' in names:
+    def nchw() -> Variant:
+        return Variant('nchw', under_autocast(model, images), f'eager, NCHW input, {autocast_how}')
+
+    def channels_last() -> Variant:
         converted = copy.deepcopy(model).to(memory_format=torch.channels_last)
-        variants.append(Variant('channels_last', under_autocast(converted, nhwc),
-                                f'model.to(channels_last), NHWC input, {autocast_how}'))
-    if 'composer' in names:
-        composer = copy.deepcopy(model)
-        composer_channels_last(composer)
-        variants.append(Variant('composer', under_autocast(composer, images),
-                                f"Composer's apply_channels_last, NCHW input, {autocast_how}"))
-    if 'torchscript' in names:
+        return Variant(
+            'channels_last', under_autocast(converted, nhwc), f'model.to(channels_last), NHWC input, {autocast_how}'
+        )
+
+    def composer() -> Variant:
+        from composer.algorithms.channels_last import apply_channels_last as composer_channels_last
+
+        converted = copy.deepcopy(model)
+        composer_channels_last(converted)
+        return Variant(
+            'composer', under_autocast(converted, images), f"Composer's apply_channels_last, NCHW input, {autocast_how}"
+        )
+
+    def torchscript() -> Variant:
         scripted = torch.jit.script(copy.deepcopy(model).to(dtype))
         frozen = torch.jit.optimize_for_inference(torch.jit.freeze(scripted))
-        typed = images.to(dtype)
-        variants.append(Variant('torchscript', lambda: frozen(typed),
-                                f'script + freeze + optimize_for_inference, {dtype}'.replace('torch.', '')))
-    if 'fused' in names or 'fused (copy)' in names:
-        fused = fuse_for_inference(model, images[:2])
-        notes['fusion'] = str(fused.summary)
-        if 'fused' in names:
-            variants.append(Variant('fused', under_autocast(fused, nhwc),
-                                    f'fuse_for_inference, NHWC input, {autocast_how}'))
-        if 'fused (copy)' in names and not low:
-            notes['skipped']['fused (copy)'] = 'a converted copy is the float32 model itself'
-        elif 'fused (copy)' in names:
-            fused_copy = copy.deepcopy(fused).to(dtype)
-            typed = nhwc.to(dtype)
-            variants.append(Variant('fused (copy)', lambda: fused_copy(typed),
-                                    f'fuse_for_inference(...).to({dtype}), NHWC input'.replace('torch.', '')))
-    if 'export' in names:
-        if low or device.type != 'cpu':
-            notes['skipped']['export'] = 'the exported program is traced in float32 on CPU'
-        else:
-            path = workdir / f'{type(model).__name__}.pt2'
-            export_for_inference(model, path, images[:2])
-            program = torch.export.load(path).module()
-            variants.append(Variant('export', lambda: program(nhwc), 'torch.export.load(fused .pt2), NHWC input'))
+        inputs = images.to(dtype)
+        return Variant('torchscript', lambda: frozen(inputs), f'script + freeze + optimize_for_inference, {typed}')
+
+    def inductor() -> Variant:
+        return Variant(
+            'inductor',
+            under_autocast(_inductor_freezing(model), nhwc),
+            f'torch.compile(model.to(channels_last)), inductor freezing, NHWC input, {autocast_how}',
+        )
+
+    fused_copies: dict[str, Any] = {}
+
+    def fused_eager() -> Any:
+        if 'eager' not in fused_copies:
+            fused_copies['eager'] = fuse_for_inference(model, images[:2])
+            notes['fusion'] = str(fused_copies['eager'].summary)
+        return fused_copies['eager']
+
+    def fused() -> Variant:
+        return Variant('fused', under_autocast(fused_eager(), nhwc), f'fuse_for_inference, NHWC input, {autocast_how}')
+
+    def fused_copy() -> Variant:
+        converted = copy.deepcopy(fused_eager()).to(dtype)
+        inputs = nhwc.to(dtype)
+        return Variant('fused (copy)', lambda: converted(inputs), f'fuse_for_inference(...).to({typed}), NHWC input')
+
+    def fused_inductor() -> Variant:
+        compiled = fuse_for_inference(model, images[:2], backend='inductor')  # checked in float32
+        return Variant(
+            'fused (inductor)',
+            under_autocast(compiled, nhwc),
+            f"fuse_for_inference(backend='inductor'), NHWC input, {autocast_how}",
+        )
+
+    def export() -> Variant:
+        path = workdir / f'{type(model).__name__}.pt2'
+        export_for_inference(model, path, images[:2])
+        program = torch.export.load(path).module()
+        return Variant('export', lambda: program(nhwc), 'torch.export.load(fused .pt2), NHWC input')
+
+    builders = {
+        'nchw': nchw,
+        'channels_last': channels_last,
+        'composer': composer,
+        'torchscript': torchscript,
+        'inductor': inductor,
+        'fused': fused,
+        'fused (copy)': fused_copy,
+        'fused (inductor)': fused_inductor,
+        'export': export,
+    }
+    reasons = {
+        'composer': None if importlib.util.find_spec('composer') else 'Composer is not installed here',
+        'fused (copy)': None if low else 'a converted copy is the float32 model itself',
+        'export': 'the exported program is traced in float32 on CPU' if low or device.type != 'cpu' else None,
+    }
+    variants = []
+    for name in names:
+        if reasons.get(name):
+            notes['skipped'][name] = reasons[name]
+            continue
+        start = time.perf_counter()
+        try:
+            variant = builders[name]()
+            variant.run()
+        except Exception as error:  # a variant this torch cannot build (a compiler failure, say) is reported
+            notes['skipped'][name] = f'{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}'
+            continue
+        notes['first_call_seconds'][name] = time.perf_counter() - start
+        variants.append(variant)
     return variants, notes
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-
-
-def time_calls(run: Callable[[], Any], iterations: int, device: torch.device) -> float:
-    """Seconds per call of ``run``, over ``iterations`` calls."""
-    _synchronize(device)
-    start = time.perf_counter()
-    for _ in range(iterations):
-        run()
-    _synchronize(device)
-    return (time.perf_counter() - start) / iterations
+def _ratio_fields(timings: Any, reference: str, name: str, prefix: str) -> dict[str, Any]:
+    if reference not in timings.seconds or not timings.seconds[reference] or not timings.seconds[name]:
+        return {}
+    ratio = timings.ratio(reference, name)
+    return {f'{prefix}': ratio.median, f'{prefix}_interval': ratio.interval}
 
 
 def measure(name: str, dtype_name: str, args: argparse.Namespace, workdir: Path) -> dict:
@@ -144,134 +230,95 @@ def measure(name: str, dtype_name: str, args: argparse.Namespace, workdir: Path)
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     with torch.inference_mode():
         variants, notes = build_variants(model, images, dtype, tuple(args.variants), workdir)
-        for variant in variants:
-            for _ in range(args.warmup):
-                variant.run()
         baseline = next((v for v in variants if v.name == 'nchw'), variants[0])
-        iterations = args.iterations or max(1, math.ceil(args.min_seconds / time_calls(baseline.run, 1, device)))
-        seconds: dict[str, list[float]] = {v.name: [] for v in variants}
-        for _ in range(args.rounds):
-            for variant in variants:
-                seconds[variant.name].append(time_calls(variant.run, iterations, device))
+        sync = synchronizer(device)
+        one = time.perf_counter()
+        baseline.run()
+        if sync is not None:
+            sync()
+        iterations = args.iterations or max(1, math.ceil(args.min_seconds / (time.perf_counter() - one)))
+        timings = time_interleaved(
+            {v.name: v.run for v in variants},
+            rounds=args.rounds,
+            warmup=args.warmup,
+            repeat=iterations,
+            synchronize=sync,
+            catch=True,
+        )
     rows = []
     for variant in variants:
-        own = seconds[variant.name]
-        ratios = [base / mine for base, mine in zip(seconds[baseline.name], own)]
-        rows.append({
-            'model': name,
-            'dtype': dtype_name,
-            'variant': variant.name,
-            'how': variant.how,
-            'seconds_per_batch': own,
-            'best_images_per_s': args.batch_size / min(own),
-            'median_images_per_s': args.batch_size / statistics.median(own),
-            'speedup_vs_nchw': statistics.median(ratios),
-        })
+        own = timings.seconds[variant.name]
+        if not own:
+            notes['skipped'][variant.name] = timings.errors.get(variant.name, 'no timed round')
+            continue
+        rows.append(
+            {
+                'model': name,
+                'dtype': dtype_name,
+                'variant': variant.name,
+                'how': variant.how,
+                'seconds_per_batch': own,
+                'best_images_per_s': args.batch_size / min(own),
+                'median_images_per_s': args.batch_size / statistics.median(own),
+                **_ratio_fields(timings, baseline.name, variant.name, 'speedup_vs_nchw'),
+                **_ratio_fields(timings, 'inductor', variant.name, 'speedup_vs_inductor'),
+            }
+        )
     del variants, model
     gc.collect()
-    return {'model': name, 'dtype': dtype_name, 'iterations': iterations, 'rows': rows,
-            'wall_seconds': time.perf_counter() - start, **notes}
-
-
-def _row(group: dict, variant: str) -> Optional[dict]:
-    return next((row for row in group['rows'] if row['variant'] == variant), None)
-
-
-def resnet50_verdict(groups: list[dict], batch_size: int, image_size: int) -> Optional[str]:
-    """Whether ResNet-50 float32 fused beats TorchScript and reaches 1.7x over NCHW eager."""
-    group = next((g for g in groups if g['model'] == 'resnet50' and g['dtype'] == 'float32'), None)
-    fused = None if group is None else _row(group, 'fused')
-    script = None if group is None else _row(group, 'torchscript')
-    if fused is None or script is None:
-        return None
-    faster = fused['median_images_per_s'] > script['median_images_per_s']
-    enough = fused['speedup_vs_nchw'] >= 1.7
-    verdict = 'met' if faster and enough else 'MISSED'
-    return (f"ResNet-50 float32, batch {batch_size} at {image_size}x{image_size}: fused "
-            f"{fused['speedup_vs_nchw']:.2f}x over NCHW eager (target 1.7x: {'reached' if enough else 'not reached'}), "
-            f"{fused['median_images_per_s'] / script['median_images_per_s']:.2f}x TorchScript freeze's median "
-            f"throughput ({'faster' if faster else 'not faster'}): target {verdict}.")
-
-
-def bf16_note(groups: list[dict]) -> list[str]:
-    """Per model: the fused path under autocast against the converted copy."""
-    lines = []
-    for group in groups:
-        autocast, converted = _row(group, 'fused'), _row(group, 'fused (copy)')
-        if group['dtype'] != 'float32' and autocast and converted:
-            ratio = converted['median_images_per_s'] / autocast['median_images_per_s']
-            lines.append(f"{group['model']} {group['dtype']}: the converted copy runs at {ratio:.2f}x the autocast "
-                         'median throughput')
-    return lines
-
-
-def markdown(result: dict) -> str:
-    m, s = result['machine'], result['settings']
-    lines = [
-        '# Inference throughput: fused NHWC against NCHW eager, channels last, Composer and TorchScript',
-        '',
-        f"Machine: {machine_label(m)}; {m['cores_usable']} usable cores ({m['cores']} online), "
-        f"GPU: {m['gpu'] or 'none'}; device `{s['device']}`. Python {m['python']}, torchvision {m['torchvision']}.",
-        '',
-        f"Command: `{result['command']}` ({result['date']})",
-        '',
-        f"1-minute load average {result['load_average_1min']['before']:.1f} before and "
-        f"{result['load_average_1min']['after']:.1f} after the run (other work on the machine makes rounds vary).",
-        '',
-        f"Batch {s['batch_size']} at {s['image_size']}x{s['image_size']}, random weights (torchvision, "
-        f"`weights=None`), {s['warmup']} warm-up calls per variant, {s['rounds']} interleaved timed rounds. "
-        'Images/s from the best and the median round; "vs NCHW" is the median over rounds of the NCHW '
-        "time over the variant's time in the same round (above 1: faster).",
-        '',
-    ]
-    verdict = resnet50_verdict(result['groups'], s['batch_size'], s['image_size'])
-    if verdict:
-        lines += [f'**{verdict}**', '']
-    lines += ['| model | dtype | variant | best img/s | median img/s | vs NCHW | how |',
-              '|---|---|---|---:|---:|---:|---|']
-    for group in result['groups']:
-        for row in group['rows']:
-            lines.append(f"| {row['model']} | {row['dtype']} | {row['variant']} | {row['best_images_per_s']:.1f} | "
-                         f"{row['median_images_per_s']:.1f} | {row['speedup_vs_nchw']:.2f}x | {row['how']} |")
-    lines += ['', 'What was fused (fx route: patterns matched on a symbolic trace):', '']
-    seen = set()
-    for group in result['groups']:
-        if 'fusion' in group and group['model'] not in seen:
-            seen.add(group['model'])
-            lines.append(f"- {group['model']}: {group['fusion']}")
-    notes = bf16_note(result['groups'])
-    if notes:
-        lines += ['', 'Reduced precision, fused path, autocast against a converted copy:', '']
-        lines += [f'- {line}' for line in notes]
-    skipped = sorted({f'{name}: {why}' for group in result['groups'] for name, why in group['skipped'].items()})
-    if skipped:
-        lines += ['', 'Not measured: ' + '; '.join(skipped) + '.']
-    return '\n'.join(lines) + '\n'
+    return {
+        'model': name,
+        'dtype': dtype_name,
+        'iterations': iterations,
+        'rows': rows,
+        'wall_seconds': time.perf_counter() - start,
+        **notes,
+    }
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split('\n\n', 1)[1])
-    parser.add_argument('--models', nargs='+', default=['resnet50', 'mobilenet_v2', 'efficientnet_b0',
-                                                         'regnet_y_400mf', 'densenet121'],
-                        help='torchvision model names (default: %(default)s)')
-    parser.add_argument('--dtypes', nargs='+', choices=sorted(DTYPES),
-                        default=['float32', 'float16'] if cuda else ['float32', 'bfloat16'],
-                        help='float32 and the reduced precision of the device (default: %(default)s)')
+    parser = argparse.ArgumentParser(
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split('\n\n', 1)[1],
+    )
+    parser.add_argument(
+        '--models', nargs='+', default=list(MODELS), help='torchvision model names (default: %(default)s)'
+    )
+    parser.add_argument(
+        '--dtypes',
+        nargs='+',
+        choices=sorted(DTYPES),
+        default=['float32', 'float16'] if cuda else ['float32', 'bfloat16'],
+        help='float32 and the reduced precision of the device (default: %(default)s)',
+    )
     parser.add_argument('--variants', nargs='+', choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument('--batch-size', type=int, default=16)
     parser.add_argument('--image-size', type=int, default=224)
-    parser.add_argument('--warmup', type=int, default=2, help='untimed calls per variant first (default 2)')
-    parser.add_argument('--rounds', type=int, default=5, help='timed interleaved rounds (default 5)')
-    parser.add_argument('--iterations', type=int, help='calls per measurement (default: as many as make the '
-                        'NCHW model take --min-seconds)')
+    parser.add_argument('--warmup', type=int, default=2, help='untimed rounds first (default 2)')
+    parser.add_argument('--rounds', type=int, default=7, help='timed interleaved rounds (default 7)')
+    parser.add_argument(
+        '--iterations',
+        type=int,
+        help='calls per measurement (default: as many as make the NCHW model take --min-seconds)',
+    )
     parser.add_argument('--min-seconds', type=float, default=0.3)
     parser.add_argument('--device', default='cuda' if cuda else 'cpu')
     parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--out', type=Path, help='folder for inference.json and inference.md (else print only)')
-    return parser.parse_args(argv)
+    parser.add_argument(
+        '--smoke',
+        action='store_true',
+        help='check that the script runs: '
+        + ', '.join(f'{k}={v}' for k, v in SMOKE.items())
+        + ' (timings meaningless; nothing is written unless --out is given)',
+    )
+    parser.add_argument('--out', type=Path, help='folder for inference-torch<X.Y>.json and .md (else print only)')
+    args = parser.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+    return args
 
 
 def main(argv=None) -> int:
@@ -284,24 +331,42 @@ def main(argv=None) -> int:
                 group = measure(name, dtype_name, args, Path(tmp))
                 groups.append(group)
                 for row in group['rows']:
-                    print(f"{name:16} {dtype_name:9} {row['variant']:14} best {row['best_images_per_s']:7.1f} img/s  "
-                          f"median {row['median_images_per_s']:7.1f}  ({row['speedup_vs_nchw']:.2f}x)", flush=True)
-                print(f"{name} {dtype_name}: {group['wall_seconds']:.0f} s with building and warm-up", flush=True)
+                    print(
+                        f'{name:16} {dtype_name:9} {row["variant"]:17} best {row["best_images_per_s"]:7.1f} img/s  '
+                        f'median {row["median_images_per_s"]:7.1f}  ({times(row, "speedup_vs_nchw")} NCHW, '
+                        f'{times(row, "speedup_vs_inductor")} inductor)',
+                        flush=True,
+                    )
+                for variant, why in group['skipped'].items():
+                    print(f'{name:16} {dtype_name:9} {variant:17} not measured: {why}', flush=True)
+                print(f'{name} {dtype_name}: {group["wall_seconds"]:.0f} s with building and warm-up', flush=True)
     result = {
         'command': ' '.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
         'machine': describe_machine(),
-        'settings': {key: getattr(args, key) for key in ('batch_size', 'image_size', 'warmup', 'rounds', 'iterations',
-                                                          'min_seconds', 'device', 'seed')},
+        'settings': {
+            key: getattr(args, key)
+            for key in (
+                'batch_size',
+                'image_size',
+                'warmup',
+                'rounds',
+                'iterations',
+                'min_seconds',
+                'device',
+                'seed',
+                'smoke',
+            )
+        },
         'date': time.strftime('%Y-%m-%d'),
         'load_average_1min': {'before': load_before, 'after': os.getloadavg()[0]},
         'groups': groups,
     }
-    verdict = resnet50_verdict(groups, args.batch_size, args.image_size)
-    if verdict:
-        print(verdict)
+    for line in inductor_verdicts(groups, args.smoke):
+        print(line)
     if args.out is not None:
-        write_results(args.out, 'inference', result, markdown(result))
-        print(f'wrote {args.out / "inference.json"} and {args.out / "inference.md"}')
+        stem = 'inference-torch' + '.'.join(torch.__version__.split('+')[0].split('.')[:2])
+        write_results(args.out, stem, result, markdown(result))
+        print(f'wrote {args.out / stem}.json and .md')
     return 0
 
 

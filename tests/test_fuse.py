@@ -1,22 +1,28 @@
-"""Fused NHWC inference: the zoo matches eager NCHW, the contract holds, export and Composer work."""
+"""Fused NHWC inference: the zoo matches eager NCHW, the pattern table drives both routes, the
+contract holds, export works at every size, the inductor backend compiles, Composer evaluates fused."""
 
 import subprocess
 import sys
 
 import pytest
 import torch
-from composer import Trainer
-from composer.algorithms import EMA
-from composer.models import ComposerClassifier
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from channels_last_algo import ChannelsLast, FusedConv2d, InferenceModel, apply_channels_last, fuse_for_inference
+from channels_last_algo import (
+    FusedConv2d,
+    InferenceModel,
+    apply_channels_last,
+    export_for_inference,
+    fuse_for_inference,
+)
 from channels_last_algo.app.cli import main
 from channels_last_algo.app.demo import TinyResNet
-from channels_last_algo.core.fuse import PostOp
-from channels_last_algo.core.layout import has_channels_last_strides
 from channels_last_algo.app.models import build_model
+from channels_last_algo.core.fuse import FUSION_PATTERNS, PostOp, patterns
+from channels_last_algo.core.fuse.graph import fuse_graph, trace
+from channels_last_algo.core.fuse.modules import fuse_modules
+from channels_last_algo.core.layout import has_channels_last_strides
 
 # model -> (convolutions fused, BatchNorms folded, residual adds fused, adds written in place)
 ZOO = {
@@ -79,9 +85,19 @@ def test_zoo_matches_eager_nchw_and_leaves_the_model_alone(name):
     assert all(p.requires_grad for p in model.parameters())
 
 
-ACTIVATIONS = [None, PostOp('relu'), PostOp('hardtanh', (0.0, 6.0)), PostOp('swish'), PostOp('hardswish'),
-               PostOp('sigmoid'), PostOp('hardsigmoid'), PostOp('tanh'), PostOp('gelu', algorithm='none'),
-               PostOp('gelu', algorithm='tanh'), PostOp('leaky_relu', (0.1,))]
+ACTIVATIONS = [
+    None,
+    PostOp('relu'),
+    PostOp('hardtanh', (0.0, 6.0)),
+    PostOp('swish'),
+    PostOp('hardswish'),
+    PostOp('sigmoid'),
+    PostOp('hardsigmoid'),
+    PostOp('tanh'),
+    PostOp('gelu', algorithm='none'),
+    PostOp('gelu', algorithm='tanh'),
+    PostOp('leaky_relu', (0.1,)),
+]
 
 
 @pytest.mark.parametrize('prepack', [True, False])
@@ -128,6 +144,105 @@ def test_fused_convolution_falls_back_to_eager_ops_where_onednn_does_not_apply()
     assert x.grad is not None
 
 
+def test_a_refused_shape_runs_the_plain_ops_from_then_on(monkeypatch):
+    """Where oneDNN refuses a shape (torch 2.7: conv + add with a 1 x 1 output), that call and
+    later ones at the shape compute the plain ops; other shapes keep the fused kernel."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    fused = FusedConv2d(conv, PostOp('relu'), add=True)
+    calls = []
+
+    def refuse_one_by_one(x, other, dtype):
+        calls.append(tuple(x.shape))
+        if x.shape[-1] == 1:
+            raise RuntimeError('could not create a memory')
+        return torch.relu(nn.functional.conv2d(x, fused.weight, fused.bias, padding=1) + other)
+
+    monkeypatch.setattr(fused, '_onednn', refuse_one_by_one)
+    with torch.no_grad():
+        for size in (1, 1, 4):
+            x, other = torch.randn(2, 8, size, size), torch.randn(2, 8, size, size)
+            torch.testing.assert_close(fused(x, other), torch.relu(conv(x) + other), rtol=1e-5, atol=1e-5)
+    assert calls == [(2, 8, 1, 1), (2, 8, 4, 4)]  # tried once at 1 x 1
+    assert fused.refused == {('cpu', torch.float32, (8, 1, 1))}
+
+
+@pytest.mark.parametrize('size', [8, 16, 32])
+def test_fused_copy_and_export_at_small_sizes(size, tmp_path):
+    """ResNet-18 at 8-32 px: the last stages are 1 x 1, where torch 2.7's oneDNN refuses conv + add."""
+    torch.manual_seed(0)
+    model = _randomize_batchnorm(build_model('resnet18', num_classes=10)).eval()
+    x, other_batch = torch.randn(2, 3, size, size), torch.randn(3, 3, size, size)
+    fused = fuse_for_inference(model, x)
+    _, summary = export_for_inference(model, tmp_path / 'resnet18.pt2', x)
+    program = torch.export.load(tmp_path / 'resnet18.pt2').module()
+    with torch.no_grad():
+        assert _relative_error(fused(other_batch), model(other_batch)) < 1e-4
+        nhwc = other_batch.to(memory_format=torch.channels_last)
+        assert _relative_error(program(nhwc), model(other_batch)) < 1e-4
+    assert summary.count('add') == 8 and set(summary.refused) <= {p for p, k in summary.fused.items() if 'add' in k}
+
+
+def test_both_routes_read_the_pattern_table(monkeypatch):
+    """The same patterns on both routes; a pattern taken out of the table is gone from both."""
+
+    def model():
+        torch.manual_seed(0)
+        return _randomize_batchnorm(
+            nn.Sequential(
+                nn.Conv2d(3, 8, 3),
+                nn.BatchNorm2d(8),
+                nn.ReLU6(),
+                nn.Conv2d(8, 8, 1),
+                nn.Dropout(),
+                nn.BatchNorm2d(8),
+                nn.SiLU(),
+                nn.Conv2d(8, 4, 1),
+                nn.Hardswish(),
+                nn.Conv2d(4, 4, 1),
+            )
+        ).eval()
+
+    def both_routes():
+        graph_module = trace(model())
+        return fuse_graph(graph_module, prepack=True).fused, fuse_modules(model(), prepack=True).fused
+
+    graph, modules = both_routes()
+    assert graph == modules == {'0': 'conv+bn+relu6', '3': 'conv+bn+silu', '7': 'conv+hardswish', '9': 'conv'}
+    monkeypatch.setattr(
+        patterns,
+        'FUSION_PATTERNS',
+        {pattern: fuser for pattern, fuser in FUSION_PATTERNS.items() if patterns.ACTIVATION not in pattern},
+    )
+    graph, modules = both_routes()
+    assert graph == modules == {'0': 'conv+bn', '3': 'conv+bn', '7': 'conv', '9': 'conv'}
+
+
+class _Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + y)
+
+
+def test_inductor_backend_compiles_the_fused_copy_with_freezing():
+    model = _randomize_batchnorm(_Residual()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    fused = fuse_for_inference(model, x, backend='inductor')
+    assert fused.summary.backend == 'inductor' and str(fused.summary).endswith('compiled by inductor (freezing)')
+    assert fused.summary.fused == {'conv1': 'conv+bn+relu', 'conv2': 'conv+bn+add+relu'}
+    with torch.no_grad():
+        assert _relative_error(fused(x), model(x)) < 1e-5
+    with pytest.raises(ValueError, match=r"backend must be one of \('eager', 'inductor'\), got 'tvm'"):
+        fuse_for_inference(model, backend='tvm')
+    with pytest.raises(ValueError, match=r"traceable=True \(a copy for torch.export\) needs backend='eager'"):
+        fuse_for_inference(model, traceable=True, backend='inductor')
+
+
 def test_a_model_in_train_mode_is_refused_naming_the_submodule():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
     with pytest.raises(ValueError, match=r'Sequential in eval mode, but it is in train mode.*model.eval\(\)'):
@@ -159,8 +274,9 @@ class _DataDependent(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Hardswish(),
-                                      nn.Conv2d(8, 8, 1), nn.ReLU6())
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Hardswish(), nn.Conv2d(8, 8, 1), nn.ReLU6()
+        )
         self.head = nn.Conv2d(8, 2, 1)
 
     def forward(self, x):
@@ -202,7 +318,6 @@ def test_example_input_catches_a_wrong_trace_and_takes_the_module_route():
 
 
 class _ResidualReadAfterwards(nn.Module):
-
     def __init__(self):
         super().__init__()
         self.first, self.second, self.third = nn.Conv2d(4, 4, 1), nn.Conv2d(4, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
@@ -246,37 +361,74 @@ def test_export_command_saves_a_program_that_runs_without_this_package(tmp_path)
     model = _randomize_batchnorm(build_model('resnet18', num_classes=10)).eval()
     torch.save(model.state_dict(), tmp_path / 'weights.pt')
     out = tmp_path / 'resnet18.pt2'
-    assert main(['export', 'resnet18', str(out), '--input', '2,3,64,64', '--num-classes', '10',
-                 '--weights', str(tmp_path / 'weights.pt')]) == 0
-    x = torch.randn(3, 3, 64, 64)  # another batch size: the batch dimension is dynamic
+    assert (
+        main(
+            [
+                'export',
+                'resnet18',
+                str(out),
+                '--input',
+                '2,3,16,16',
+                '--num-classes',
+                '10',
+                '--weights',
+                str(tmp_path / 'weights.pt'),
+            ]
+        )
+        == 0
+    )
+    x = torch.randn(3, 3, 16, 16)  # another batch size: the batch dimension is dynamic
     torch.save(x, tmp_path / 'x.pt')
-    script = ("import sys; sys.modules['channels_last_algo'] = None; import torch; "
-              f"program = torch.export.load({str(out)!r}).module(); x = torch.load({str(tmp_path / 'x.pt')!r}); "
-              f"torch.save(program(x.to(memory_format=torch.channels_last)), {str(tmp_path / 'y.pt')!r})")
+    script = (
+        "import sys; sys.modules['channels_last_algo'] = None; import torch; "
+        f'program = torch.export.load({str(out)!r}).module(); x = torch.load({str(tmp_path / "x.pt")!r}); '
+        f'torch.save(program(x.to(memory_format=torch.channels_last)), {str(tmp_path / "y.pt")!r})'
+    )
     subprocess.run([sys.executable, '-c', script], check=True, cwd=tmp_path)
     with torch.no_grad():
         assert _relative_error(torch.load(tmp_path / 'y.pt'), model(x)) < 1e-4
 
 
 def _trainer(fuse_eval, loader, save_folder):
+    from composer import Trainer
+    from composer.algorithms import EMA
+    from composer.models import ComposerClassifier
+
+    from channels_last_algo import ChannelsLast
+
     torch.manual_seed(0)
     model = ComposerClassifier(_randomize_batchnorm(TinyResNet(width=16)), num_classes=10)
-    return Trainer(model=model, train_dataloader=loader, eval_dataloader=loader, max_duration='3ba',
-                   eval_interval='1ba', device='cpu', progress_bar=False, seed=0, save_folder=save_folder,
-                   save_interval='1ba', save_overwrite=True,
-                   algorithms=[ChannelsLast(fuse_eval=fuse_eval), EMA(half_life='1ba', update_interval='1ba')])
+    return Trainer(
+        model=model,
+        train_dataloader=loader,
+        eval_dataloader=loader,
+        max_duration='3ba',
+        eval_interval='1ba',
+        device='cpu',
+        progress_bar=False,
+        seed=0,
+        save_folder=save_folder,
+        save_interval='1ba',
+        save_overwrite=True,
+        algorithms=[ChannelsLast(fuse_eval=fuse_eval), EMA(half_life='1ba', update_interval='1ba')],
+    )
 
 
 def test_composer_evaluation_with_fuse_eval_gives_the_same_metrics(tmp_path):
+    pytest.importorskip('composer', reason='the Composer integration needs Composer')
     generator = torch.Generator().manual_seed(0)
-    loader = DataLoader(TensorDataset(torch.randn(24, 3, 16, 16, generator=generator),
-                                      torch.randint(0, 10, (24,), generator=generator)), batch_size=8)
+    loader = DataLoader(
+        TensorDataset(
+            torch.randn(24, 3, 16, 16, generator=generator), torch.randint(0, 10, (24,), generator=generator)
+        ),
+        batch_size=8,
+    )
     results = {}
     for fuse_eval in (False, True):
         trainer = _trainer(fuse_eval, loader, save_folder=str(tmp_path / f'fuse_eval_{fuse_eval}'))
         network = trainer.state.model.module
         calls = []
-        network.register_forward_pre_hook(lambda module, args: calls.append(module.training))
+        network.register_forward_pre_hook(lambda module, args, calls=calls: calls.append(module.training))
         trainer.fit()
         metrics = {name: metric.compute().item() for name, metric in trainer.state.eval_metrics['eval'].items()}
         predictions = torch.cat(trainer.predict(loader))

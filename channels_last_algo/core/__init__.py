@@ -9,7 +9,14 @@ from here; nothing here imports from them.
 
 from channels_last_algo.core.audit import AuditRecord, AuditReport, LayoutAudit, LayoutBreakError, audit_model
 from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last
-from channels_last_algo.core.fuse import FusedConv2d, FusionSummary, InferenceModel, export_for_inference, fuse_for_inference
+from channels_last_algo.core.fuse import (
+    FusedConv2d,
+    FusedEvaluation,
+    FusionSummary,
+    InferenceModel,
+    export_for_inference,
+    fuse_for_inference,
+)
 from channels_last_algo.core.guard import LayoutGuard, batch_to_channels_last
 from channels_last_algo.core.layers import RULES, RepairRecord, RepairRule, repair_model
 from channels_last_algo.core.layout import Layout, has_channels_last_strides, is_channels_last, layout_of, to_channels_last
@@ -20,6 +27,7 @@ __all__ = [
     'AuditReport',
     'ConversionSummary',
     'FusedConv2d',
+    'FusedEvaluation',
     'FusionSummary',
     'InferenceModel',
     'Layout',

@@ -31,7 +31,7 @@ from channels_last_algo.core.convert import ConversionSummary, apply_channels_fi
 from channels_last_algo.core.layout import to_channels_first, to_channels_last
 from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
 
-__all__ = ['MODES', 'LayoutGuard', 'batch_to_channels_first', 'batch_to_channels_last']
+__all__ = ['MODES', 'OPTIONS', 'LayoutGuard', 'batch_to_channels_first', 'batch_to_channels_last', 'check_options']
 
 MODES = ('on', 'off', 'auto')
 Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
@@ -39,6 +39,40 @@ Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimize
 Batch = TypeVar('Batch')
 
 log = logging.getLogger(__name__)
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+# The options of LayoutGuard and of every trainer integration built on it: name -> (valid, what is expected).
+OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    'mode': (lambda value: isinstance(value, str) and value in MODES, f"one of {', '.join(repr(m) for m in MODES)}"),
+    'audit_steps': (lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+                    'an int >= 0 (0 turns the audit off)'),
+    'strict': (_is_bool, 'True or False'),
+    'repair': (_is_bool, 'True or False'),
+    'fuse_eval': (_is_bool, 'True or False'),
+}
+
+
+def check_options(**options: Any) -> None:
+    """Raise ``ValueError`` naming the first option (of :data:`OPTIONS`) whose value is invalid.
+
+    The one check behind :class:`LayoutGuard` and the trainer integrations' constructors, so a
+    string where a bool belongs is refused instead of read as truthy.
+
+    Example:
+        >>> check_options(mode='auto', strict=False)
+        >>> check_options(strict='no')
+        Traceback (most recent call last):
+        ...
+        ValueError: strict must be True or False, got 'no'
+    """
+    for name, value in options.items():
+        valid, expected = OPTIONS[name]
+        if not valid(value):
+            raise ValueError(f'{name} must be {expected}, got {value!r}')
 
 
 def batch_to_channels_last(batch: Batch) -> Batch:
@@ -91,12 +125,7 @@ class LayoutGuard:
     """
 
     def __init__(self, mode: str = 'on', audit_steps: int = 0, strict: bool = False, repair: bool = True) -> None:
-        if isinstance(mode, bool):  # YAML 1.1 reads an unquoted `mode: on` / `mode: off` as a bool
-            mode = 'on' if mode else 'off'
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if audit_steps < 0:
-            raise ValueError(f'audit_steps must be >= 0 (0 turns the audit off), got {audit_steps}')
+        check_options(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair)
         self.mode = mode
         self.repair = repair
         self.audit_steps = audit_steps

@@ -23,7 +23,6 @@ __all__ = ['INTEGRATIONS', 'integration_attribute', 'require']
 # Public name -> (module that defines it, the package it needs, the extra that installs it).
 INTEGRATIONS: dict[str, tuple[str, str, str]] = {
     'ChannelsLast': ('channels_last_algo.integrations.composer', 'composer', 'composer'),
-    'FusedEvaluation': ('channels_last_algo.integrations.composer', 'composer', 'composer'),
     'ChannelsLastCallback': ('channels_last_algo.integrations.lightning', 'lightning', 'lightning'),
 }
 

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map_only
 from channels_last_algo.core.audit import AuditReport
 from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.fuse import FusedEvaluation
-from channels_last_algo.core.guard import LayoutGuard
+from channels_last_algo.core.guard import LayoutGuard, check_options
 from channels_last_algo.core.parallel import weight_layout_for
 
 __all__ = ['ChannelsLast']
@@ -127,6 +127,7 @@ class ChannelsLast(Algorithm):
 
     def __init__(self, mode: str = 'on', audit_steps: int = 0, strict: bool = False, fuse_eval: bool = False,
                  repair: bool = True) -> None:
+        check_options(fuse_eval=fuse_eval)
         self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair)
         self._resumed_decision: Optional[LayoutDecision] = None
         self.fuse_eval = fuse_eval

@@ -1,0 +1,160 @@
+"""The fx route: trace the model symbolically, apply :data:`~.patterns.FUSION_PATTERNS` at
+every convolution node, and let a fused residual add write into its input where that is safe.
+
+Before matching, the nodes that are the identity in eval mode (Dropout, StochasticDepth,
+Identity) are removed, so that a conv and the add after them can fuse. A run of nodes
+matches a pattern when each node after the first is the only user of the one before, reads
+it as its input, and calls what the pattern's element accepts; a module called from several
+nodes is left alone.
+
+Example:
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).eval()
+    >>> graph_module = trace(net)
+    >>> fuse_graph(graph_module, prepack=True).fused
+    {'0': 'conv+bn+relu'}
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Optional
+
+import torch.nn.functional as F
+from torch import fx, nn
+
+from channels_last_algo.core.fuse.conv import FusedConv2d
+from channels_last_algo.core.fuse.patterns import LONGEST_PATTERN, Element, Match, fuse_chain, is_eval_identity
+from channels_last_algo.core.fuse.summary import FusionSummary
+from channels_last_algo.core.layers import RULES
+
+__all__ = ['fuse_graph', 'trace']
+
+_REPAIRED_LAYERS = tuple(rule.replacement for rule in RULES if rule.original_name.startswith('torch.nn.'))
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, keeping repaired ``torch.nn`` layers (:mod:`channels_last_algo.core.layers`) as
+    leaves, as the built-in layers they replace are: their forwards branch on the input's shape,
+    which symbolic tracing cannot follow."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return isinstance(module, _REPAIRED_LAYERS) or super().is_leaf_module(module, qualified_name)
+
+
+def trace(model: nn.Module) -> fx.GraphModule:
+    """A ``GraphModule`` of ``model`` (sharing its submodules); raises what tracing raises."""
+    return fx.GraphModule(model, _Tracer().trace(model))
+
+
+def _eval_identity_functions() -> dict[Any, int]:
+    """Functions that return their input when their ``training`` argument (at this
+    position) is False."""
+    functions: dict[Any, int] = {F.dropout: 2, F.dropout1d: 2, F.dropout2d: 2, F.dropout3d: 2, F.alpha_dropout: 2}
+    try:
+        from torchvision.ops import stochastic_depth
+    except ImportError:
+        return functions
+    functions[stochastic_depth] = 3
+    return functions
+
+
+def _drop_eval_identities(graph: fx.Graph, modules: dict[str, nn.Module]) -> None:
+    """Remove the nodes that are the identity in eval mode."""
+    functions = _eval_identity_functions()
+    for node in list(graph.nodes):
+        if node.op == 'call_module':
+            identity = is_eval_identity(modules[node.target])
+        elif node.op == 'call_function' and node.target in functions:
+            position = functions[node.target]
+            training = node.args[position] if len(node.args) > position else node.kwargs.get('training', True)
+            identity = training is False
+        else:
+            identity = False
+        if identity and node.args and isinstance(node.args[0], fx.Node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+
+
+def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition('.')
+    setattr(root.get_submodule(parent), name, module)
+
+
+def fuse_graph(graph_module: fx.GraphModule, prepack: bool) -> FusionSummary:
+    """Fold BatchNorms and fuse convolutions in ``graph_module``, in place.
+
+    Args:
+        graph_module: a traced model.
+        prepack: prepacked oneDNN weights and in-place residual adds (off for ``torch.export``).
+    """
+    graph = graph_module.graph
+    modules = dict(graph_module.named_modules())
+    calls = collections.Counter(node.target for node in graph.nodes if node.op == 'call_module')
+    _drop_eval_identities(graph, modules)
+
+    def value_of(element: Element, node: fx.Node, previous: Optional[fx.Node]) -> Any:
+        if node.op == 'call_module':
+            if previous is None:  # the convolution: called from this node alone, on one input
+                reads = calls[node.target] == 1 and len(node.args) == 1 and not node.kwargs
+            else:
+                reads = len(node.args) == 1 and node.args[0] is previous and not node.kwargs
+            return element.of_module(modules[node.target]) if reads else None
+        if previous is not None and node.op in ('call_function', 'call_method'):
+            return element.of_call(node, previous)
+        return None
+
+    erased: set[fx.Node] = set()
+
+    def fuse_at(start: fx.Node) -> Optional[str]:
+        current = [start]  # the run's first node, replaced with each fusion
+
+        def run_at() -> list[fx.Node]:
+            run = current[:1]
+            while len(run) < LONGEST_PATTERN and len(run[-1].users) == 1:
+                run.append(next(iter(run[-1].users)))
+            return run
+
+        def replace(match: Match, module: nn.Module) -> None:
+            first, last = match.items[0], match.items[-1]
+            _set_submodule(graph_module, first.target, module)
+            modules[first.target] = module
+            with graph.inserting_after(last):
+                fused = graph.call_module(first.target, (first.args[0], *match.operands))
+            last.replace_all_uses_with(fused)
+            for node in reversed(match.items):
+                graph.erase_node(node)
+            erased.update(match.items)
+            current[0] = fused
+
+        return fuse_chain(run_at, value_of, replace, prepack)
+
+    summary = FusionSummary(route='fx')
+    for start in list(graph.nodes):
+        description = None if start in erased else fuse_at(start)
+        if description is not None:
+            summary.fused[start.target] = description
+    if prepack:
+        _mark_in_place_adds(graph, dict(graph_module.named_modules()))
+    graph.lint()
+    graph_module.delete_all_unused_submodules()
+    graph_module.recompile()
+    return summary
+
+
+def _mark_in_place_adds(graph: fx.Graph, modules: dict[str, nn.Module]) -> None:
+    """Let a fused conv + add write into its residual input instead of a new tensor where
+    that is safe: the residual is a convolution's output (a fresh tensor, or one only aliasing
+    tensors that are dead already) and nothing reads it after the add. On CPU this skips
+    allocating (and page-faulting) one activation-sized output per residual block."""
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    for node in graph.nodes:
+        fused = modules.get(node.target) if node.op == 'call_module' else None
+        if not isinstance(fused, FusedConv2d) or not fused.add:
+            continue
+        other = node.args[1]
+        producer = modules.get(other.target) if other.op == 'call_module' else None
+        fresh = isinstance(producer, FusedConv2d) or FusedConv2d.accepts(producer)
+        fused.add_in_place = (
+            fresh and other is not node.args[0] and all(position[user] <= position[node] for user in other.users)
+        )

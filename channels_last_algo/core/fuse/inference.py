@@ -1,0 +1,213 @@
+"""The fused inference copy: :func:`fuse_for_inference` and the :class:`InferenceModel` it returns.
+
+The fx route (:mod:`.graph`) is tried first; where the model does not trace, or its traced
+copy does not match the model on the example input, the module route (:mod:`.modules`)
+is taken. Either way the copy is restrided to channels last, holds no parameter requiring
+grad, and runs the fused kernels from Python (``backend='eager'``), or is compiled by
+``torch.compile`` with inductor's freezing (``backend='inductor'``).
+
+Example:
+    >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).eval()
+    >>> x = torch.randn(2, 3, 16, 16)
+    >>> fused = fuse_for_inference(net, x)
+    >>> str(fused.summary)
+    'fx: 1 convolutions fused, 1 with BatchNorm folded, 1 with an activation, 0 with a residual add'
+    >>> torch.testing.assert_close(fused(x), net(x), rtol=1e-4, atol=1e-5)
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.fuse.conv import FusedConv2d
+from channels_last_algo.core.fuse.graph import fuse_graph, trace
+from channels_last_algo.core.fuse.modules import fuse_modules
+from channels_last_algo.core.fuse.summary import FusionSummary
+from channels_last_algo.core.guard import batch_to_channels_last
+
+__all__ = ['BACKENDS', 'InferenceModel', 'fuse_for_inference']
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ('eager', 'inductor')
+
+
+class InferenceModel(nn.Module):
+    """The eval-only fused copy :func:`fuse_for_inference` returns.
+
+    ``forward`` takes what the original model took; 4D and 5D input tensors are put in NHWC
+    first (no copy when they already are). It refuses to run in train mode or on an input
+    that requires grad while grad mode is on.
+
+    Attributes:
+        module: the fused network (a ``torch.fx.GraphModule`` on the fx route), compiled
+            (``torch.compile``'s wrapper around it) with ``backend='inductor'``.
+        summary: the :class:`~channels_last_algo.core.fuse.summary.FusionSummary`.
+    """
+
+    def __init__(self, module: nn.Module, summary: FusionSummary) -> None:
+        super().__init__()
+        self.module = module
+        self.summary = summary
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.training:
+            raise RuntimeError(
+                'this fused inference copy is in train mode; it is eval-only (BatchNorm is folded, it has no '
+                'backward). Call .eval() on it, or train the original model and fuse it again afterwards.'
+            )
+        if torch.is_grad_enabled() and any(
+            isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in tree_flatten((args, kwargs))[0]
+        ):
+            raise RuntimeError(
+                'an input to the fused inference copy requires grad; it has no backward (the fused kernels have '
+                'no gradient and its weights are detached copies). Run it under torch.no_grad() or '
+                'torch.inference_mode(), or differentiate the original model.'
+            )
+        args, kwargs = batch_to_channels_last((args, kwargs))
+        if self.summary.backend == 'inductor':
+            import torch._inductor.config as inductor_config
+
+            # freezing (weights as constants: folded, prepacked) applies to graphs compiled without grad
+            with torch.no_grad(), inductor_config.patch(freezing=True):
+                return self.module(*args, **kwargs)
+        return self.module(*args, **kwargs)
+
+
+def _max_relative_error(actual: Any, expected: Any) -> float:
+    errors = []
+    for a, e in zip(tree_flatten(actual)[0], tree_flatten(expected)[0]):
+        if isinstance(e, torch.Tensor) and e.is_floating_point():
+            scale = e.detach().abs().max().item() or 1.0
+            errors.append((a.detach().float() - e.detach().float()).abs().max().item() / scale)
+    return max(errors, default=0.0)
+
+
+def _check_arguments(model: nn.Module, traceable: bool, backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f'fuse_for_inference: backend must be one of {BACKENDS}, got {backend!r}')
+    if traceable and backend != 'eager':
+        raise ValueError(
+            f"fuse_for_inference: traceable=True (a copy for torch.export) needs backend='eager', got "
+            f'{backend!r}; export the eager copy, or compile without traceable'
+        )
+    training = next(((name, m) for name, m in model.named_modules() if m.training), None)
+    if training is not None:
+        name, module = training
+        where = f'its submodule {name!r} ({type(module).__name__})' if name else 'it'
+        raise ValueError(
+            f'fuse_for_inference needs {type(model).__name__} in eval mode, but {where} is in train mode, where '
+            'BatchNorm uses batch statistics (nothing to fold) and Dropout is active; call model.eval() first. '
+            'The fused copy is for inference only; keep training the original model.'
+        )
+
+
+def _refused_at_example(network: nn.Module) -> dict[str, str]:
+    """Module path -> input shape (C x H x W) of each fused convolution that refused the example."""
+    return {
+        path: ', '.join('x'.join(map(str, shape)) for _, _, shape in sorted(module.refused, key=str))
+        for path, module in network.named_modules()
+        if isinstance(module, FusedConv2d) and module.refused
+    }
+
+
+def fuse_for_inference(
+    model: nn.Module, example_input: Any = None, *, traceable: bool = False, rtol: float = 1e-4, backend: str = 'eager'
+) -> InferenceModel:
+    """An eval-only, NHWC, fused copy of ``model`` (see :mod:`channels_last_algo.core.fuse`).
+
+    Args:
+        model: a conv net in eval mode. Not modified. Its parameters may require grad: the
+            copy's do not.
+        example_input: an input (a tensor, or a tuple of positional arguments) the copy is
+            checked on: the fx route's output must match ``model``'s within ``rtol`` of the
+            largest output magnitude, else the module route is taken, and its output must
+            match too, else ``RuntimeError``. It also prepacks the weights for its shape, finds
+            the convolutions whose fused kernel refuses that shape (``summary.refused``), and
+            compiles the copy (``backend='inductor'``). When None, nothing is run.
+        traceable: keep plain weights (no oneDNN prepacking) and out-of-place residual adds,
+            as ``torch.export`` needs them; slower in eager mode.
+        rtol: the tolerance of the ``example_input`` check, relative to the largest output.
+        backend: ``'eager'``: the fused oneDNN / cuDNN kernels, called from Python.
+            ``'inductor'``: the fused network (BatchNorm folded) compiled by ``torch.compile``
+            with inductor's freezing, which fuses, prepacks and generates the rest itself;
+            compiling takes minutes for a ResNet-50 on a small CPU, at the first call.
+
+    Returns:
+        An :class:`InferenceModel` (eval mode, no parameter requiring grad) with the
+        :class:`~channels_last_algo.core.fuse.summary.FusionSummary` in ``.summary``.
+
+    Raises:
+        ValueError: ``model`` or a submodule of it is in train mode, or a bad ``backend``.
+        RuntimeError: the copy does not match ``model`` on ``example_input``, or (inductor)
+            ``torch.compile`` fails on it.
+    """
+    _check_arguments(model, traceable, backend)
+    inputs = example_input if isinstance(example_input, tuple) or example_input is None else (example_input,)
+    prepack = not traceable and backend == 'eager'
+
+    def finish(network: nn.Module, summary: FusionSummary) -> InferenceModel:
+        with torch.no_grad():
+            apply_channels_last(network)
+        summary.backend = backend
+        fused = InferenceModel(network if backend == 'eager' else torch.compile(network), summary).eval()
+        fused.requires_grad_(False)
+        return fused
+
+    expected = []  # the model's output on the example input, computed once
+
+    def mismatch(fused: InferenceModel) -> Optional[float]:
+        if inputs is None:
+            return None
+        with torch.no_grad():
+            if not expected:
+                expected.append(model(*inputs))
+            try:
+                actual = fused(*inputs)
+            except Exception as error:  # what torch.compile raises is any of dynamo's and inductor's errors
+                if backend == 'eager':
+                    raise
+                raise RuntimeError(
+                    f'fuse_for_inference(backend={backend!r}): torch.compile failed on the fused '
+                    f'{type(model).__name__}: {type(error).__name__}: {str(error).strip().splitlines()[0]}; '
+                    "use backend='eager' (the fused kernels without compiling)"
+                ) from error
+            error = _max_relative_error(actual, expected[0])
+        return error if not error <= rtol else None
+
+    def checked(network: nn.Module, summary: FusionSummary) -> tuple[InferenceModel, Optional[float]]:
+        fused = finish(network, summary)
+        error = mismatch(fused)
+        summary.refused = _refused_at_example(network)
+        return fused, error
+
+    trace_error = None
+    try:
+        graph_module = trace(copy.deepcopy(model))
+    except Exception as error:  # any model code can fail under symbolic tracing
+        trace_error = f'{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ""}'
+    else:
+        fused, error = checked(graph_module, fuse_graph(graph_module, prepack))
+        if error is None:
+            log.info('%s: %s', type(model).__name__, fused.summary)
+            return fused
+        trace_error = f'the traced graph output differs from the model by {error:.2e} (relative)'
+
+    network = copy.deepcopy(model)
+    summary = fuse_modules(network, prepack)
+    summary.trace_error = trace_error
+    fused, error = checked(network, summary)
+    if error is not None:
+        raise RuntimeError(
+            f'the fused copy of {type(model).__name__} differs from it by {error:.2e} relative to its '
+            f'largest output (> rtol={rtol}) on the example input; please report this model'
+        )
+    log.info('%s: %s', type(model).__name__, fused.summary)
+    return fused

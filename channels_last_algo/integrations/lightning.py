@@ -1,0 +1,388 @@
+"""``ChannelsLastCallback``: channels last in a Lightning ``Trainer``.
+
+It decides *when*; :class:`~channels_last_algo.core.guard.LayoutGuard` does the work. In
+Lightning's order inside ``fit`` / ``validate`` / ``test`` / ``predict`` (``Callback.setup`` ->
+``LightningModule.setup`` -> ``configure_model`` -> checkpoint restore -> ``strategy.setup``:
+precision, device move, DDP wrap, optimizers -> ``on_fit_start``), it acts where the strategy
+moves things to the device:
+
+- the model: right after ``strategy.model_to_device()``, which ``strategy.setup`` calls just
+  before it wraps the model in DDP. ``Callback.setup`` is too early (it runs before the
+  LightningModule's own ``setup`` and ``configure_model``, where layers are often built, and
+  before a checkpoint's callback state is restored); ``on_fit_start`` is too late (DDP has built
+  its gradient buckets). Strategies that shard instead (FSDP, DeepSpeed, model parallel) keep
+  the weights contiguous (:func:`~channels_last_algo.core.parallel.weight_layout_for`); one that
+  never calls ``model_to_device`` (FSDP) is prepared at the stage's start hook.
+- every batch: right after ``strategy.batch_to_device()``, which every loop calls after the
+  user's transfer hooks and before any ``*_step``; its return value is the batch. A callback's
+  ``on_*_batch_start`` cannot replace the batch, wrapping ``LightningModule.on_after_batch_transfer``
+  is bypassed when a ``LightningDataModule`` defines that hook, and a forward pre-hook on the
+  LightningModule misses steps that call a submodule directly.
+
+Both are wrapped on the strategy instance from ``setup`` to ``teardown`` (or an exception).
+
+Example:
+    >>> from channels_last_algo import ChannelsLastCallback
+    >>> ChannelsLastCallback(audit_steps=2)
+    ChannelsLastCallback(mode='on', audit_steps=2, strict=False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Optional
+
+import torch
+
+from channels_last_algo.integrations import require
+
+require('lightning', 'lightning')
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import CombinedLoader
+
+from channels_last_algo.core.audit import AuditReport
+from channels_last_algo.core.auto import LayoutDecision
+from channels_last_algo.core.fuse import FusedEvaluation
+from channels_last_algo.core.guard import LayoutGuard, check_options
+from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
+
+__all__ = ['ChannelsLastCallback']
+
+log = logging.getLogger(__name__)
+
+
+def _patch(owner: object, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
+    """Set ``owner.<name>`` to ``replacement`` on this instance only; return what undoes it."""
+    had_own = name in vars(owner)
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+
+    def undo() -> None:
+        if had_own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
+
+    return undo
+
+
+@contextlib.contextmanager
+def _logging_muted(pl_module: pl.LightningModule) -> Iterator[None]:
+    """``self.log`` / ``self.log_dict`` do nothing inside: auto mode's trial steps leave no metrics."""
+    undo = [_patch(pl_module, name, lambda *args, **kwargs: None) for name in ('log', 'log_dict')]
+    try:
+        yield
+    finally:
+        for step in undo:
+            step()
+
+
+def _weight_layout(trainer: pl.Trainer, pl_module: pl.LightningModule) -> WeightLayoutPlan:
+    """What the strategy allows for the weights: contiguous where it shards, else channels last."""
+    strategy = trainer.strategy
+    sharding = strategy if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)) else None
+    tensor_parallel = strategy if isinstance(strategy, ModelParallelStrategy) else None
+    model = strategy.model if strategy.model is not None else pl_module  # wrapped, when a strategy wrapped it
+    return weight_layout_for(model, fsdp_config=sharding, tp_config=tensor_parallel)
+
+
+class ChannelsLastCallback(pl.Callback):
+    """Train, validate, test and predict in channels-last (NHWC) memory format in a Lightning ``Trainer``.
+
+    Just before the strategy wraps the model (see the module docstring for why there) every 4D
+    parameter and buffer is restrided to ``torch.channels_last`` and every 5D one to
+    ``torch.channels_last_3d``, in place, so DDP builds NHWC gradient buckets and warns about no
+    stride mismatch. Every batch the strategy moves to the device is put in NHWC, without a copy
+    when it already is. Under FSDP, DeepSpeed or model parallelism, which need contiguous
+    parameters, the weights stay contiguous and only the activations go NHWC.
+
+    The options are those of the Composer algorithm (:class:`~channels_last_algo.integrations.composer.ChannelsLast`):
+
+    Args:
+        mode: ``'on'`` (default), ``'off'`` (the callback does nothing), or ``'auto'``: before
+            DDP wraps the model, rank 0 times forward + backward of ``training_step`` on the
+            first training batch in NCHW and in channels last (``self.log`` muted, nothing left
+            behind) and all ranks keep its decision. The decision goes into Lightning checkpoints
+            (this callback's ``state_dict``); a run resumed from one keeps it without measuring.
+            Outside ``fit``, and under manual optimization (``training_step`` steps the
+            optimizers itself), nothing is timed and the model stays channels last.
+        audit_steps: audit forward, loss and backward of the first training batches (from
+            ``on_train_batch_start`` to ``on_after_backward``) and log
+            ``channels_last/layout_breaks``, ``break_bytes`` and ``exit_bytes`` to the trainer's
+            loggers at the end of each. 0: nothing installed.
+        strict: raise :class:`~channels_last_algo.core.audit.LayoutBreakError` at the end of the
+            first audited step with a layout break.
+        repair: swap the layers that drop NHWC for NHWC-preserving ones (see
+            :mod:`channels_last_algo.core.layers`). Default on.
+        fuse_eval: validate, test and predict on a fused inference copy of the network
+            (:func:`~channels_last_algo.core.fuse.fuse_for_inference`), rebuilt from the current
+            weights before the first batch of each pass and dropped at its end.
+        network: with ``fuse_eval``, the attribute of the LightningModule that holds the
+            network to fuse; by default its one child module with parameters.
+
+    Example:
+        .. code-block:: python
+
+            import lightning as L
+            from channels_last_algo import ChannelsLastCallback
+
+            trainer = L.Trainer(max_epochs=1, callbacks=[ChannelsLastCallback(audit_steps=2)])
+            trainer.fit(lightning_module, train_dataloader)
+    """
+
+    def __init__(
+        self,
+        mode: str = 'on',
+        audit_steps: int = 0,
+        strict: bool = False,
+        fuse_eval: bool = False,
+        repair: bool = True,
+        network: Optional[str] = None,
+    ) -> None:
+        check_options(fuse_eval=fuse_eval)
+        if network is not None and not isinstance(network, str):
+            raise ValueError(f'network must be the name of a LightningModule attribute (a str), got {network!r}')
+        self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair)
+        self.fuse_eval = fuse_eval
+        self.network = network
+        self.fused_evaluation = FusedEvaluation()
+        self._resumed_decision: Optional[LayoutDecision] = None
+        self._prepared: Optional[pl.LightningModule] = None  # the module converted, once
+        self._undo: list[Callable[[], None]] = []
+        self._fuse_pending = False
+
+    @property
+    def report(self) -> Optional[AuditReport]:
+        """The layout audit of the audited steps so far (None before any)."""
+        return self.guard.report
+
+    @property
+    def decision(self) -> Optional[LayoutDecision]:
+        """Auto mode's decision, once made (or loaded from a checkpoint)."""
+        return self.guard.decision
+
+    def __repr__(self) -> str:
+        return (
+            f'{type(self).__name__}(mode={self.guard.mode!r}, audit_steps={self.guard.audit_steps}, '
+            f'strict={self.guard.strict}{", fuse_eval=True" if self.fuse_eval else ""}'
+            f'{"" if self.guard.repair else ", repair=False"})'
+        )
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        decision = self.guard.decision
+        return {'decision': None if decision is None else decision.to_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callbacks after setup and configure_model, before strategy.setup:
+        # the decision is applied when the strategy moves the model to its device.
+        if state_dict.get('decision') is not None:
+            self._resumed_decision = LayoutDecision.from_dict(state_dict['decision'])
+
+    # --- setup and teardown: follow the strategy's moves -----------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.guard.mode == 'off':
+            return
+        strategy = trainer.strategy
+        move_model, move_batch = strategy.model_to_device, strategy.batch_to_device
+
+        def model_to_device() -> None:
+            move_model()
+            self._prepare(trainer, pl_module)
+
+        def batch_to_device(*args: Any, **kwargs: Any) -> Any:
+            return self.guard.on_batch(move_batch(*args, **kwargs))
+
+        self._undo += [
+            _patch(strategy, 'model_to_device', model_to_device),
+            _patch(strategy, 'batch_to_device', batch_to_device),
+        ]
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._restore()  # Lightning skips teardown hooks after an exception
+
+    def _restore(self) -> None:
+        """Stop an audit and a fused evaluation left running; unwrap the strategy."""
+        self.guard.close()
+        self._end_pass()
+        while self._undo:
+            self._undo.pop()()
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._prepare(trainer, pl_module)
+
+    # --- conversion and auto mode ------------------------------------------------------------------
+
+    def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Convert ``pl_module`` once, as its strategy allows; in auto mode settle the layout."""
+        if self.guard.mode == 'off' or self._prepared is pl_module:
+            return
+        self._prepared = pl_module
+        plan = _weight_layout(trainer, pl_module)
+        summary = self.guard.on_init(pl_module, trainer.optimizers or None, weight_layout=plan)
+        log.info('%s: %s', type(pl_module).__name__, summary)
+        self._log_hyperparameters(
+            trainer,
+            {
+                'channels_last/weight_layout': plan.mode,
+                'channels_last/restrided_tensors': len(summary.converted),
+                'channels_last/channels_last_tensors': 0 if plan.contiguous else summary.tensors,
+            },
+        )
+        if self.guard.mode == 'auto':  # on_init turns auto into 'on' where the weights must stay contiguous
+            self._settle_layout(trainer, pl_module)
+
+    def _settle_layout(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Auto mode: the checkpoint's decision, or rank 0 times ``training_step`` on the first
+        training batch and every rank takes its layout. Without training batches (validate,
+        test, predict) or under manual optimization (``training_step`` steps the optimizers
+        itself) nothing is timed and the model stays channels last."""
+        if self._resumed_decision is not None:
+            self.guard.apply_decision(pl_module, self._resumed_decision, trainer.optimizers or None)
+            log.info('auto layout: resumed with %s, decided in the checkpointed run', self._resumed_decision.layout)
+            return
+        if trainer.state.fn != TrainerFn.FITTING:
+            log.info('auto layout: no training batches to time in %s; channels last', trainer.state.fn)
+            return
+        if not pl_module.automatic_optimization:
+            log.warning(
+                'auto layout: training_step steps the optimizers itself under manual optimization, so it '
+                "cannot be timed without training; channels last (use mode='on' or 'off' to choose)"
+            )
+            return
+        decision = None
+        if trainer.global_rank == 0:
+            batch = self._first_training_batch(trainer)
+
+            def loss_fn(module: pl.LightningModule, batch: Any) -> torch.Tensor:
+                with trainer.precision_plugin.train_step_context(), _logging_muted(module):
+                    output = module.training_step(batch, 0)
+                loss = output.get('loss') if isinstance(output, Mapping) else output
+                if not isinstance(loss, torch.Tensor):
+                    raise ValueError(
+                        f"ChannelsLastCallback(mode='auto') times training_step, which returned "
+                        f'{type(output).__name__} on the first batch instead of a loss; return the '
+                        "loss (or {'loss': ...}), or use mode='on'"
+                    )
+                return loss
+
+            decision = self.guard.decide(pl_module, batch, loss_fn, trainer.optimizers or None)
+        if trainer.world_size > 1:  # rank 0 decided; every rank takes its layout
+            decision = LayoutDecision.from_dict(
+                trainer.strategy.broadcast(None if decision is None else decision.to_dict(), src=0)
+            )
+            self.guard.apply_decision(pl_module, decision, trainer.optimizers or None)
+        self._log_hyperparameters(
+            trainer,
+            {
+                'channels_last/auto_layout': decision.layout,
+                'channels_last/auto_speedup': decision.speedup,
+                'channels_last/auto_cost_s': decision.cost_seconds,
+            },
+        )
+
+    @staticmethod
+    def _first_training_batch(trainer: pl.Trainer) -> Any:
+        """The first batch of the train dataloader(s), on the device, as ``training_step`` gets it.
+
+        The dataloaders are not built before ``fit``'s loop starts, so this asks their source
+        (the module, the datamodule, or what was passed to ``fit``) as the loop will. The random
+        state is put back, so drawing it does not change the run's data order."""
+        loaders = trainer.fit_loop._data_source.dataloader()
+        with torch.random.fork_rng(devices=[]):
+            batch, _, _ = next(iter(CombinedLoader(loaders, 'max_size_cycle')))
+        return trainer.strategy.batch_to_device(batch)
+
+    @staticmethod
+    def _log_hyperparameters(trainer: pl.Trainer, params: dict[str, Any]) -> None:
+        for logger in trainer.loggers:
+            logger.log_hyperparams(params)
+
+    # --- training steps: the audit -------------------------------------------------------------
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self.guard.on_step_start()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step_report = self.guard.on_step_end()
+        if step_report is None:
+            return
+        metrics = {
+            'channels_last/layout_breaks': len(step_report.breaks),
+            'channels_last/break_bytes': step_report.break_bytes,
+            'channels_last/exit_bytes': step_report.exit_bytes,
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    # --- validation, test and prediction (one set of handlers): fused inference ------------------
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._prepare(trainer, pl_module)
+        self._fuse_pending = self.fuse_eval and self.guard.mode != 'off'
+
+    def on_validation_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._fuse(pl_module, batch)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_pass()
+
+    on_test_start = on_predict_start = on_validation_start
+    on_test_batch_start = on_predict_batch_start = on_validation_batch_start
+    on_test_end = on_predict_end = on_validation_end
+
+    def _end_pass(self) -> None:
+        """Put the training network back in place of a fused copy."""
+        self._fuse_pending = False
+        self.fused_evaluation.end()
+
+    def _fuse(self, pl_module: pl.LightningModule, batch: Any) -> None:
+        """Before the first batch of a pass: swap a fused copy of the network in, checked on this batch."""
+        if not self._fuse_pending:
+            return
+        self._fuse_pending = False
+        attribute = self.network or self._network_attribute(pl_module)
+        network = getattr(pl_module, attribute, None)
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        if isinstance(network, OptimizedModule):
+            raise ValueError(
+                f'ChannelsLastCallback(fuse_eval=True): {type(pl_module).__name__}.{attribute} is '
+                'compiled with torch.compile, which does its own fusion; leave fuse_eval off'
+            )
+        if not isinstance(network, torch.nn.Module):
+            raise ValueError(
+                f'ChannelsLastCallback(fuse_eval=True): {type(pl_module).__name__}.{attribute} is '
+                f'{type(network).__name__}, not the network to fuse; name it with network=...'
+            )
+        plan = weight_layout_for(network)
+        if plan.sharded:
+            log.warning('fuse_eval: evaluating unfused, since %s', plan.reason)
+            return
+        inputs = batch[0] if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) else None
+        self.fused_evaluation.start(pl_module, attribute, example_input=inputs)  # checked on this batch's inputs
+
+    @staticmethod
+    def _network_attribute(pl_module: pl.LightningModule) -> str:
+        holders = [name for name, child in pl_module.named_children() if any(True for _ in child.parameters())]
+        if len(holders) != 1:
+            raise ValueError(
+                f'ChannelsLastCallback(fuse_eval=True) fuses the child module of the LightningModule '
+                f'that holds its parameters; {type(pl_module).__name__} has {len(holders)} such '
+                f'children ({", ".join(holders) or "none"}): name the one to fuse with network=...'
+            )
+        return holders[0]

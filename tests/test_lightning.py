@@ -1,0 +1,520 @@
+"""The Lightning integration: ChannelsLastCallback driving the guard from a Lightning Trainer.
+
+Unit tests call the callback's handlers on a Trainer that never fits; the rest fit small
+conv nets on the CPU. The 2-rank DDP test starts two processes itself (LOCAL_RANK, NODE_RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT: Lightning then takes them as launched externally, with
+gloo); run as that script (``python tests/test_lightning.py OUT``), this file is the rank's
+program. As in tests/test_distributed.py, the single-process reference trains each global batch
+in two microbatches, one rank's half each, so BatchNorm sees what it sees under DDP and the
+parameters match.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip('lightning', reason='the Lightning integration needs lightning (the newest-torch environment)')
+
+import lightning as L
+from lightning.pytorch.loggers import Logger
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import channels_last_algo.core.guard as guard_module
+from channels_last_algo import ChannelsLastCallback, LayoutBreakError, has_channels_last_strides, is_channels_last
+from channels_last_algo.core.auto import LayoutDecision, decide_layout
+from conftest import breaking_model, no_dispatch_mode, random_images
+
+WORLD = 2
+RANK_BATCH = 4
+STEPS = 3
+IMAGE = 12
+STRIDE_WARNING = 'Grad strides do not match bucket view strides'
+
+
+def small_net() -> nn.Module:
+    """3x3 conv + BN, a depthwise 3x3 and a 1x1 (both with ambiguous strides), BN, a linear head."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8),
+        nn.Conv2d(8, 16, 1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 4),
+    )
+
+
+class Classifier(L.LightningModule):
+    """``net`` with cross-entropy and SGD; notes whether each forward's input was NHWC."""
+
+    def __init__(self, net: nn.Module | None = None, lr: float = 0.05) -> None:
+        super().__init__()
+        self.net = small_net() if net is None else net
+        self.lr = lr
+        self.inputs_nhwc: list[bool] = []
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self.inputs_nhwc.append(is_channels_last(images))
+        return self.net(images)
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        loss = nn.functional.cross_entropy(self(images), labels)
+        self.log('train_loss', loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        images, labels = batch
+        self.log('val_loss', nn.functional.cross_entropy(self(images), labels))
+
+    test_step = validation_step
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class Recording(Logger):
+    """A logger that keeps what it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[tuple[int, dict]] = []
+        self.hyperparameters: dict = {}
+
+    name = 'recording'
+    version = 0
+
+    def log_metrics(self, metrics, step=None):
+        self.metrics.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        self.hyperparameters.update(params if isinstance(params, dict) else vars(params))
+
+
+def trainer(callbacks=(), **options) -> L.Trainer:
+    settings = dict(
+        accelerator='cpu',
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return L.Trainer(callbacks=list(callbacks), **{**settings, **options})
+
+
+def loader(n: int = 16, batch_size: int = RANK_BATCH, seed: int = 0) -> DataLoader:
+    images, labels = random_images(n=n, size=IMAGE, seed=seed)
+    return DataLoader(TensorDataset(images, labels % 4), batch_size=batch_size)
+
+
+def weights_4d(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in net.named_parameters() if p.dim() == 4}
+
+
+def set_up(callback: ChannelsLastCallback, net: nn.Module | None = None, **options) -> tuple[L.Trainer, Classifier]:
+    """A Trainer that never fits, its strategy holding a Classifier, and ``callback.setup`` called."""
+    fit, module = trainer(**options), Classifier(net)
+    fit.strategy.connect(module)
+    callback.setup(fit, module, 'fit')
+    return fit, module
+
+
+@pytest.fixture
+def quick_decisions(monkeypatch):
+    """Auto mode decides on 2 paired rounds: real timing, bounded cost."""
+    monkeypatch.setattr(guard_module, 'decide_layout', functools.partial(decide_layout, max_rounds=2, warmup=0))
+
+
+# --- the handlers, on a Trainer that never fits ----------------------------------------------------
+
+
+def test_options_repr_and_bad_values():
+    assert repr(ChannelsLastCallback(audit_steps=2)) == "ChannelsLastCallback(mode='on', audit_steps=2, strict=False)"
+    assert (
+        repr(ChannelsLastCallback(fuse_eval=True, repair=False))
+        == "ChannelsLastCallback(mode='on', audit_steps=0, strict=False, fuse_eval=True, repair=False)"
+    )
+    with pytest.raises(ValueError, match='fuse_eval must be True or False'):
+        ChannelsLastCallback(fuse_eval='yes')
+    with pytest.raises(ValueError, match='mode must be'):
+        ChannelsLastCallback(mode='sideways')
+    with pytest.raises(ValueError, match='network must be the name'):
+        ChannelsLastCallback(network=nn.Linear(2, 2))
+
+
+def test_setup_follows_the_strategys_moves_and_teardown_unwraps():
+    callback = ChannelsLastCallback()
+    fit, module = set_up(callback)
+    assert {'model_to_device', 'batch_to_device'} <= set(vars(fit.strategy))
+    assert not any(has_channels_last_strides(p) for p in weights_4d(module).values())  # not before the move
+
+    fit.strategy.model_to_device()
+    assert all(has_channels_last_strides(p) for p in weights_4d(module).values())
+    images, labels = random_images(n=2, size=IMAGE)
+    moved_images, moved_labels = fit.strategy.batch_to_device((images, labels))
+    assert is_channels_last(moved_images) and torch.equal(moved_images, images) and moved_labels is labels
+
+    callback.teardown(fit, module, 'fit')
+    assert not {'model_to_device', 'batch_to_device'} & set(vars(fit.strategy))
+    assert not is_channels_last(fit.strategy.batch_to_device((images, labels))[0])
+
+
+def test_mode_off_installs_nothing():
+    fit, module = set_up(ChannelsLastCallback(mode='off'))
+    fit.strategy.model_to_device()
+    assert 'batch_to_device' not in vars(fit.strategy)
+    assert not any(has_channels_last_strides(p) for p in weights_4d(module).values())
+
+
+def test_sharding_strategies_keep_weights_contiguous_and_batches_nhwc():
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    from channels_last_algo.integrations.lightning import _weight_layout
+
+    callback = ChannelsLastCallback(mode='auto')  # auto would time channels-last weights: 'on'
+    fit, module = set_up(callback, strategy=ModelParallelStrategy())
+    fit.strategy.model_to_device()
+    assert callback.guard.mode == 'on' and 'ModelParallelStrategy' in callback.guard.weight_layout.reason
+    assert all(p.is_contiguous() and not has_channels_last_strides(p) for p in weights_4d(module).values())
+    assert is_channels_last(fit.strategy.batch_to_device(random_images(n=2, size=IMAGE))[0])
+    # Lightning's FSDP needs a GPU to run; the plan for it, from the strategy alone:
+    plan = _weight_layout(type('Trainer', (), {'strategy': FSDPStrategy()})(), Classifier())
+    assert plan.contiguous and not plan.sharded and 'FSDPStrategy' in plan.reason
+
+
+def test_audit_handlers_log_each_audited_step_to_the_loggers():
+    recording, callback = Recording(), ChannelsLastCallback(audit_steps=1)
+    fit, module = set_up(callback, breaking_model(), logger=recording)
+    fit.strategy.model_to_device()
+    assert recording.hyperparameters['channels_last/weight_layout'] == 'channels_last'
+    images, _ = fit.strategy.batch_to_device(random_images(n=2, size=IMAGE))
+    for _ in range(2):  # the second step is past audit_steps: not audited, nothing logged
+        callback.on_train_batch_start(fit, module, None, 0)
+        module(images).sum().backward()
+        callback.on_after_backward(fit, module)
+    assert recording.metrics == [
+        (
+            0,
+            {
+                'channels_last/layout_breaks': 1,
+                'channels_last/break_bytes': callback.report.break_bytes,
+                'channels_last/exit_bytes': 0,
+            },
+        )
+    ]
+    assert callback.report.steps == 1 and callback.report.breaks[0].module_path == 'net.1'
+
+
+def test_state_dict_holds_the_decision():
+    decision = LayoutDecision(
+        channels_last=False,
+        tie=False,
+        interval=(0.5, 0.8),
+        nchw_seconds=[1.0],
+        channels_last_seconds=[2.0],
+        margin=0.02,
+        confidence=0.95,
+        stopped_by='evidence',
+        cost_seconds=3.0,
+    )
+    callback = ChannelsLastCallback(mode='auto')
+    assert callback.state_dict() == {'decision': None}
+    callback.load_state_dict({'decision': decision.to_dict()})
+    fit, module = set_up(callback)
+    fit.strategy.model_to_device()  # the resumed decision, applied before any wrapping: NCHW
+    assert callback.decision == decision and callback.state_dict() == {'decision': decision.to_dict()}
+    assert not any(has_channels_last_strides(p) for p in weights_4d(module).values())
+    assert not is_channels_last(fit.strategy.batch_to_device(random_images(n=2, size=IMAGE))[0])
+
+
+# --- a Trainer on the CPU -------------------------------------------------------------------------
+
+
+class BuiltInConfigureModel(Classifier):
+    """Builds its network in ``configure_model`` (which runs after ``Callback.setup``) from ``initial``."""
+
+    def __init__(self, initial: dict[str, torch.Tensor]) -> None:
+        super().__init__(net=nn.Identity())
+        self.initial = initial
+
+    def configure_model(self) -> None:
+        if isinstance(self.net, nn.Identity):
+            self.net = small_net()
+            self.net.load_state_dict(self.initial)
+
+
+class LayoutRecorder(L.Callback):
+    """The 4D weights' layout when fitting starts (after the strategy's setup) and each weight gradient's."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, bool] = {}
+        self.grads: list[bool] = []
+
+    def on_fit_start(self, trainer, pl_module):
+        self.weights = {name: has_channels_last_strides(p) for name, p in weights_4d(pl_module).items()}
+
+    def on_after_backward(self, trainer, pl_module):
+        self.grads += [has_channels_last_strides(p.grad) for p in weights_4d(pl_module).values()]
+
+
+def test_trainer_trains_nhwc_in_fit_validate_test_predict_and_matches_nchw():
+    torch.manual_seed(0)
+    initial = small_net().state_dict()
+    reference = Classifier(small_net())
+    reference.net.load_state_dict(initial)
+    trainer(max_steps=STEPS).fit(reference, loader())
+
+    module = BuiltInConfigureModel(initial)
+    recorder = LayoutRecorder()
+    fit = trainer(
+        max_steps=STEPS, callbacks=[ChannelsLastCallback(), recorder], val_check_interval=2, limit_val_batches=2
+    )
+    fit.fit(module, loader(), loader())
+    assert list(recorder.weights) == ['net.0.weight', 'net.3.weight', 'net.4.weight']
+    assert all(recorder.weights.values()), recorder.weights
+    assert len(recorder.grads) == 3 * STEPS and all(recorder.grads)
+    fit.validate(module, loader(n=8))
+    fit.test(module, loader(n=8))
+    predictions = fit.predict(module, loader(n=8))
+    assert len(module.inputs_nhwc) == STEPS + 2 + 2 + 2 + 2 and all(module.inputs_nhwc)
+    assert [p.shape for p in predictions] == [(RANK_BATCH, 4)] * 2
+    trained = dict(module.net.named_parameters())
+    for name, value in reference.net.named_parameters():
+        torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_strict_stops_fit_with_the_break_and_leaves_nothing_installed():
+    fit = trainer(max_steps=2, callbacks=[ChannelsLastCallback(audit_steps=1, strict=True)])
+    with pytest.raises(LayoutBreakError, match="'net.1'"):
+        fit.fit(Classifier(breaking_model()), loader())
+    assert no_dispatch_mode() and 'batch_to_device' not in vars(fit.strategy)
+
+
+class NetworkNoted(Classifier):
+    """Notes the type of ``net`` at each validation step."""
+
+    networks: list[str] = []
+
+    def validation_step(self, batch, batch_idx):
+        self.networks.append(type(self.net).__name__)
+        return super().validation_step(batch, batch_idx)
+
+
+def test_fuse_eval_validates_on_a_fused_copy_and_puts_the_network_back():
+    torch.manual_seed(0)
+    module = NetworkNoted()
+    network = module.net
+    callback = ChannelsLastCallback(fuse_eval=True)
+    fit = trainer(callbacks=[callback])
+    fused = fit.validate(module, loader(n=8))[0]['val_loss']
+    assert module.networks == ['InferenceModel'] * 2 and module.net is network
+    callback.fuse_eval = False
+    unfused = fit.validate(module, loader(n=8))[0]['val_loss']
+    assert module.networks[2:] == ['Sequential'] * 2
+    assert fused == pytest.approx(unfused, rel=1e-5)
+
+
+def test_fuse_eval_names_the_network_to_fuse_when_there_is_no_single_one():
+    module = Classifier()
+    module.head = nn.Linear(4, 4)
+    with pytest.raises(ValueError, match=r'2 such children \(net, head\).*network='):
+        trainer(callbacks=[ChannelsLastCallback(fuse_eval=True)]).validate(module, loader(n=4))
+    fused = trainer(callbacks=[ChannelsLastCallback(fuse_eval=True, network='net')]).validate(module, loader(n=4))
+    assert 'val_loss' in fused[0]
+
+
+def test_auto_decision_is_logged_checkpointed_and_resumed_without_measuring(quick_decisions, monkeypatch, tmp_path):
+    recording = Recording()
+    callback = ChannelsLastCallback(mode='auto')
+    fit = trainer(max_steps=2, callbacks=[callback], logger=recording)
+    fit.fit(Classifier(), loader())
+    decision = callback.decision
+    assert decision is not None and decision.rounds == 2
+    assert recording.hyperparameters['channels_last/auto_layout'] == decision.layout
+    fit.save_checkpoint(tmp_path / 'run.ckpt')
+    checkpoint = torch.load(tmp_path / 'run.ckpt', weights_only=False)
+    assert checkpoint['callbacks']['ChannelsLastCallback'] == {'decision': decision.to_dict()}
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError('a resumed run measured again')
+
+    monkeypatch.setattr(guard_module, 'decide_layout', no_measuring)
+    resumed = ChannelsLastCallback(mode='auto')
+    trainer(max_steps=4, callbacks=[resumed]).fit(Classifier(), loader(), ckpt_path=tmp_path / 'run.ckpt')
+    assert resumed.decision == decision
+
+    # A checkpoint that kept NCHW: the resumed run trains NCHW, weights, gradients and inputs.
+    checkpoint['callbacks']['ChannelsLastCallback']['decision']['channels_last'] = False
+    torch.save(checkpoint, tmp_path / 'nchw.ckpt')
+    module, recorder = Classifier(), LayoutRecorder()
+    trainer(max_steps=4, callbacks=[ChannelsLastCallback(mode='auto'), recorder]).fit(
+        module, loader(), ckpt_path=tmp_path / 'nchw.ckpt'
+    )
+    assert recorder.weights and not any(recorder.weights.values())
+    assert recorder.grads and not any(recorder.grads)
+    assert module.inputs_nhwc and not any(module.inputs_nhwc)
+
+
+# --- 2 ranks, DDP on gloo -------------------------------------------------------------------------
+
+
+def channels_last_strides(shape: torch.Size) -> tuple[int, ...]:
+    return torch.empty(shape, memory_format=torch.channels_last, device='meta').stride()
+
+
+def global_dataset() -> TensorDataset:
+    """STEPS global batches of WORLD * RANK_BATCH images, the same in every process."""
+    images, labels = random_images(n=STEPS * WORLD * RANK_BATCH, size=IMAGE, seed=3)
+    return TensorDataset(images, labels % 4)
+
+
+class DDPRecorder(L.Callback):
+    """What DDP saw: the wrapper and the weights' layout at fit start, each step's gradient
+    layouts, and (through a comm hook) whether each bucket holds its 4D gradients in NHWC order."""
+
+    def __init__(self) -> None:
+        self.record: dict = {'buckets': [], 'grads': []}
+
+    def on_fit_start(self, trainer, pl_module):
+        self.record['wrapped_model'] = type(trainer.strategy.model).__name__
+        self.record['weights'] = {name: has_channels_last_strides(p) for name, p in weights_4d(pl_module).items()}
+        trainer.strategy.model.register_comm_hook(None, self.comm_hook)  # Lightning registers its own on CUDA only
+
+    def on_after_backward(self, trainer, pl_module):
+        self.record['grads'].append(all(has_channels_last_strides(p.grad) for p in weights_4d(pl_module).values()))
+
+    def comm_hook(self, state, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        buffer, offset, seen = bucket.buffer(), 0, {}
+        for param in bucket.parameters():
+            if param.dim() == 4:
+                segment = buffer[offset : offset + param.numel()]
+                seen[tuple(param.shape)] = torch.equal(
+                    segment.as_strided(param.shape, channels_last_strides(param.shape)), param.grad
+                )
+            offset += param.numel()
+        self.record['buckets'].append(seen)
+        return default_hooks.allreduce_hook(state, bucket)
+
+
+def _run_rank(out: Path) -> None:
+    """One rank: ``mode='on'`` with an audit, then ``mode='auto'``, each under DDP from the initial weights."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    guard_module.decide_layout = functools.partial(decide_layout, max_rounds=2, warmup=0)
+    initial = torch.load(out / 'initial.pt')
+    result = {}
+    for run, callback in (('on', ChannelsLastCallback(audit_steps=STEPS)), ('auto', ChannelsLastCallback(mode='auto'))):
+        net = small_net()
+        net.load_state_dict(initial)
+        module, recorder = Classifier(net), DDPRecorder()
+        ddp = DDPStrategy(process_group_backend='gloo')
+        # Lightning's own distributed sampler shuffles: this one gives rank r the samples r, r + WORLD, ...
+        fit = trainer(
+            devices=WORLD, strategy=ddp, max_steps=STEPS, callbacks=[callback, recorder], use_distributed_sampler=False
+        )
+        data = global_dataset()
+        sampler = DistributedSampler(data, num_replicas=WORLD, rank=int(os.environ['LOCAL_RANK']), shuffle=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            fit.fit(module, DataLoader(data, batch_size=RANK_BATCH, sampler=sampler))
+        result[run] = {
+            **recorder.record,
+            'inputs_nhwc': module.inputs_nhwc,
+            'warnings': [str(w.message) for w in caught if STRIDE_WARNING in str(w.message)],
+            'parameters': {name: p.detach().clone() for name, p in net.named_parameters()},
+            'audit': None if callback.report is None else (callback.report.steps, callback.report.ok),
+            'decision': None if callback.decision is None else callback.decision.to_dict(),
+        }
+    torch.save(result, out / f'rank{fit.global_rank}.pt')
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope='module')
+def two_ranks(tmp_path_factory):
+    """Start both ranks of the program; their records."""
+    out = tmp_path_factory.mktemp('lightning_ddp')
+    torch.manual_seed(0)
+    torch.save(small_net().state_dict(), out / 'initial.pt')
+    env = {k: v for k, v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')}
+    env.update(OMP_NUM_THREADS='1', WORLD_SIZE=str(WORLD), NODE_RANK='0', MASTER_ADDR='127.0.0.1')
+    env['MASTER_PORT'] = str(_free_port())
+    output = {'stdout': subprocess.PIPE, 'stderr': subprocess.STDOUT, 'text': True}
+    command = [sys.executable, __file__, str(out)]
+    ranks = [subprocess.Popen(command, env={**env, 'LOCAL_RANK': str(r)}, cwd=out, **output) for r in range(WORLD)]
+    try:
+        outputs = [rank.communicate(timeout=240)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    for rank, output in zip(ranks, outputs):
+        assert rank.returncode == 0, f'rank exit {rank.returncode}\n{output[-5000:]}'
+    return [torch.load(out / f'rank{r}.pt', weights_only=False) for r in range(WORLD)], out
+
+
+def _reference(initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One process, NCHW, no callback: each global batch as two microbatches, one rank's samples each."""
+    data = global_dataset()
+    per_rank = [list(DistributedSampler(data, num_replicas=WORLD, rank=r, shuffle=False)) for r in range(WORLD)]
+    net = small_net()
+    net.load_state_dict(initial)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for indices in per_rank:
+            images, labels = data[indices[step * RANK_BATCH : (step + 1) * RANK_BATCH]]
+            (nn.functional.cross_entropy(net(images), labels) / WORLD).backward()
+        optimizer.step()
+    return {name: p.detach() for name, p in net.named_parameters()}
+
+
+@pytest.mark.distributed
+def test_ddp_on_two_ranks_is_nhwc_throughout_and_matches_one_nchw_process(two_ranks):
+    ranks, out = two_ranks
+    expected = _reference(torch.load(out / 'initial.pt'))
+    for run in ('on', 'auto'):
+        for rank, record in enumerate(ranks):
+            mine = record[run]
+            assert mine['wrapped_model'] == 'DistributedDataParallel'
+            # Restrided before DDP built its buckets: the 3x3, depthwise and 1x1 weights.
+            assert mine['weights'] == {'net.0.weight': True, 'net.3.weight': True, 'net.4.weight': True}, run
+            assert mine['warnings'] == [], run
+            assert mine['grads'] == [True] * STEPS, run
+            trials = 4 if run == 'auto' and rank == 0 else 0  # rank 0 timed 2 rounds of both layouts
+            assert len(mine['inputs_nhwc']) == trials + STEPS and all(mine['inputs_nhwc'][trials:]), run
+            assert sum(len(seen) for seen in mine['buckets']) == 3 * STEPS
+            assert all(all(seen.values()) for seen in mine['buckets']), mine['buckets']
+            for name, value in expected.items():
+                close = functools.partial(torch.testing.assert_close, rtol=1e-4, atol=1e-5)
+                close(mine['parameters'][name], value, msg=f'{run} {name} differs from one NCHW process')
+    assert [record['on']['audit'] for record in ranks] == [(STEPS, True)] * WORLD
+    decisions = [record['auto']['decision'] for record in ranks]
+    assert decisions[0] is not None and decisions[0] == decisions[1]  # rank 0 decided, rank 1 took it
+
+
+if __name__ == '__main__':
+    _run_rank(Path(sys.argv[1]))
