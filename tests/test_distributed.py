@@ -389,7 +389,7 @@ def test_restriding_after_ddp_is_built_warns_and_the_guard_refuses_it(two_ranks)
 
 def test_plain_model_gets_channels_last_weights():
     plan = weight_layout_for(small_net())
-    assert plan == WeightLayoutPlan(False, plan.reason) and plan.mode == 'channels_last'
+    assert plan == WeightLayoutPlan(False, plan.reason) and plan.memory_format == 'channels_last'
 
 
 @pytest.mark.parametrize('config', ['FSDPConfig', 'FSDP2Config', 'TPConfig'])
@@ -398,7 +398,7 @@ def test_composer_sharding_configs_keep_weights_contiguous(config):
 
     plan = weight_layout_for(small_net(), **{('tp_config' if config == 'TPConfig' else 'fsdp_config'):
                                              getattr(parallelism, config)()})
-    assert plan.contiguous and not plan.sharded and plan.mode == 'contiguous'
+    assert plan.contiguous and not plan.sharded and plan.memory_format == 'channels_first'
     assert config in plan.reason
 
 

@@ -33,6 +33,8 @@ from typing import Any, Optional
 
 import torch
 
+from channels_last_algo.core.layout import MemoryFormat
+
 __all__ = ['WeightLayoutPlan', 'weight_layout_for']
 
 
@@ -53,9 +55,9 @@ class WeightLayoutPlan:
     sharded: bool = False
 
     @property
-    def mode(self) -> str:
-        """``'contiguous'`` or ``'channels_last'``: the weight layout in one word, for logs."""
-        return 'contiguous' if self.contiguous else 'channels_last'
+    def memory_format(self) -> MemoryFormat:
+        """The weights' memory format: channels first when they stay contiguous."""
+        return MemoryFormat.CHANNELS_FIRST if self.contiguous else MemoryFormat.CHANNELS_LAST
 
     def __str__(self) -> str:
         layout = 'weights contiguous, activations NHWC' if self.contiguous else 'weights channels last'

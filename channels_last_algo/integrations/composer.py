@@ -172,7 +172,7 @@ class ChannelsLast(Algorithm):
             weight_layout = weight_layout_for(state.model, fsdp_config=state.fsdp_config, tp_config=state.tp_config)
             summary = self.guard.on_init(state.model, state.optimizers, weight_layout=weight_layout)
             logger.log_hyperparameters({
-                'channels_last/weight_layout': weight_layout.mode,
+                'channels_last/weight_layout': weight_layout.memory_format.value,
                 'channels_last/restrided_tensors': len(summary.converted),
                 'channels_last/channels_last_tensors': 0 if weight_layout.contiguous else summary.tensors,
             })

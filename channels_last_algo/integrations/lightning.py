@@ -234,7 +234,7 @@ class ChannelsLastCallback(pl.Callback):
         self._log_hyperparameters(
             trainer,
             {
-                'channels_last/weight_layout': plan.mode,
+                'channels_last/weight_layout': plan.memory_format.value,
                 'channels_last/restrided_tensors': len(summary.converted),
                 'channels_last/channels_last_tensors': 0 if plan.contiguous else summary.tensors,
             },
