@@ -1,27 +1,20 @@
-"""The NHWC data path: collate, device normalisation, ImageFolder checks, synthetic ImageNet, Trainer."""
-
-import io
+"""The NHWC data path's batch side: collate, device normalisation, loaders, and a Composer run on an
+image folder with only NHWC batches. The sources (folders, corrupt files, links, the pre-flight scan,
+synthetic ImageNet) are tested in test_datasets.py."""
 
 import numpy as np
 import pytest
 import torch
 import torchvision
-from composer import Callback, Trainer
-from composer.core import Evaluator
-from composer.models import ComposerClassifier
-from PIL import Image
-from torch import nn
+from image_folders import image_tree
 from torch.utils.data import DistributedSampler
 from torchvision import transforms
 
-from channels_last_algo import ChannelsLast, Layout, has_channels_last_strides, layout_of
+from channels_last_algo import Layout, has_channels_last_strides, layout_of
 from channels_last_algo.app.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     CheckedImageFolder,
-    CorruptImageError,
-    CorruptImageWarning,
-    DataPathError,
     NormalizeBatch,
     SyntheticImageNet,
     build_data_spec,
@@ -32,38 +25,10 @@ from channels_last_algo.app.data import (
     train_transform,
 )
 
-COLOURS = {'cat': (200, 40, 40), 'dog': (40, 40, 200)}
-
-
-def _jpeg(path, size, colour, seed, mode='RGB'):
-    """A JPEG of ``colour`` with noise, so that decode, resize and crop all have work to do."""
-    rng = np.random.default_rng(seed)
-    pixels = np.clip(np.array(colour) + rng.integers(-30, 30, size=(size[1], size[0], 3)), 0, 255).astype(np.uint8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(pixels).convert(mode).save(path, format='JPEG', quality=90)
-
-
-def _image_tree(root, per_class, splits=('train', 'val')):
-    """root/<split>/<cat|dog>/<i>.jpg, of varied sizes, one of them greyscale."""
-    for split_index, split in enumerate(splits):
-        for class_index, (name, colour) in enumerate(COLOURS.items()):
-            for i in range(per_class):
-                size = (40 + 7 * i, 56 - 5 * i)
-                mode = 'L' if (i, class_index) == (1, 0) else 'RGB'
-                _jpeg(root / split / name / f'{i}.jpg', size, colour, seed=(split_index, class_index, i), mode=mode)
-    return root
-
 
 @pytest.fixture
 def image_root(tmp_path):
-    return _image_tree(tmp_path / 'imagenet', per_class=4)
-
-
-def _class_of(image):
-    """The class whose colour the (N, C, H, W) or (H, W, C) image shows: red is cat, blue is dog."""
-    image = torch.as_tensor(np.asarray(image)).float()
-    red, blue = (image[..., 0], image[..., 2]) if image.shape[-1] == 3 else (image[0], image[2])
-    return 0 if red.mean() > blue.mean() else 1
+    return image_tree(tmp_path / 'imagenet', per_class=4)
 
 
 # --- collate and normalisation ------------------------------------------------------------------
@@ -170,6 +135,7 @@ def test_loader_shards_the_data_set_across_ranks(monkeypatch):
 
 
 def test_data_spec_normalizes_microbatches():
+    pytest.importorskip('composer')
     data = imagenet_dataset('train', crop_size=16, synthetic_samples=8, num_classes=4)
     spec = build_data_spec(data, batch_size=4, train=True, normalize=NormalizeBatch(dtype=torch.bfloat16))
     images, labels = spec.microbatch_transforms(next(iter(spec.dataloader)))
@@ -180,18 +146,24 @@ def test_data_spec_normalizes_microbatches():
 # --- Composer Trainer with ChannelsLast ------------------------------------------------------------
 
 
-class _LoaderLayout(Callback):
-    """Records the layout of each batch as the loader gives it, before any algorithm runs."""
-
-    def __init__(self):
-        self.layouts = []
-
-    def after_dataloader(self, state, logger):
-        images = state.batch[0]
-        self.layouts.append((images.dtype, layout_of(images)))
-
-
 def test_image_folder_trains_a_resnet_in_composer_with_only_nhwc_batches(image_root):
+    pytest.importorskip('composer')
+    from composer import Callback, Trainer
+    from composer.core import Evaluator
+    from composer.models import ComposerClassifier
+
+    from channels_last_algo import ChannelsLast
+
+    class LoaderLayout(Callback):
+        """Records the layout of each batch as the loader gives it, before any algorithm runs."""
+
+        def __init__(self):
+            self.layouts = []
+
+        def after_dataloader(self, state, logger):
+            images = state.batch[0]
+            self.layouts.append((images.dtype, layout_of(images)))
+
     torch.manual_seed(0)
     resnet = torchvision.models.resnet18(weights=None, num_classes=2)
     reaching_model = []
@@ -199,7 +171,7 @@ def test_image_folder_trains_a_resnet_in_composer_with_only_nhwc_batches(image_r
         (args[0].dtype, layout_of(args[0]), bool(args[0].min() < 0))))
     train = imagenet_dataset('train', data_path=image_root, crop_size=32, num_classes=2)
     val = imagenet_dataset('val', data_path=image_root, crop_size=32, resize_size=36)
-    loader_layout = _LoaderLayout()
+    loader_layout = LoaderLayout()
     trainer = Trainer(
         model=ComposerClassifier(resnet, num_classes=2),
         train_dataloader=build_data_spec(train, batch_size=4, train=True),
@@ -219,140 +191,6 @@ def test_image_folder_trains_a_resnet_in_composer_with_only_nhwc_batches(image_r
     assert loader_layout.layouts == [(torch.uint8, Layout.NHWC)] * 2
     assert len(reaching_model) == 3  # two training batches, one evaluation batch
     assert reaching_model == [(torch.float32, Layout.NHWC, True)] * 3
-
-
-# --- data path errors --------------------------------------------------------------------------------
-
-
-def test_missing_and_empty_data_paths_are_named(tmp_path):
-    missing = tmp_path / 'nowhere'
-    with pytest.raises(DataPathError, match=f'{missing} does not exist'):
-        imagenet_dataset('train', data_path=missing)
-    with pytest.raises(DataPathError, match=f'{missing} does not exist'):
-        CheckedImageFolder(missing)
-    empty = tmp_path / 'empty'
-    empty.mkdir()
-    with pytest.raises(DataPathError, match=f'{empty} has no train/ folder'):
-        imagenet_dataset('train', data_path=empty)
-    with pytest.raises(DataPathError, match=f'image folder {empty} is empty'):
-        CheckedImageFolder(empty)
-    (empty / 'notes.txt').write_text('no class folders here')
-    with pytest.raises(DataPathError, match='holds files but no class folders'):
-        CheckedImageFolder(empty)
-
-
-def test_folders_without_images_are_named(tmp_path):
-    root = tmp_path / 'train'
-    (root / 'cat').mkdir(parents=True)
-    (root / 'cat' / 'readme.txt').write_text('not an image')
-    (root / 'dog').mkdir()
-    with pytest.raises(DataPathError, match=f'{root} has class folders but no images'):
-        CheckedImageFolder(root)
-    _jpeg(root / 'cat' / '0.jpg', (16, 16), COLOURS['cat'], seed=0)
-    with pytest.raises(DataPathError, match=f'1 class folder.* hold no images .*: {root / "dog"}'):
-        CheckedImageFolder(root)
-
-
-def test_splits_must_agree_on_classes(image_root):
-    (image_root / 'val' / 'dog').rename(image_root / 'val' / 'wolf')
-    with pytest.raises(DataPathError, match=r"only in train/: \['dog'\]; only in val/: \['wolf'\]"):
-        imagenet_dataset('train', data_path=image_root)
-    with pytest.raises(DataPathError, match='holds 2 class folders but num_classes is 1000'):
-        imagenet_dataset('train', data_path=_image_tree(image_root.parent / 'other', 1), num_classes=1000)
-
-
-def _corrupt(root):
-    """Two broken files in the 'cat' class: a truncated JPEG and text named .jpg."""
-    good = io.BytesIO()
-    Image.fromarray(np.full((32, 32, 3), 128, dtype=np.uint8)).save(good, format='JPEG')
-    truncated = root / 'cat' / '1.jpg'
-    truncated.write_bytes(good.getvalue()[:len(good.getvalue()) // 2])
-    garbage = root / 'cat' / '2.jpg'
-    garbage.write_text('this is not a JPEG')
-    return truncated, garbage
-
-
-def test_corrupt_image_raises_naming_the_file(image_root):
-    truncated, garbage = _corrupt(image_root / 'train')
-    data = CheckedImageFolder(image_root / 'train', eval_transform(32))
-    paths = [path for path, _ in data.samples]
-    for broken in (truncated, garbage):
-        with pytest.raises(CorruptImageError, match=f"cannot decode image {broken}: .*on_corrupt='skip'"):
-            data[paths.index(str(broken))]
-    with pytest.raises(CorruptImageError, match=f'cannot decode image {truncated}'):
-        list(build_loader(data, batch_size=8, train=False, workers=1))
-    with pytest.raises(ValueError, match="on_corrupt must be 'raise' or 'skip'"):
-        CheckedImageFolder(image_root / 'train', on_corrupt='ignore')
-
-
-def test_skipped_corrupt_images_are_reported_and_never_mislabel(image_root):
-    truncated, garbage = _corrupt(image_root / 'train')
-    data = CheckedImageFolder(image_root / 'train', eval_transform(32), on_corrupt='skip')
-    with pytest.warns(CorruptImageWarning) as caught:
-        batches = list(build_loader(data, batch_size=8, train=False))
-    reported = ' '.join(str(warning.message) for warning in caught)
-    assert str(truncated) in reported and str(garbage) in reported
-    (images, labels), = batches
-    assert len(labels) == 8
-    assert labels.tolist() == [_class_of(image) for image in images]
-
-
-def test_skipping_fails_when_nothing_decodes(tmp_path):
-    (tmp_path / 'train' / 'cat').mkdir(parents=True)
-    (tmp_path / 'train' / 'cat' / '0.jpg').write_text('broken')
-    data = CheckedImageFolder(tmp_path / 'train', on_corrupt='skip')
-    with pytest.warns(CorruptImageWarning), pytest.raises(CorruptImageError, match='no image under .* can be decoded'):
-        data[0]
-
-
-# --- synthetic ImageNet -----------------------------------------------------------------------------
-
-
-def test_synthetic_set_is_deterministic_and_class_dependent():
-    data = SyntheticImageNet(20, num_classes=5, image_size=(24, 40))
-    again = SyntheticImageNet(20, num_classes=5, image_size=(24, 40))
-    other_seed = SyntheticImageNet(20, num_classes=5, image_size=(24, 40), seed=1)
-    val = SyntheticImageNet(20, num_classes=5, image_size=(24, 40), split='val')
-    assert data.image(7).shape == (24, 40, 3) and data.image(7).dtype == np.uint8
-    assert np.array_equal(data.image(7), again.image(7))
-    assert not np.array_equal(data.image(7), other_seed.image(7))
-    assert not np.array_equal(data.image(7), val.image(7))
-    assert [data[i][1] for i in range(7)] == [0, 1, 2, 3, 4, 0, 1]
-    colour = lambda i: data.image(i).reshape(-1, 3).mean(0)
-    assert np.abs(colour(0) - colour(5)).max() < np.abs(colour(0) - colour(1)).max()
-    with pytest.raises(IndexError, match='sample 20 is out of range'):
-        data[20]
-
-
-def test_synthetic_imagenet_defaults_to_imagenet_shape():
-    train = imagenet_dataset('train', crop_size=176)
-    val = imagenet_dataset('val', crop_size=224)
-    assert (len(train), len(train.classes), train.image_size) == (1_281_167, 1000, (201, 201))
-    assert (len(val), len(val.classes)) == (50_000, 1000)
-    assert train[0][0].shape == (176, 176, 3) and val[0][0].shape == (224, 224, 3)
-
-
-def test_synthetic_set_is_learnable():
-    torch.manual_seed(0)
-    data = imagenet_dataset('train', crop_size=32, synthetic_samples=32 * 40, num_classes=10)
-    loader = build_loader(data, batch_size=32, train=True)
-    normalize = NormalizeBatch()
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, stride=2), nn.BatchNorm2d(16), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, stride=2), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
-    ).to(memory_format=torch.channels_last)
-    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-    losses = []
-    for images, labels in map(normalize, loader):
-        loss = nn.functional.cross_entropy(model(images), labels)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    chance = np.log(10)
-    assert len(losses) == 40 and losses[0] > 0.8 * chance, losses
-    assert np.mean(losses[-5:]) < 0.5 * chance, losses
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA for pinned memory and device normalisation')

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from channels_last_algo import __version__
 
@@ -21,16 +22,31 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
         'demo',
         help='train a small conv net with and without ChannelsLast; print layouts and step times',
     )
-    parser.add_argument('--steps', type=int, default=20, help='timed training steps per variant')
-    parser.add_argument('--batch-size', type=int, default=32)
-    parser.add_argument('--image-size', type=int, default=64)
+    parser.add_argument('--steps', type=_positive_int, default=20, help='timed training steps per variant')
+    parser.add_argument('--batch-size', type=_positive_int, default=32)
+    parser.add_argument('--image-size', type=_positive_int, default=64, help='input height and width, >= 2')
     parser.set_defaults(run=_run_demo)
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f'{text!r} is not a positive integer')
+    return value
 
 
 def _run_demo(args: argparse.Namespace) -> int:
     from channels_last_algo.app.demo import run_demo
 
-    run_demo(steps=args.steps, batch_size=args.batch_size, image_size=args.image_size)
+    try:
+        run_demo(steps=args.steps, batch_size=args.batch_size, image_size=args.image_size)
+    except ValueError as error:
+        print(f'channels-last demo: error: {error}', file=sys.stderr)
+        return 2
     return 0
 
 
@@ -108,6 +124,39 @@ def _run_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        'doctor', help='check that channels last trains MODEL here without a crash and with NCHW numbers',
+        description='On this torch and hardware: list the layers of MODEL that match a known layout kernel bug '
+        'and the safe path they get, run a channels-last training step without and with the safe paths (each in '
+        'a child process, so a crash is a result), compare one step with NCHW in float32 and float64, and list '
+        'the layout breaks left with their cost. Exit code 0 when channels last is safe and right, 1 otherwise.')
+    parser.add_argument('model', metavar='MODEL', type=_model_factory,
+                        help='a torchvision model name (e.g. resnet50) or module.path:callable')
+    parser.add_argument('--input', type=_input_shape, default=(2, 3, 224, 224), metavar='N,C,H,W',
+                        help='input shape, N,C,H,W or N,C,D,H,W (default: 2,3,224,224)')
+    parser.add_argument('--device', help="where to train (default: cuda when available, else cpu)")
+    parser.add_argument('--strict', action='store_true', help='also exit with code 1 if a layout break is left')
+    parser.add_argument('--timeout', type=float, default=600.0, metavar='S',
+                        help='seconds each child process may run (default 600)')
+    parser.add_argument('--json', action='store_true', help='print the report as JSON (DoctorReport.to_dict())')
+    parser.set_defaults(run=_run_doctor)
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from channels_last_algo.core.safety.doctor import doctor
+
+    try:
+        report = doctor(args.model, args.input, device=args.device, strict=args.strict, timeout=args.timeout)
+    except (TypeError, ValueError) as error:
+        print(f'channels-last doctor: error: {error}', file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    return report.exit_code
+
+
 def _add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('recipe', metavar='RECIPE', help='a YAML recipe, e.g. recipes/resnet50_imagenet.yaml')
     parser.add_argument('--data', metavar='PATH', help='an ImageNet folder with train/ and val/ (default: the '
@@ -118,19 +167,27 @@ def _add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_train(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser('train', help="train a recipe with Composer's Trainer",
-                                   description='Train RECIPE with Composer, saving checkpoints to its '
-                                   'train.save_folder; --resume continues from the latest one there.')
+                                   description='Train RECIPE with Composer, saving checkpoints atomically to its '
+                                   'train.save_folder, which the run locks. A folder that holds the checkpoints of an '
+                                   'earlier run is refused unless --resume continues them or --overwrite replaces '
+                                   'them.')
     _add_recipe_arguments(parser)
-    parser.add_argument('--resume', action='store_true', help='continue from the latest checkpoint in the save folder')
+    parser.add_argument('--resume', nargs='?', const=True, default=False, metavar='CHECKPOINT',
+                        help='continue from the newest readable checkpoint in the save folder, or from CHECKPOINT')
+    parser.add_argument('--overwrite', action='store_true',
+                        help='delete the checkpoints of an earlier run in the save folder instead of refusing it')
+    parser.add_argument('--check-data', action='store_true',
+                        help='decode every image of train/ and val/ once before training (JPEGs at 1/8 scale) and '
+                        'stop on a corrupt one unless data.on_corrupt is skip')
     parser.set_defaults(run=_run_train)
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from channels_last_algo.app.recipes import build_trainer, load_recipe
+    from channels_last_algo.app.recipes import load_recipe
+    from channels_last_algo.app.train import train_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
-    trainer = build_trainer(recipe, data_path=args.data, resume=args.resume)
-    trainer.fit()
+    train_recipe(recipe, data_path=args.data, resume=args.resume, overwrite=args.overwrite, check_data=args.check_data)
     print(f'channels-last train: done; checkpoints in {recipe.save_folder()}')
     return 0
 
@@ -166,13 +223,21 @@ def _run_compare(args: argparse.Namespace) -> int:
 def _add_export(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         'export', help='fuse a model for NHWC inference and save it with torch.export (.pt2)',
-        description='Build MODEL (with --weights loaded into it), fold its BatchNorms and fuse its convolutions '
-        'with their activations and residual adds (fuse_for_inference), check the result against the model on a '
-        'random input of the --input shape, and save it with torch.export to OUT. It loads without this package: '
-        'torch.export.load(OUT).module()(images).')
-    parser.add_argument('model', metavar='MODEL', type=_model_factory,
-                        help='a torchvision model name (e.g. resnet50) or module.path:callable')
+        description='Build MODEL (with --weights loaded into it), or the network a recipe trained (--recipe, with the '
+        'layers its algorithms swap in, such as BlurPool\'s, and the EMA weights of a --checkpoint it wrote), fold its '
+        'BatchNorms and fuse its convolutions with their activations and residual adds (fuse_for_inference), check '
+        'the result against the model on a random input of the --input shape, and save it with torch.export to OUT. '
+        'It loads without this package: torch.export.load(OUT).module()(images).')
+    parser.add_argument('model', metavar='MODEL', type=_model_factory, nargs='?',
+                        help='a torchvision model name (e.g. resnet50) or module.path:callable; or give --recipe')
     parser.add_argument('out', metavar='OUT', help='the .pt2 file to write')
+    parser.add_argument('--recipe', metavar='RECIPE', help='export the network of this YAML recipe (instead of MODEL)')
+    parser.add_argument('--checkpoint', metavar='FILE', help="with --recipe: a checkpoint its run wrote (e.g. "
+                        "runs/NAME/latest-rank0.pt); its EMA weights when the recipe uses EMA")
+    parser.add_argument('--training-weights', action='store_true', help='with --checkpoint: the trained weights, '
+                        "not EMA's moving averages")
+    parser.add_argument('--set', dest='overrides', action='append', default=[], metavar='KEY=VALUE',
+                        help='with --recipe: the overrides the run was trained with (repeatable)')
     parser.add_argument('--input', type=_input_shape, default=(2, 3, 224, 224), metavar='N,C,H,W',
                         help='the example input shape (default: 2,3,224,224); the batch size stays dynamic')
     parser.add_argument('--static-batch', action='store_true', help='fix the batch size to N instead')
@@ -202,6 +267,30 @@ def _read_weights(path: str) -> dict:
     return state
 
 
+def _export_model(args: argparse.Namespace):
+    """The model ``export`` saves: MODEL with --weights, or --recipe's network with --checkpoint's weights."""
+    import torch
+
+    if (args.model is None) == (args.recipe is None) or (args.recipe is None) != (args.checkpoint is None):
+        raise ValueError('give MODEL (with --weights FILE to load a state_dict), or --recipe RECIPE with --checkpoint '
+                         'FILE (a checkpoint its run wrote), not both')
+    if args.recipe is not None:
+        from channels_last_algo.app.checkpoints import model_from_checkpoint
+        from channels_last_algo.app.recipes import load_recipe
+
+        return model_from_checkpoint(load_recipe(args.recipe, args.overrides), args.checkpoint,
+                                     ema=not args.training_weights)
+    model = args.model() if args.num_classes is None else args.model(num_classes=args.num_classes)
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f'MODEL built a {type(model).__name__}, not a torch.nn.Module')
+    if args.weights:
+        try:
+            model.load_state_dict(_read_weights(args.weights))
+        except (ValueError, RuntimeError) as error:
+            raise ValueError(f'--weights {args.weights}: {error}') from error
+    return model
+
+
 def _run_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -212,17 +301,11 @@ def _run_export(args: argparse.Namespace) -> int:
     if len(args.input) != 4:
         print('channels-last export: error: --input must be N,C,H,W (export fuses 2D convolutions)', file=sys.stderr)
         return 2
-    model = args.model() if args.num_classes is None else args.model(num_classes=args.num_classes)
-    if not isinstance(model, torch.nn.Module):
-        print(f'channels-last export: error: MODEL built a {type(model).__name__}, not a torch.nn.Module',
-              file=sys.stderr)
+    try:
+        model = _export_model(args)
+    except ValueError as error:
+        print(f'channels-last export: error: {error}', file=sys.stderr)
         return 2
-    if args.weights:
-        try:
-            model.load_state_dict(_read_weights(args.weights))
-        except (ValueError, RuntimeError) as error:
-            print(f'channels-last export: error: --weights {args.weights}: {error}', file=sys.stderr)
-            return 2
     torch.manual_seed(0)
     try:
         _, summary = export_for_inference(model.eval(), args.out, torch.randn(args.input),
@@ -249,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(subparsers)
     _add_compare(subparsers)
     _add_export(subparsers)
+    _add_doctor(subparsers)
     return parser
 
 
@@ -260,10 +344,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 0
     from channels_last_algo.app.recipes import RecipeError
+    from channels_last_algo.app.run_folder import RunFolderError
+    from channels_last_algo.app.train import RunError
 
     try:
         return args.run(args)
-    except RecipeError as error:
+    except (RecipeError, RunFolderError, RunError) as error:
         print(f'channels-last {args.command}: error: {error}', file=sys.stderr)
         return 2
 

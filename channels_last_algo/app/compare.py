@@ -29,15 +29,16 @@ from __future__ import annotations
 import copy
 import itertools
 import statistics
-import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
+from channels_last_algo.app.recipes import Recipe, build_datasets, device_and_precision
 from channels_last_algo.core.audit import LayoutAudit
 from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.machine import describe_machine, machine_label
-from channels_last_algo.app.recipes import Recipe, build_datasets, device_and_precision
+from channels_last_algo.core.timing import synchronizer, time_interleaved
 
 __all__ = ['compare_recipe', 'format_comparison']
 
@@ -92,16 +93,17 @@ def _variants(base: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, bool, C
     }
 
 
-def compare_recipe(recipe: Recipe, batches: int = 10, warmup: int = 2, data_path: Optional[str] = None) -> dict[str, Any]:
+def compare_recipe(recipe: Recipe, batches: int = 10, warmup: int = 2,
+                   data_path: Optional[str] = None) -> dict[str, Any]:
     """Time ``batches`` interleaved training steps of each variant after ``warmup`` untimed ones.
 
     Returns a JSON-ready dict: the machine, settings, and one row per variant with min and
-    median step time (s), images/s, speedups over NCHW and over Composer's ChannelsLast, and
-    the layout audit's break count and bytes.
+    median step time (s), images/s, speedups over NCHW and over Composer's ChannelsLast (medians of
+    the per-round ratios), and the layout audit's break count and bytes.
     """
     if batches < 1 or warmup < 0:
         raise ValueError(f'batches must be >= 1 and warmup >= 0, got batches={batches}, warmup={warmup}')
-    from composer.optim import DecoupledSGDW
+    from channels_last_algo.app.optimizers import build_optimizer
 
     device_name, precision = device_and_precision(recipe)
     device = torch.device('cuda' if device_name == 'gpu' else 'cpu')
@@ -109,32 +111,23 @@ def compare_recipe(recipe: Recipe, batches: int = 10, warmup: int = 2, data_path
         torch.backends.cudnn.benchmark = True
     data = _batches(recipe, warmup + batches, device, data_path)
     smoothing = float(recipe.enabled_algorithms().get('label_smoothing', {}).get('smoothing', 0.0))
-    opt = recipe.optimizer
-    lr = opt.lr * recipe.train.global_batch_size / opt.reference_batch_size
 
     variants = _variants(_model(recipe).to(device))
-    optimizers = {name: DecoupledSGDW(model.parameters(), lr=lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
-                  for name, (model, _, _) in variants.items()}
+    optimizers = {name: build_optimizer(recipe, model.parameters()) for name, (model, _, _) in variants.items()}
 
-    def step(name: str, batch: dict[bool, tuple[torch.Tensor, torch.Tensor]]) -> float:
+    def step(name: str, batch: dict[bool, tuple[torch.Tensor, torch.Tensor]]) -> None:
         model, nhwc, prepare = variants[name]
-        start = time.perf_counter()
         images, labels = prepare(batch[nhwc])
         with torch.autocast(device.type, dtype=_AUTOCAST.get(precision, torch.float32), enabled=precision in _AUTOCAST):
             loss = torch.nn.functional.cross_entropy(model(images), labels, label_smoothing=smoothing)
         loss.backward()
         optimizers[name].step()
         optimizers[name].zero_grad(set_to_none=True)
-        if device.type == 'cuda':
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
 
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for index, batch in enumerate(data):
-        for name in variants:
-            elapsed = step(name, batch)
-            if index >= warmup:
-                times[name].append(elapsed)
+    feeds = {name: iter(data) for name in variants}  # every variant trains on batch i in round i
+    timings = time_interleaved({name: lambda name=name: step(name, next(feeds[name])) for name in variants},
+                               rounds=batches, warmup=warmup, synchronize=synchronizer(device))
+    times = timings.seconds
 
     audits = {}
     for name, (model, _, _) in variants.items():
@@ -149,8 +142,8 @@ def compare_recipe(recipe: Recipe, batches: int = 10, warmup: int = 2, data_path
         'min_s': min(samples),
         'median_s': medians[name],
         'images_per_s': batch_size / medians[name],
-        'speedup_vs_nchw': medians['NCHW'] / medians[name],
-        'speedup_vs_composer': medians['composer ChannelsLast'] / medians[name],
+        'speedup_vs_nchw': timings.ratio('NCHW', name).median,
+        'speedup_vs_composer': timings.ratio('composer ChannelsLast', name).median,
         'layout_breaks': len(audits[name].breaks),
         'break_bytes': audits[name].break_bytes,
     } for name, samples in times.items()]
@@ -174,7 +167,8 @@ def format_comparison(result: dict[str, Any]) -> str:
         f"{result['precision']}, {machine_label(result['machine'])}",
         f"{result['batches']} timed training steps per variant after {result['warmup']} warm-up, interleaved",
         '',
-        f"{'variant':<23} {'min ms':>9} {'median ms':>10} {'images/s':>9} {'vs NCHW':>8} {'vs Composer':>12} {'breaks':>7}",
+        f"{'variant':<23} {'min ms':>9} {'median ms':>10} {'images/s':>9} {'vs NCHW':>8} {'vs Composer':>12} "
+        f"{'breaks':>7}",
     ]
     for row in result['rows']:
         lines.append(f"{row['variant']:<23} {row['min_s'] * 1e3:9.1f} {row['median_s'] * 1e3:10.1f} "

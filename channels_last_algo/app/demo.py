@@ -12,14 +12,15 @@ Example (what ``channels-last demo`` runs)::
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
-import time
 
 import torch
 from torch import nn
 
 from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.layout import layout_of
+from channels_last_algo.core.timing import time_interleaved
 
 __all__ = ['TinyResNet', 'run_demo']
 
@@ -71,7 +72,13 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: torc
 
 
 def run_demo(steps: int = 20, batch_size: int = 32, image_size: int = 64, seed: int = 0) -> dict[str, list[float]]:
-    """Train :class:`TinyResNet` in both layouts, print layouts and step times; return the times."""
+    """Train :class:`TinyResNet` in both layouts, print layouts and step times; return the times.
+
+    ValueError naming the argument when ``steps`` or ``batch_size`` is below 1 or ``image_size``
+    below 2 (the stem's max pooling halves it)."""
+    for name, value, least in (('steps', steps, 1), ('batch_size', batch_size, 1), ('image_size', image_size, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f'{name} must be an int >= {least}, got {value!r}')
     torch.manual_seed(seed)
     images = torch.randn(batch_size, 3, image_size, image_size)
     labels = torch.randint(0, 10, (batch_size,))
@@ -91,19 +98,16 @@ def run_demo(steps: int = 20, batch_size: int = 32, image_size: int = 64, seed: 
     print(f'{"variant":<15} {"weight":<8} {"input":<8} {"activation":<11} {"weight grad":<11}')
     for name, (model, x) in variants.items():
         activation = {}
-        handle = model.blocks[0].register_forward_hook(lambda mod, inp, out: activation.setdefault('out', out))
+        handle = model.blocks[0].register_forward_hook(
+            lambda mod, inp, out, seen=activation: seen.setdefault('out', out))
         _train_step(model, optimizers[name], x, labels)  # also the warm-up step
         handle.remove()
         weight = model.blocks[0].conv1.weight
         print(f'{name:<15} {layout_of(weight).value:<8} {layout_of(x).value:<8} '
               f'{layout_of(activation["out"]).value:<11} {layout_of(weight.grad).value:<11}')
 
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(steps):
-        for name, (model, x) in variants.items():
-            start = time.perf_counter()
-            _train_step(model, optimizers[name], x, labels)
-            times[name].append(time.perf_counter() - start)
+    times = time_interleaved({name: functools.partial(_train_step, model, optimizers[name], x, labels)
+                              for name, (model, x) in variants.items()}, rounds=steps, warmup=0).seconds
 
     base = statistics.median(times['NCHW'])
     print(f'\n{"variant":<15} {"min ms":>8} {"median ms":>10} {"speedup":>8}   ({steps} interleaved steps)')

@@ -4,10 +4,10 @@ Example:
     >>> model = build_model('resnet18', num_classes=10)
     >>> model.fc.out_features
     10
-    >>> build_model('resnet5O')
+    >>> build_model('resnet5O')  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    ValueError: 'resnet5O' is no torchvision model name (see torchvision.models.list_models()) and no module.path:callable. Did you mean resnet50, resnet152, resnet34?
+    ValueError: 'resnet5O' is no torchvision model name (...) and no module.path:callable. Did you mean resnet50, ...?
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import difflib
 import functools
 import importlib
 import inspect
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 

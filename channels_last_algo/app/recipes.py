@@ -1,21 +1,24 @@
-"""YAML recipes: load, validate against a typed schema, override, and build a Composer Trainer.
+"""YAML recipes: load, override, validate every key, and build a Composer Trainer.
 
 A recipe is one YAML file (see ``recipes/resnet50_imagenet.yaml``) with the sections of
-:class:`Recipe`. Every key is checked before anything is built: an unknown key (with the
-closest valid name), a wrong type, an unknown algorithm or algorithm option all raise
-:class:`RecipeError` naming the file and the key path. ``--set key.path=value`` overrides are
-applied first, their values read as YAML (``0.1``, ``true``, ``null``, ``[1, 2]``).
+:class:`~channels_last_algo.app.recipe_schema.Recipe`. ``--set key.path=value`` overrides are
+applied first, their values read as YAML (``0.1``, ``true``, ``null``, ``[1, 2]``). Then every
+key is checked before anything is built (:mod:`~channels_last_algo.app.recipe_schema`: types,
+ranges, time strings, choices, placeholders) and every algorithm option: ``channels_last``'s
+by the core's own option check, Composer's against their signatures and by constructing them.
+Anything off raises :class:`RecipeError` naming the file, the key path and the fix.
 
 Algorithms are named by their snake names: ``channels_last`` is this project's
 :class:`~channels_last_algo.ChannelsLast`; Composer's built-in algorithms go by the names of
 their packages (``blurpool``, ``ema``, ``label_smoothing``, ``progressive_resizing``, ...,
 and ``composer_channels_last`` for Composer's own ChannelsLast). ``name: {options}`` or
-``name: true`` turns one on, ``name: false`` (or leaving it out) turns it off.
+``name: true`` turns one on, ``name: false`` (or leaving it out) turns it off. YAML 1.1 reads
+an unquoted ``mode: on`` as a bool; the recipe layer reads it back as ``'on'`` / ``'off'``.
 
 Example:
     >>> recipe = load_recipe('recipes/resnet50_imagenet.yaml', ['optimizer.lr=0.1'])
-    >>> recipe.optimizer.lr, 'channels_last' in recipe.enabled_algorithms()
-    (0.1, True)
+    >>> recipe.optimizer.lr, recipe.algorithms['channels_last']['mode']
+    (0.1, 'on')
     >>> load_recipe('recipes/resnet50_imagenet.yaml', ['optimizer.lrr=0.1'])  # doctest: +IGNORE_EXCEPTION_DETAIL
     Traceback (most recent call last):
     ...
@@ -24,18 +27,32 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import functools
+import importlib.util
 import inspect
 import os
 import re
-import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import yaml
+
+from channels_last_algo.app.recipe_schema import (
+    DataConfig,
+    ModelConfig,
+    OptimizerConfig,
+    Recipe,
+    RecipeError,
+    SchedulerConfig,
+    TrainConfig,
+    closest,
+    parse_time,
+    recipe_from_dict,
+    type_problem,
+)
+from channels_last_algo.core.guard import OPTIONS
 
 __all__ = [
     'DataConfig',
@@ -53,161 +70,7 @@ __all__ = [
     'load_recipe',
 ]
 
-
-class RecipeError(ValueError):
-    """A recipe that cannot be used; the message names the file, the key path and the fix."""
-
-
-@dataclasses.dataclass
-class ModelConfig:
-    """``model:`` a torchvision model name (built with ``weights=None``) or ``module:callable``."""
-
-    name: str = 'resnet50'
-    num_classes: int = 1000
-
-
-@dataclasses.dataclass
-class DataConfig:
-    """``data:`` where the images come from and how they are cropped.
-
-    ``path`` is an ImageNet folder with ``train/`` and ``val/`` class folders; ``null`` uses
-    the embedded synthetic ImageNet of ``synthetic_train_samples`` / ``synthetic_eval_samples``.
-    """
-
-    path: Optional[str] = None
-    train_crop: int = 224
-    eval_crop: int = 224
-    eval_resize: Optional[int] = None
-    workers: int = 0
-    synthetic_train_samples: Optional[int] = None
-    synthetic_eval_samples: Optional[int] = None
-    on_corrupt: str = 'raise'
-
-
-@dataclasses.dataclass
-class OptimizerConfig:
-    """``optimizer:`` Composer's DecoupledSGDW; ``lr`` is for ``reference_batch_size`` and is
-    scaled linearly to the global batch size."""
-
-    name: str = 'decoupled_sgdw'
-    lr: float = 0.1
-    reference_batch_size: int = 256
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-
-
-@dataclasses.dataclass
-class SchedulerConfig:
-    """``scheduler:`` cosine decay after a linear warmup (Composer time strings: ``8ep``, ``100ba``)."""
-
-    name: str = 'cosine_with_warmup'
-    t_warmup: str = '0ba'
-    alpha_f: float = 0.0
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """``train:`` duration, batch size, precision and checkpoints.
-
-    ``gpu_precision`` applies on a GPU; on the CPU Composer's Trainer takes only fp32.
-    """
-
-    max_duration: str = '1ep'
-    global_batch_size: int = 256
-    eval_batch_size: Optional[int] = None
-    eval_interval: str = '1ep'
-    gpu_precision: str = 'amp_fp16'
-    device: str = 'auto'
-    seed: int = 17
-    save_folder: str = 'runs/{name}'
-    save_interval: str = '1ep'
-    save_num_checkpoints_to_keep: int = -1
-
-
-@dataclasses.dataclass
-class Recipe:
-    """A whole recipe. ``algorithms`` maps a registry name to its options (or true/false)."""
-
-    name: str
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
-    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
-    algorithms: dict[str, Any] = dataclasses.field(default_factory=dict)
-    source: str = dataclasses.field(default='<recipe>', compare=False, metadata={'internal': True})
-
-    def enabled_algorithms(self) -> dict[str, dict[str, Any]]:
-        """The algorithms that are on, each with its options, ``channels_last`` last."""
-        enabled = {name: ({} if options is True else options)
-                   for name, options in self.algorithms.items() if options not in (False, None)}
-        return dict(sorted(enabled.items(), key=lambda item: item[0] == 'channels_last'))
-
-    def save_folder(self) -> Path:
-        return Path(self.train.save_folder.format(name=self.name))
-
-
-_CHOICES = {
-    'optimizer.name': ('decoupled_sgdw',),
-    'scheduler.name': ('cosine_with_warmup',),
-    'train.gpu_precision': ('amp_fp16', 'amp_bf16', 'fp32'),
-    'train.device': ('auto', 'cpu', 'gpu'),
-    'data.on_corrupt': ('raise', 'skip'),
-}
-
-
-# --- validation ----------------------------------------------------------------------------------------
-
-
-def _closest(key: str, options: Sequence[str]) -> str:
-    close = difflib.get_close_matches(key, list(options), n=1)
-    return f"; did you mean '{close[0]}'?" if close else f'; valid keys: {", ".join(options)}'
-
-
-def _type_name(annotation: Any) -> str:
-    return getattr(annotation, '__name__', str(annotation))
-
-
-def _check_value(value: Any, annotation: Any, where: str, error) -> Any:
-    """``value`` checked against ``annotation`` (a dataclass, Optional, dict, int, float, str, bool)."""
-    origin = typing.get_origin(annotation)
-    if origin in (Union, types.UnionType):
-        options = typing.get_args(annotation)
-        if value is None and type(None) in options:
-            return None
-        (inner,) = [a for a in options if a is not type(None)]
-        return _check_value(value, inner, where, error)
-    if dataclasses.is_dataclass(annotation):
-        if not isinstance(value, dict):
-            raise error(f'{where}: expected a mapping of {annotation.__name__} keys, got {type(value).__name__} {value!r}')
-        return _from_dict(annotation, value, where, error)
-    if origin is dict or annotation is Any:
-        if origin is dict and not isinstance(value, dict):
-            raise error(f'{where}: expected a mapping, got {type(value).__name__} {value!r}')
-        return value
-    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, annotation) or (annotation is int and isinstance(value, bool)):
-        raise error(f'{where}: expected {_type_name(annotation)}, got {type(value).__name__} {value!r}')
-    return value
-
-
-def _from_dict(cls: type, data: dict[str, Any], prefix: str, error) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if not f.metadata.get('internal')}
-    values = {}
-    for key, value in data.items():
-        where = f'{prefix}.{key}' if prefix else str(key)
-        if key not in fields:
-            raise error(f'{where}: unknown key{_closest(str(key), list(fields))}')
-        values[key] = _check_value(value, hints[key], where, error)
-        if where in _CHOICES and values[key] not in _CHOICES[where]:
-            raise error(f'{where}: {values[key]!r} is not one of {", ".join(_CHOICES[where])}')
-    missing = [name for name, f in fields.items()
-               if name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-    if missing:
-        raise error(f'{prefix + "." if prefix else ""}{missing[0]}: required key is missing')
-    return cls(**values)
+_ERRORS = (ValueError, TypeError, AssertionError, NotImplementedError)  # what a constructor raises for a bad option
 
 
 def _apply_override(data: dict[str, Any], override: str, error) -> None:
@@ -230,21 +93,93 @@ def _apply_override(data: dict[str, Any], override: str, error) -> None:
     node[keys[-1]] = value
 
 
+def _check_channels_last(options: dict[str, Any], where: str, error, signature_known: bool) -> None:
+    """This project's options, by the core's check; YAML's ``on``/``off`` booleans read as modes.
+    Other keys are left to the algorithm's signature when it is known (Composer installed)."""
+    if isinstance(options.get('mode'), bool):
+        options['mode'] = 'on' if options['mode'] else 'off'
+    for key, value in options.items():
+        if key not in OPTIONS:
+            if signature_known:
+                continue
+            raise error(f'{where}.{key}: unknown option of ChannelsLast{closest(str(key), list(OPTIONS))}')
+        valid, expected = OPTIONS[key]
+        if not valid(value):
+            raise error(f'{where}.{key}: expected {expected}, got {type(value).__name__} {value!r}')
+
+
+def _option_problem(cls: type, key: str, value: Any, default: Any) -> Optional[str]:
+    """What the signature of ``cls`` says is wrong with ``value``: a simple annotation's type,
+    or a time string where the default is one."""
+    try:
+        annotation = typing.get_type_hints(cls.__init__).get(key)
+    except Exception:  # annotations that do not resolve here: leave the value to the constructor
+        annotation = None
+    if typing.get_origin(annotation) is Union and value is not None:
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = inner[0] if len(inner) == 1 else None
+    if annotation in (bool, int, float, str) and value is not None and type_problem(value, annotation):
+        return type_problem(value, annotation)
+    if isinstance(default, str) and isinstance(value, str):
+        try:
+            parse_time(default)
+        except ValueError:
+            return None
+        try:
+            parse_time(value)
+        except ValueError as exc:
+            return f'{exc}; expected a time string such as {default!r}'
+    return None
+
+
+def _check_composer_options(cls: type, options: dict[str, Any], where: str, error) -> None:
+    parameters = inspect.signature(cls).parameters
+    for key, value in options.items():
+        if key not in parameters:
+            raise error(f'{where}.{key}: unknown option of {cls.__name__}{closest(str(key), list(parameters))}')
+        problem = _option_problem(cls, key, value, parameters[key].default)
+        if problem:
+            raise error(f'{where}.{key}: {problem}')
+    try:
+        cls(**options)
+    except _ERRORS as exc:
+        def fails_alone(key: str) -> bool:
+            try:
+                cls(**{key: options[key]})
+            except _ERRORS:
+                return True
+            return False
+
+        culprit = next((key for key in options if fails_alone(key)), None)
+        message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise error(f'{where}{"." + culprit if culprit else ""}: {cls.__name__} refuses it: {message}') from exc
+
+
 def _check_algorithms(recipe: Recipe, error) -> None:
-    registry = algorithm_registry()
+    """Every algorithm name and option; Composer's need Composer, and are checked where it is installed."""
+    registry = algorithm_registry() if importlib.util.find_spec('composer') is not None else None
     for name, options in recipe.algorithms.items():
         where = f'algorithms.{name}'
-        if name not in registry:
-            raise error(f'{where}: unknown algorithm{_closest(name, sorted(registry))}')
-        if options in (True, False, None):
+        if registry is not None and name not in registry:
+            raise error(f'{where}: unknown algorithm{closest(name, sorted(registry))}')
+        if isinstance(options, bool) or options is None:
             continue
         if not isinstance(options, dict):
-            raise error(f'{where}: expected a mapping of options, true or false, got {type(options).__name__} {options!r}')
-        parameters = inspect.signature(registry[name]).parameters
-        for key in options:
-            if key not in parameters:
-                raise error(f'{where}.{key}: unknown option of {registry[name].__name__}'
-                            f'{_closest(str(key), list(parameters))}')
+            raise error(f'{where}: expected a mapping of options, true or false, '
+                        f'got {type(options).__name__} {options!r}')
+        if name == 'channels_last':
+            _check_channels_last(options, where, error, signature_known=registry is not None)
+        if registry is not None:
+            _check_composer_options(registry[name], options, where, error)
+
+
+def _check_model(recipe: Recipe, error) -> None:
+    from channels_last_algo.app.models import model_builder
+
+    try:
+        model_builder(recipe.model.name)
+    except ValueError as exc:
+        raise error(f'model.name: {exc}') from exc
 
 
 def load_recipe(path: Union[str, os.PathLike], overrides: Sequence[str] = ()) -> Recipe:
@@ -266,16 +201,16 @@ def load_recipe(path: Union[str, os.PathLike], overrides: Sequence[str] = ()) ->
         raise error(f'expected a mapping of recipe sections at the top, got {type(data).__name__}')
     for override in overrides:
         _apply_override(data, override, error)
-    recipe = _from_dict(Recipe, data, '', error)
-    recipe.source = str(path)
+    recipe = recipe_from_dict(data, str(path))
     _check_algorithms(recipe, error)
+    _check_model(recipe, error)
     return recipe
 
 
 # --- building ------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def algorithm_registry() -> dict[str, type]:
     """Algorithm classes by snake name: this project's ``channels_last`` and Composer's built-ins
     (by their package names; Composer's ChannelsLast as ``composer_channels_last``)."""
@@ -298,6 +233,9 @@ def build_algorithms(recipe: Recipe) -> list[Any]:
     """The recipe's algorithm objects, in recipe order with ``channels_last`` last, so that it
     restrides the layers other algorithms swap in at ``Event.INIT`` (BlurPool's, say)."""
     registry = algorithm_registry()
+    for name in recipe.enabled_algorithms():
+        if name not in registry:
+            raise RecipeError(f'{recipe.source}: algorithms.{name}: unknown algorithm{closest(name, sorted(registry))}')
     return [registry[name](**options) for name, options in recipe.enabled_algorithms().items()]
 
 
@@ -316,91 +254,97 @@ def device_and_precision(recipe: Recipe) -> tuple[str, str]:
 
 
 def _batch_sizes(recipe: Recipe) -> tuple[int, int]:
-    from composer.utils import dist
-
-    world = dist.get_world_size()
+    world = int(os.environ.get('WORLD_SIZE', 1))  # the launcher's; the process group is not up yet
     train = recipe.train
     for key, size in (('global_batch_size', train.global_batch_size), ('eval_batch_size', train.eval_batch_size)):
-        if size is not None and (size < 1 or size % world):
-            raise RecipeError(f'{recipe.source}: train.{key}: {size} must be a positive multiple of the '
-                              f'world size ({world})')
+        if size is not None and size % world:
+            raise RecipeError(f'{recipe.source}: train.{key}: {size} must be a multiple of the world size ({world})')
     eval_size = train.global_batch_size if train.eval_batch_size is None else train.eval_batch_size
     return train.global_batch_size // world, eval_size // world
 
 
 def build_datasets(recipe: Recipe, data_path: Optional[str] = None):
     """The recipe's train and eval datasets (NHWC uint8 samples): ``data_path`` (or
-    ``data.path``) as an ImageNet folder, the synthetic set when neither is given."""
-    from channels_last_algo.app.data import DataPathError, imagenet_dataset
+    ``data.path``) as an ImageNet folder, the synthetic set when neither is given. Both follow
+    ``data.on_corrupt``; a corrupt image's error names that key."""
+    from channels_last_algo.app.datasets import DataPathError, imagenet_dataset
 
     data = recipe.data
     path = data_path if data_path is not None else data.path
-    common = dict(data_path=path, num_classes=recipe.model.num_classes, seed=recipe.train.seed, on_corrupt=data.on_corrupt)
+    image_size = max(data.train_crop, data.eval_resize or data.eval_crop)
+    hint = f'or set data.on_corrupt: skip in {recipe.source} (--set data.on_corrupt=skip) to skip corrupt files'
+    common = dict(data_path=path, num_classes=recipe.model.num_classes, seed=recipe.train.seed,
+                  on_corrupt=data.on_corrupt, corrupt_hint=hint)
     try:
         train = imagenet_dataset('train', crop_size=data.train_crop, synthetic_samples=data.synthetic_train_samples,
-                                 synthetic_image_size=max(data.train_crop, data.eval_resize or data.eval_crop), **common)
+                                 synthetic_image_size=image_size, **common)
         val = imagenet_dataset('val', crop_size=data.eval_crop, resize_size=data.eval_resize,
-                               synthetic_samples=data.synthetic_eval_samples,
-                               synthetic_image_size=max(data.train_crop, data.eval_resize or data.eval_crop), **common)
+                               synthetic_samples=data.synthetic_eval_samples, synthetic_image_size=image_size, **common)
     except DataPathError as exc:
         key = 'data.path' if data_path is None else '--data'
         raise RecipeError(f'{recipe.source}: {key}: {exc}') from exc
     return train, val
 
 
-def build_trainer(recipe: Recipe, data_path: Optional[str] = None, resume: bool = False, **trainer_options: Any):
-    """A Composer ``Trainer`` for ``recipe``: the model, NHWC loaders, DecoupledSGDW with the
-    linearly scaled learning rate, cosine-with-warmup schedule, the algorithms, fp32 on CPU and
-    ``train.gpu_precision`` on a GPU, checkpoints in the recipe's save folder. With ``resume``
-    it continues from the latest checkpoint there. ``trainer_options`` go to the Trainer."""
+def build_trainer(recipe: Recipe, data_path: Optional[str] = None, resume: Union[bool, str, os.PathLike] = False,
+                  overwrite: bool = False, **trainer_options: Any):
+    """A Composer ``Trainer`` for ``recipe``: the model, NHWC loaders, the optimizer and schedule of
+    :mod:`~channels_last_algo.app.optimizers`, the algorithms, fp32 on CPU and
+    ``train.gpu_precision`` on a GPU, and atomic checkpoints in the recipe's save folder.
+
+    The folder is locked for the run first (:class:`~channels_last_algo.app.run_folder.RunFolder`,
+    on rank 0, released by ``trainer.close()`` or when the process ends); an earlier run's
+    checkpoints there are refused unless ``resume`` (True: the newest readable one; a path:
+    that one) or ``overwrite``. ``trainer_options`` go to the Trainer.
+    """
     from composer import Trainer
     from composer.models import ComposerClassifier
-    from composer.optim import CosineAnnealingWithWarmupScheduler, DecoupledSGDW
     from composer.utils import reproducibility
 
+    from channels_last_algo.app.checkpoints import RunCheckpoints
     from channels_last_algo.app.data import build_data_spec
     from channels_last_algo.app.models import build_model
+    from channels_last_algo.app.optimizers import build_optimizer, build_scheduler
+    from channels_last_algo.app.run_folder import RunFolder
 
     device, precision = device_and_precision(recipe)
     train_batch, eval_batch = _batch_sizes(recipe)
-    train_data, eval_data = build_datasets(recipe, data_path)
-    save_folder = recipe.save_folder()
-    load_path = None
-    if resume:
-        latest = save_folder / 'latest-rank0.pt'
-        if not latest.exists():
-            raise RecipeError(f'{recipe.source}: --resume: no checkpoint {latest} to resume from; train once '
-                              'without --resume first (or set train.save_folder to the run to resume)')
-        load_path = str(latest)
-
-    reproducibility.seed_all(recipe.train.seed)
+    run = RunFolder(recipe.save_folder())
+    writer = int(os.environ.get('RANK', 0)) == 0  # only rank 0 writes checkpoints
+    if writer:
+        run.lock()
     try:
-        module = build_model(recipe.model.name, num_classes=recipe.model.num_classes)
-    except (ValueError, TypeError) as exc:
-        raise RecipeError(f'{recipe.source}: model.name: {exc}') from exc
-    model = ComposerClassifier(module, num_classes=recipe.model.num_classes)
-    loader_options = dict(workers=recipe.data.workers, seed=recipe.train.seed)
-    opt = recipe.optimizer
-    lr = opt.lr * recipe.train.global_batch_size / opt.reference_batch_size
-    optimizer = DecoupledSGDW(model.parameters(), lr=lr, momentum=opt.momentum, weight_decay=opt.weight_decay)
-    scheduler = CosineAnnealingWithWarmupScheduler(t_warmup=recipe.scheduler.t_warmup, alpha_f=recipe.scheduler.alpha_f)
-    return Trainer(
-        model=model,
-        train_dataloader=build_data_spec(train_data, batch_size=train_batch, train=True, **loader_options),
-        eval_dataloader=build_data_spec(eval_data, batch_size=eval_batch, train=False, **loader_options),
-        eval_interval=recipe.train.eval_interval,
-        max_duration=recipe.train.max_duration,
-        optimizers=optimizer,
-        schedulers=scheduler,
-        algorithms=build_algorithms(recipe),
-        device=device,
-        precision=precision,
-        seed=recipe.train.seed,
-        save_folder=str(save_folder),
-        save_interval=recipe.train.save_interval,
-        save_num_checkpoints_to_keep=recipe.train.save_num_checkpoints_to_keep,
-        save_overwrite=not resume,
-        load_path=load_path,
-        run_name=recipe.name,
-        **trainer_options,
-    )
+        start = (run.prepare(resume, overwrite, recipe.train.max_duration) if writer
+                 else run.resume_point(resume, recipe.train.max_duration))
+        train_data, eval_data = build_datasets(recipe, data_path)
+        loader_options = dict(workers=recipe.data.workers, seed=recipe.train.seed)
+        try:
+            train_loader = build_data_spec(train_data, batch_size=train_batch, train=True, **loader_options)
+        except ValueError as exc:  # fewer training images than one batch
+            raise RecipeError(f'{recipe.source}: train.global_batch_size: {exc}') from exc
+        eval_loader = build_data_spec(eval_data, batch_size=eval_batch, train=False, **loader_options)
+        reproducibility.seed_all(recipe.train.seed)
+        model = ComposerClassifier(build_model(recipe.model.name, num_classes=recipe.model.num_classes),
+                                   num_classes=recipe.model.num_classes)
+        checkpoints = RunCheckpoints(run, recipe.train.save_interval, keep=recipe.train.save_num_checkpoints_to_keep,
+                                     resume_from=start, write=writer)
+        return Trainer(
+            model=model,
+            train_dataloader=train_loader,
+            eval_dataloader=eval_loader,
+            eval_interval=recipe.train.eval_interval,
+            max_duration=recipe.train.max_duration,
+            optimizers=build_optimizer(recipe, model.parameters()),
+            schedulers=build_scheduler(recipe),
+            algorithms=build_algorithms(recipe),
+            callbacks=[checkpoints, *trainer_options.pop('callbacks', [])],
+            device=device,
+            precision=precision,
+            seed=recipe.train.seed,
+            load_path=None if start is None else str(start),
+            run_name=recipe.name,
+            **trainer_options,
+        )
+    except BaseException:
+        run.unlock()
+        raise
