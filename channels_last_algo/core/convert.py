@@ -33,6 +33,8 @@ from torch.nn.parameter import is_lazy
 
 from channels_last_algo.core.layers import RepairRecord, repair_model
 from channels_last_algo.core.layout import channels_last_format, to_channels_first, to_channels_last
+from channels_last_algo.core.parallel import weight_layout_for
+from channels_last_algo.core.safety.bugs import SafePathRecord, make_safe
 
 __all__ = ['ConversionSummary', 'apply_channels_first', 'apply_channels_last', 'restride']
 
@@ -50,6 +52,7 @@ class ConversionSummary:
         optimizer_states: how many optimizer state tensors were restrided with their parameter.
         uninitialized: names of lazy-module parameters that have no shape yet and were skipped.
         repaired: the layers swapped for NHWC-preserving ones (``repair=True``).
+        made_safe: the layers routed around a known layout kernel bug (``kernel_safety=True``).
     """
 
     layout: str = 'channels last'
@@ -58,6 +61,7 @@ class ConversionSummary:
     optimizer_states: int = 0
     uninitialized: list[str] = dataclasses.field(default_factory=list)
     repaired: list[RepairRecord] = dataclasses.field(default_factory=list)
+    made_safe: list[SafePathRecord] = dataclasses.field(default_factory=list)
 
     @property
     def tensors(self) -> int:
@@ -67,7 +71,8 @@ class ConversionSummary:
     def __str__(self) -> str:
         return (f'{self.layout}: {len(self.converted)} tensors restrided, '
                 f'{len(self.unchanged)} already {self.layout}, '
-                f'{self.optimizer_states} optimizer state tensors restrided, {len(self.repaired)} layers repaired')
+                f'{self.optimizer_states} optimizer state tensors restrided, {len(self.repaired)} layers repaired, '
+                f'{len(self.made_safe)} layers on a kernel safe path')
 
 
 Restride = Callable[[torch.Tensor], torch.Tensor]
@@ -126,6 +131,7 @@ def apply_channels_last(
     model: torch.nn.Module,
     optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]] = None,
     repair: bool = True,
+    kernel_safety: bool = True,
 ) -> ConversionSummary:
     """Restride ``model``'s 4D/5D parameters, buffers and gradients to channels last in place.
 
@@ -138,12 +144,23 @@ def apply_channels_last(
             gradient, instance norm, bicubic upsampling; on CUDA group norm, pixel shuffle,
             padding) for NHWC-preserving subclasses: same parameters, ``state_dict`` keys and
             numbers (:func:`~channels_last_algo.core.layers.repair_model`).
+        kernel_safety: also route the layers that match a known layout kernel bug on this
+            torch, device and CPU (a crash or wrong numbers in NHWC) through their safe path:
+            same parameters, ``state_dict`` keys and numbers
+            (:func:`~channels_last_algo.core.safety.bugs.make_safe`).
 
     Returns:
         A :class:`ConversionSummary`. A model with no 4D/5D tensor is left alone with a
         warning, since channels last can do nothing for it.
+
+    Raises:
+        ValueError: ``model`` is already wrapped in ``DistributedDataParallel`` (convert the
+            bare model, then wrap it), as :class:`~channels_last_algo.core.guard.LayoutGuard` refuses it.
     """
+    weight_layout_for(model)  # raises on a model already wrapped in DistributedDataParallel
     summary = _restride_model(model, to_channels_last, 'channels last', optimizers)
+    if kernel_safety:
+        summary.made_safe = make_safe(model)
     if repair:
         summary.repaired = repair_model(model)
     if summary.uninitialized:

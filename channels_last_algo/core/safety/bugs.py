@@ -1,0 +1,275 @@
+"""The table of known layout kernel bugs, and :func:`make_safe`, which routes the layers they
+affect through a safe path.
+
+A *layout kernel bug* is a kernel that crashes, hangs, computes wrong numbers, or returns NCHW
+on channels-last tensors where the same op on NCHW tensors is right. Each :class:`KernelBug` row
+names the op, the layer type and settings that reach it, the devices, torch versions and CPU
+instruction sets it occurs on, a minimal reproduction (a Python script, run by
+:func:`~channels_last_algo.core.safety.probe.run_code` in a child process), the failure, and
+the safe path: a subclass of the layer that computes the same numbers without that kernel.
+:func:`make_safe` swaps the class of every matching layer in place (same ``Parameter``
+objects, buffers, hooks and ``state_dict`` keys), as the repair rules do; it is part of
+:func:`~channels_last_algo.core.convert.apply_channels_last`.
+
+The conditions are deliberately wider than where a crash was seen (a write past a buffer does
+not crash every time; see ``observed``): a safe path costs little and keeps the numbers.
+
+Example:
+    >>> import torch
+    >>> stem = torch.nn.Sequential(torch.nn.Conv2d(3, 48, 1, stride=2, bias=False))
+    >>> cpu = Runtime(torch_version=(2, 7, 0), device='cpu', cpu_isa='AVX512')
+    >>> [(r.path, r.bug, r.safe_path) for r in make_safe(stem, runtimes=[cpu])]
+    [('0', 'onednn_1x1_strided_weight_grad', 'SubsampledConv2d')]
+    >>> make_safe(stem, runtimes=[cpu])     # idempotent
+    []
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import torch
+from torch import nn
+
+from channels_last_algo.core.safety.runtime import Runtime
+from channels_last_algo.core.safety.safe_layers import NCHWAvgPool2d, SubsampledConv2d
+
+__all__ = ['FAILURES', 'KNOWN_BUGS', 'KernelBug', 'SafePathRecord', 'default_runtimes', 'make_safe', 'matching_bugs']
+
+log = logging.getLogger(__name__)
+
+FAILURES = ('crash', 'hang', 'wrong numbers', 'NCHW output')
+"""What a layout kernel bug does: kills the process, never returns, returns wrong numbers
+silently, or drops NHWC."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBug:
+    """One row of the table of known layout kernel bugs.
+
+    Attributes:
+        name: short identifier, reported in :class:`SafePathRecord`.
+        op: the op and kernel that fail.
+        layer: the module type whose settings reach it (matched exactly: a subclass has its own
+            forward, which a safe path would replace).
+        condition: the test on the layer's settings (and the runtime, where they interact).
+        shape_condition: ``condition`` in words, with what the probes saw.
+        devices: the device types the kernel runs on.
+        torch_versions: (first affected, first fixed) torch versions; None: no known bound.
+        cpu_isa: on the CPU, the instruction sets whose kernels fail (None: any).
+        failures: what it does, each one of :data:`FAILURES`.
+        repro: a self-contained Python script: it exits 0 where the kernel behaves, dies from a
+            signal where it crashes, and fails an ``assert`` where the numbers are wrong.
+        safe_path: the replacement class (a subclass of ``layer`` that overrides forward only).
+        references: the trackers' threads.
+        observed: where the probes of this project ran the repro, and what they saw.
+    """
+
+    name: str
+    op: str
+    layer: type
+    condition: Callable[[nn.Module, Runtime], bool]
+    shape_condition: str
+    devices: tuple[str, ...]
+    torch_versions: tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]]]
+    cpu_isa: Optional[tuple[str, ...]]
+    failures: tuple[str, ...]
+    repro: str
+    safe_path: type
+    references: tuple[str, ...]
+    observed: str
+
+    def __post_init__(self) -> None:
+        if not issubclass(self.safe_path, self.layer):
+            raise TypeError(f'kernel bug {self.name!r}: safe path {self.safe_path.__name__} must subclass '
+                            f'{self.layer.__name__} so that a swapped module keeps its state; derive it from the '
+                            'layer and override forward only')
+        unknown = [f for f in self.failures if f not in FAILURES]
+        if not self.failures or unknown:
+            raise ValueError(f'kernel bug {self.name!r}: failures {self.failures} must be one or more of {FAILURES}')
+
+    def affects(self, runtime: Runtime) -> bool:
+        """True when ``runtime``'s device, torch version and CPU instruction set have this bug."""
+        first, fixed = self.torch_versions
+        if runtime.device not in self.devices:
+            return False
+        version = runtime.torch_version
+        if (first is not None and version < first) or (fixed is not None and version >= fixed):
+            return False
+        return runtime.device != 'cpu' or self.cpu_isa is None or runtime.cpu_isa in self.cpu_isa
+
+    def reaches(self, module: nn.Module, runtime: Runtime) -> bool:
+        """True when ``module``, a ``layer`` or a subclass not on the safe path yet, reaches the
+        failing kernel on ``runtime``."""
+        return (isinstance(module, self.layer) and not isinstance(module, self.safe_path) and self.affects(runtime)
+                and self.condition(module, runtime))
+
+    def matches(self, module: nn.Module, runtime: Runtime) -> bool:
+        """True when ``module`` reaches the failing kernel on ``runtime`` and is exactly a ``layer``,
+        whose forward the safe path may replace."""
+        return type(module) is self.layer and self.reaches(module, runtime)
+
+
+# The channel block of oneDNN's jit_1x1 kernels for fp32: an AVX-512 register holds 16 floats, AVX2 8.
+_ONEDNN_IC_BLOCK = {'AVX512': 16, 'AVX2': 8}
+
+
+def _few_channel_strided_1x1(conv: nn.Conv2d, runtime: Runtime) -> bool:
+    block = _ONEDNN_IC_BLOCK.get(runtime.cpu_isa or '', 0)
+    return (conv.kernel_size == (1, 1) and conv.stride != (1, 1) and conv.padding in ('valid', (0, 0))
+            and conv.groups == 1 and conv.in_channels < block)
+
+
+def _padded(pool: nn.AvgPool2d, runtime: Runtime) -> bool:
+    padding = pool.padding if isinstance(pool.padding, (tuple, list)) else (pool.padding,)
+    return any(p > 0 for p in padding)
+
+
+_ONEDNN_1X1_REPRO = '''\
+import torch
+torch.manual_seed(0)
+conv = torch.nn.Conv2d(3, 48, kernel_size=1, stride=2, bias=False)
+x = torch.randn(2, 3, 128, 128)
+reference = torch.autograd.grad(conv(x).sum(), conv.weight)[0]
+for step in range(3):   # the write past the workspace crashes on the first step or a later one
+    nhwc = torch.autograd.grad(conv(x.to(memory_format=torch.channels_last)).sum(), conv.weight)[0]
+    assert torch.allclose(nhwc, reference, rtol=1e-4, atol=1e-4), 'NHWC weight gradient differs from NCHW'
+'''
+
+_CUDA_AVG_POOL_REPRO = '''\
+import torch
+import torch.nn.functional as F
+def input_grad(device, memory_format):
+    x = torch.arange(2 * 3 * 7 * 7, dtype=torch.float64).reshape(2, 3, 7, 7).to(device, memory_format=memory_format)
+    x.requires_grad_()
+    out = F.avg_pool2d(x, kernel_size=3, stride=2, padding=1)
+    out.backward(torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).to(device))
+    return x.grad.cpu()
+reference = input_grad('cpu', torch.contiguous_format)
+nhwc = input_grad('cuda', torch.channels_last)
+assert torch.allclose(nhwc, reference), 'NHWC avg_pool2d input gradient on CUDA differs from NCHW'
+'''
+
+KNOWN_BUGS: tuple[KernelBug, ...] = (
+    KernelBug(
+        name='onednn_1x1_strided_weight_grad',
+        op='aten.convolution_backward weight gradient: oneDNN jit_1x1 backward_weights (jit_1x1:avx512_core, '
+        'jit_1x1:avx2), which gathers the strided input into a per-thread workspace and, on NHWC input with fewer '
+        'input channels than its channel block, writes past that workspace',
+        layer=nn.Conv2d,
+        condition=_few_channel_strided_1x1,
+        shape_condition='kernel 1x1, stride > 1 in either dimension, padding 0, groups 1, in_channels < 16 with the '
+        'AVX-512 kernel or < 8 with the AVX2 kernel, input or weight channels last, weight gradient computed (the '
+        'input need not require grad). The workspace is overrun on every call; whether and when the process dies '
+        'depends on the heap: 3 -> 48 at 2 x 3 x 128 x 128 dies on the first step, at 32 x 32 and 64 x 64 twenty '
+        'steps ran with right numbers, at batch 1 the process died within twenty steps. Seen in fp32 (torch 2.7 and '
+        '2.14) and bf16 (torch 2.14). Stride 3 runs a generic oneDNN kernel here and did not crash.',
+        devices=('cpu',),
+        torch_versions=(None, None),
+        cpu_isa=('AVX512', 'AVX2'),
+        failures=('crash', 'hang', 'wrong numbers'),
+        repro=_ONEDNN_1X1_REPRO,
+        safe_path=SubsampledConv2d,
+        references=('https://github.com/uxlfoundation/oneDNN/issues/6035 (open: rtus workspace overrun, nhwc, '
+                    'IC < ic_block; SIGSEGV with AVX-512, hang or wrong weight gradients with AVX2)',),
+        observed='AMD EPYC with AVX-512 and BF16, 2 threads, torch 2.7.0 (oneDNN 3.7.1) and 2.14.1 (oneDNN 3.12.0), '
+        'the same in both: SIGSEGV (or SIGABRT/SIGBUS from glibc heap checks) for 1, 2, 3, 4, 8, 12, 15 input '
+        'channels -> 48 (and 3 -> 8, 16, 32, 64, 96), batch 2, 4, 8, 96 to 224 px, stride 2, (2, 1) or (1, 2), input '
+        'or weight or both NHWC, bias on or off; no crash with 16, 24, 32 input channels, stride 1 or 3, padding 1, '
+        'groups 2 or 4, or NCHW. With ONEDNN_MAX_CPU_ISA=AVX2 (jit_1x1:avx2): 3 input channels gave a weight '
+        'gradient 150% off (torch 2.7) or SIGSEGV (2.14), 4 and 7 SIGSEGV (2.7) or a hang (2.14), 8 to 16 right. '
+        'The safe path ran the crashing shapes it was tried on (1, 3, 15 channels, 224 px, batch 8, weight or both '
+        'NHWC, the AVX2 kernel) with NCHW numbers. Reported on an AVX-512 Xeon without BF16 for '
+        '3, 4, 8 -> 48, and RepVGG, MobileOne and FastViT stems.',
+    ),
+    KernelBug(
+        name='cuda_avg_pool2d_nhwc_backward_padding',
+        op='aten.avg_pool2d_backward on CUDA: the NHWC kernel (avg_pool2d_backward_out_cuda_frame_nhwc) maps input '
+        'pixels to pooling windows without the padding offset',
+        layer=nn.AvgPool2d,
+        condition=_padded,
+        shape_condition='padding > 0, input channels last; the forward and padding 0 are right',
+        devices=('cuda',),
+        torch_versions=(None, (2, 14, 0)),
+        cpu_isa=None,
+        failures=('wrong numbers',),
+        repro=_CUDA_AVG_POOL_REPRO,
+        safe_path=NCHWAvgPool2d,
+        references=('https://github.com/pytorch/pytorch/issues/188344',
+                    'https://github.com/pytorch/pytorch/pull/188345 (the fix, in torch 2.14)'),
+        observed='not probed here (no GPU); from the tracker: wrong input gradients up to torch 2.13, right in 2.14',
+    ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SafePathRecord:
+    """One layer that :func:`make_safe` routed through a safe path.
+
+    Attributes:
+        path: the module's name in ``model.named_modules()`` ('' for the model itself).
+        bug: the :class:`KernelBug` name whose condition it matched.
+        original: qualified name of its type before.
+        safe_path: the class it has now.
+    """
+
+    path: str
+    bug: str
+    original: str
+    safe_path: str
+
+
+def default_runtimes(model: nn.Module) -> list[Runtime]:
+    """The runtimes a model may train on from here: its device, and CUDA too when the model
+    is on the CPU and CUDA is available (a model is often converted before it is moved)."""
+    device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
+    runtimes = [Runtime.current(device)]
+    if device.type == 'cpu' and torch.cuda.is_available():
+        runtimes.append(Runtime.current('cuda'))
+    return runtimes
+
+
+def matching_bugs(model: nn.Module, runtimes: Sequence[Runtime], bugs: Sequence[KernelBug] = KNOWN_BUGS,
+                  subclasses: bool = False) -> list[tuple[str, nn.Module, KernelBug]]:
+    """(path, module, bug) for every module of ``model`` that matches a bug on any of ``runtimes``
+    (:meth:`KernelBug.matches`; with ``subclasses``, :meth:`KernelBug.reaches`: also the
+    subclasses that no safe path can replace), the first such row per module, in
+    ``named_modules`` order."""
+    found = []
+    for path, module in model.named_modules():
+        bug = next((b for b in bugs if any((b.reaches if subclasses else b.matches)(module, r) for r in runtimes)),
+                   None)
+        if bug is not None:
+            found.append((path, module, bug))
+    return found
+
+
+def make_safe(model: nn.Module, runtimes: Optional[Sequence[Runtime]] = None,
+              bugs: Sequence[KernelBug] = KNOWN_BUGS) -> list[SafePathRecord]:
+    """Swap, in place, every layer of ``model`` that a known bug's condition matches for its safe path.
+
+    Args:
+        model: the model; its matching modules change class, nothing else changes.
+        runtimes: where it will train; by default :func:`default_runtimes`.
+        bugs: the table, :data:`KNOWN_BUGS` unless given.
+
+    Returns:
+        One :class:`SafePathRecord` per swapped module; empty when nothing matched (a safe
+        model matches nothing again).
+    """
+    runtimes = default_runtimes(model) if runtimes is None else runtimes
+    records = []
+    for path, module, bug in matching_bugs(model, runtimes, bugs):
+        original = type(module)
+        module.__class__ = bug.safe_path
+        records.append(SafePathRecord(path=path, bug=bug.name, safe_path=bug.safe_path.__name__,
+                                      original=f'{original.__module__}.{original.__qualname__}'))
+    for record in records:
+        log.info('%s: layer %s (%s) matches the known layout kernel bug %s on %s; it runs on the safe path %s',
+                 type(model).__name__, record.path or '(root)', record.original, record.bug,
+                 ' / '.join(map(str, runtimes)), record.safe_path)
+    return records
