@@ -3,7 +3,8 @@
 Layout (:mod:`.layout`), the functional conversion (:mod:`.convert`), the repair rules and
 layers (:mod:`.layers`), the layout audit (:mod:`.audit`), auto mode (:mod:`.auto`), what
 parallel wrappers allow (:mod:`.parallel`), the framework-neutral event layer
-(:mod:`.guard`) and fused inference (:mod:`.fuse`). Integrations and the application import
+(:mod:`.guard`), fused inference (:mod:`.fuse`), known kernel bugs and the doctor
+(:mod:`.safety`), and interleaved timing (:mod:`.timing`). Integrations and the application import
 from here; nothing here imports from them.
 """
 
@@ -21,15 +22,19 @@ from channels_last_algo.core.guard import LayoutGuard, batch_to_channels_last
 from channels_last_algo.core.layers import RULES, RepairRecord, RepairRule, repair_model
 from channels_last_algo.core.layout import Layout, has_channels_last_strides, is_channels_last, layout_of, to_channels_last
 from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
+from channels_last_algo.core.safety import KNOWN_BUGS
+from channels_last_algo.core.safety.doctor import DoctorReport, doctor
 
 __all__ = [
     'AuditRecord',
     'AuditReport',
     'ConversionSummary',
+    'DoctorReport',
     'FusedConv2d',
     'FusedEvaluation',
     'FusionSummary',
     'InferenceModel',
+    'KNOWN_BUGS',
     'Layout',
     'LayoutAudit',
     'LayoutBreakError',
@@ -42,6 +47,7 @@ __all__ = [
     'apply_channels_last',
     'audit_model',
     'batch_to_channels_last',
+    'doctor',
     'export_for_inference',
     'fuse_for_inference',
     'has_channels_last_strides',
