@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import statistics
@@ -46,11 +47,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.app.demo import TinyResNet
+from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.layout import to_channels_last
 from channels_last_algo.core.machine import describe_machine, machine_label, write_results
+from channels_last_algo.core.timing import Ratio, time_interleaved
 
 VARIANTS = ('nchw', 'channels_last', 'restrided_after_wrap')
 STRIDE_WARNING = 'Grad strides do not match bucket view strides'
@@ -82,34 +84,45 @@ def rank_program(args: argparse.Namespace) -> None:
     per_rank = args.global_batch // world
     images = torch.randn(per_rank, 3, args.image_size, args.image_size, generator=generator)
     labels = torch.randint(0, 10, (per_rank,), generator=generator)
-    batches = {'nchw': images, 'channels_last': to_channels_last(images), 'restrided_after_wrap': to_channels_last(images)}
+    batches = {
+        'nchw': images,
+        'channels_last': to_channels_last(images),
+        'restrided_after_wrap': to_channels_last(images),
+    }
     models = {name: build_variant(name, base) for name in VARIANTS}
     optimizers = {name: torch.optim.SGD(models[name].parameters(), lr=0.01, momentum=0.9) for name in VARIANTS}
 
-    def steps(name: str, count: int) -> None:
-        for _ in range(count):
-            optimizers[name].zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(models[name](batches[name]), labels).backward()
-            optimizers[name].step()
+    def step(name: str) -> None:
+        optimizers[name].zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(models[name](batches[name]), labels).backward()
+        optimizers[name].step()
 
     warned = {}
     for name in VARIANTS:  # warm-up, in this order: the stride warning fires once per process
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always')
-            steps(name, args.warmup)
+            for _ in range(args.warmup):
+                step(name)
         warned[name] = any(STRIDE_WARNING in str(w.message) for w in caught)
-    seconds = {name: [] for name in VARIANTS}
-    for _ in range(args.rounds):
-        for name in VARIANTS:
-            dist.barrier()
-            start = time.perf_counter()
-            steps(name, args.steps)
-            dist.barrier()
-            seconds[name].append((time.perf_counter() - start) / args.steps)
+    # every rank runs the same rounds in the same order; the clock is read between barriers
+    timings = time_interleaved(
+        {name: functools.partial(step, name) for name in VARIANTS},
+        rounds=args.rounds,
+        warmup=0,
+        repeat=args.steps,
+        synchronize=dist.barrier,
+    )
     if rank == 0:
-        Path(args.rank_out).write_text(json.dumps({'seconds_per_step': seconds, 'stride_warning': warned,
-                                                   'threads_per_rank': torch.get_num_threads(),
-                                                   'images_per_rank': per_rank}))
+        Path(args.rank_out).write_text(
+            json.dumps(
+                {
+                    'seconds_per_step': timings.seconds,
+                    'stride_warning': warned,
+                    'threads_per_rank': torch.get_num_threads(),
+                    'images_per_rank': per_rank,
+                }
+            )
+        )
     dist.destroy_process_group()
 
 
@@ -119,16 +132,43 @@ def rank_program(args: argparse.Namespace) -> None:
 def launch(world: int, args: argparse.Namespace, folder: Path) -> dict:
     """Run the rank program on ``world`` ranks with Composer's launcher; rank 0's measurements."""
     out = folder / f'world{world}.json'
-    env = {k: v for k, v in os.environ.items() if k not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE',
-                                                              'NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT')}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT')
+    }
     env['OMP_NUM_THREADS'] = str(args.threads_per_rank)
-    options = ['--global-batch', args.global_batch, '--image-size', args.image_size, '--width', args.width,
-               '--steps', args.steps, '--rounds', args.rounds, '--warmup', args.warmup,
-               '--threads-per-rank', args.threads_per_rank,
-               '--seed', args.seed]
-    command = [sys.executable, '-m', 'composer.cli.launcher', '-n', str(world),
-               '--stdout', str(folder / f'world{world}-rank{{rank}}.log'), str(Path(__file__).resolve()),
-               '--rank-out', str(out), *map(str, options)]
+    options = [
+        '--global-batch',
+        args.global_batch,
+        '--image-size',
+        args.image_size,
+        '--width',
+        args.width,
+        '--steps',
+        args.steps,
+        '--rounds',
+        args.rounds,
+        '--warmup',
+        args.warmup,
+        '--threads-per-rank',
+        args.threads_per_rank,
+        '--seed',
+        args.seed,
+    ]
+    command = [
+        sys.executable,
+        '-m',
+        'composer.cli.launcher',
+        '-n',
+        str(world),
+        '--stdout',
+        str(folder / f'world{world}-rank{{rank}}.log'),
+        str(Path(__file__).resolve()),
+        '--rank-out',
+        str(out),
+        *map(str, options),
+    ]
     process = subprocess.run(command, env=env, capture_output=True, text=True)
     if process.returncode != 0 or not out.exists():
         logs = '\n'.join(p.read_text()[-2000:] for p in sorted(folder.glob(f'world{world}-rank*.log')))
@@ -142,19 +182,22 @@ def summarise(measured: dict[int, dict], global_batch: int) -> list[dict]:
         seconds = result['seconds_per_step']
         for name in VARIANTS:
             median = statistics.median(seconds[name])
-            ratios = [base / own for base, own in zip(seconds['nchw'], seconds[name])]
-            rows.append({
-                'world_size': world,
-                'threads_per_rank': result['threads_per_rank'],
-                'images_per_rank': result['images_per_rank'],
-                'variant': name,
-                'seconds_per_step': seconds[name],
-                'min_ms': 1000 * min(seconds[name]),
-                'median_ms': 1000 * median,
-                'images_per_s': global_batch / median,
-                'speedup_vs_nchw': statistics.median(ratios),
-                'stride_warning': result['stride_warning'][name],
-            })
+            ratio = Ratio.of([base / own for base, own in zip(seconds['nchw'], seconds[name])])
+            rows.append(
+                {
+                    'world_size': world,
+                    'threads_per_rank': result['threads_per_rank'],
+                    'images_per_rank': result['images_per_rank'],
+                    'variant': name,
+                    'seconds_per_step': seconds[name],
+                    'min_ms': 1000 * min(seconds[name]),
+                    'median_ms': 1000 * median,
+                    'images_per_s': global_batch / median,
+                    'speedup_vs_nchw': ratio.median,
+                    'noise_vs_nchw': ratio.noise,
+                    'stride_warning': result['stride_warning'][name],
+                }
+            )
     single = {row['variant']: row['images_per_s'] for row in rows if row['world_size'] == min(measured)}
     for row in rows:
         row['scaling_vs_1_rank'] = row['images_per_s'] / single[row['variant']]
@@ -165,21 +208,21 @@ def markdown(result: dict) -> str:
     s = result['settings']
     worlds = sorted({row['world_size'] for row in result['rows']})
     lines = [
-        f"# DDP step time on CPU ranks (gloo): {machine_label(result['machine'])}",
+        f'# DDP step time on CPU ranks (gloo): {machine_label(result["machine"])}',
         '',
-        f"{result['machine']['cpu']}, {result['machine']['cores_usable']} usable cores, GPU: "
-        f"{result['machine']['gpu'] or 'none'}; torch {result['machine']['torch']}, oneDNN "
-        f"{result['machine']['onednn']}, Python {result['machine']['python']}. {result['date']}.",
+        f'{result["machine"]["cpu"]}, {result["machine"]["cores_usable"]} usable cores, GPU: '
+        f'{result["machine"]["gpu"] or "none"}; torch {result["machine"]["torch"]}, oneDNN '
+        f'{result["machine"]["onednn"]}, Python {result["machine"]["python"]}. {result["date"]}.',
         '',
-        f"Command: `{result['command']}`",
+        f'Command: `{result["command"]}`',
         '',
-        f"1-minute load average {result['load_average_1min']['before']:.1f} before and "
-        f"{result['load_average_1min']['after']:.1f} after the run (other work on the machine makes rounds vary).",
+        f'1-minute load average {result["load_average_1min"]["before"]:.1f} before and '
+        f'{result["load_average_1min"]["after"]:.1f} after the run (other work on the machine makes rounds vary).',
         '',
-        f"TinyResNet (width {s['width']}) on {s['image_size']}x{s['image_size']} images, global batch "
+        f'TinyResNet (width {s["width"]}) on {s["image_size"]}x{s["image_size"]} images, global batch '
         f"{s['global_batch']} split over the ranks, SGD with momentum; ranks started by Composer's launcher, "
-        f"{s['threads_per_rank']} torch thread(s) per rank. {s['rounds']} rounds of "
-        f"{s['steps']} steps per variant after {s['warmup']} warm-up steps, interleaved. ms per step: min and "
+        f'{s["threads_per_rank"]} torch thread(s) per rank. {s["rounds"]} rounds of '
+        f'{s["steps"]} steps per variant after {s["warmup"]} warm-up steps, interleaved. ms per step: min and '
         'median over the rounds; images/s from the median; "vs NCHW": median of the per-round ratios at the '
         'same world size (above 1: faster); "vs 1 rank": images/s over the same variant\'s on 1 rank; '
         '"warns": DDP printed "Grad strides do not match bucket view strides".',
@@ -188,22 +231,29 @@ def markdown(result: dict) -> str:
         '|---:|---|---:|---:|---:|---:|---:|---|',
     ]
     for row in result['rows']:
-        lines.append(f"| {row['world_size']} | {row['variant']} | {row['min_ms']:.1f} | {row['median_ms']:.1f} | "
-                     f"{row['images_per_s']:.0f} | {row['speedup_vs_nchw']:.2f}x | {row['scaling_vs_1_rank']:.2f}x | "
-                     f"{'yes' if row['stride_warning'] else 'no'} |")
+        lines.append(
+            f'| {row["world_size"]} | {row["variant"]} | {row["min_ms"]:.1f} | {row["median_ms"]:.1f} | '
+            f'{row["images_per_s"]:.0f} | {row["speedup_vs_nchw"]:.2f}x | {row["scaling_vs_1_rank"]:.2f}x | '
+            f'{"yes" if row["stride_warning"] else "no"} |'
+        )
     if len(worlds) > 1:
-        lines += ['', f'All ranks run on this one machine, {s["threads_per_rank"]} thread(s) each: "vs 1 rank" is the '
-                  'strong scaling of a fixed global batch from one core to one core per rank, with gloo\'s '
-                  'allreduce over loopback, not multi-machine scaling. Other work on the machine (the load '
-                  'average above) takes cores from the ranks: with a load near the core count, 2 ranks get '
-                  'little more than one core between them.']
+        lines += [
+            '',
+            f'All ranks run on this one machine, {s["threads_per_rank"]} thread(s) each: "vs 1 rank" is the '
+            "strong scaling of a fixed global batch from one core to one core per rank, with gloo's "
+            'allreduce over loopback, not multi-machine scaling. Other work on the machine (the load '
+            'average above) takes cores from the ranks: with a load near the core count, 2 ranks get '
+            'little more than one core between them.',
+        ]
     return '\n'.join(lines) + '\n'
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split('\n\n', 1)[1])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split('\n\n', 1)[1],
+    )
     parser.add_argument('--worlds', type=int, nargs='+', default=[1, 2], help='world sizes to run (ranks)')
     parser.add_argument('--global-batch', type=int, default=32, help='images per step over all ranks')
     parser.add_argument('--image-size', type=int, default=64)
@@ -211,9 +261,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--steps', type=int, default=5, help='timed steps per variant and round')
     parser.add_argument('--rounds', type=int, default=7)
     parser.add_argument('--warmup', type=int, default=3, help='untimed steps per variant first')
-    parser.add_argument('--threads-per-rank', type=int, default=1,
-                        help='torch threads of each rank (default 1: one core per rank; more threads than free '
-                        'cores make oneDNN steps many times slower on a busy machine)')
+    parser.add_argument(
+        '--threads-per-rank',
+        type=int,
+        default=1,
+        help='torch threads of each rank (default 1: one core per rank; more threads than free '
+        'cores make oneDNN steps many times slower on a busy machine)',
+    )
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--out', type=Path, help='folder for ddp.json and ddp.md (else print only)')
     parser.add_argument('--rank-out', help=argparse.SUPPRESS)  # set by the driver for the rank program
@@ -236,8 +290,10 @@ def main(argv=None) -> int:
     result = {
         'command': ' '.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
         'machine': {**describe_machine(), 'torch_threads': args.threads_per_rank},
-        'settings': {key: getattr(args, key) for key in ('global_batch', 'image_size', 'width', 'steps', 'rounds',
-                                                          'warmup', 'threads_per_rank', 'seed')},
+        'settings': {
+            key: getattr(args, key)
+            for key in ('global_batch', 'image_size', 'width', 'steps', 'rounds', 'warmup', 'threads_per_rank', 'seed')
+        },
         'date': time.strftime('%Y-%m-%d'),
         'load_average_1min': {'before': load_before, 'after': os.getloadavg()[0]},
         'rows': rows,

@@ -22,14 +22,15 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 import PIL
@@ -37,7 +38,6 @@ import torch
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from channels_last_algo.core.machine import describe_machine, write_results
 from channels_last_algo.app.data import (
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -48,6 +48,8 @@ from channels_last_algo.app.data import (
     eval_transform,
     train_transform,
 )
+from channels_last_algo.core.machine import describe_machine, write_results
+from channels_last_algo.core.timing import synchronizer, time_interleaved
 
 PIPELINES = ('torchvision', 'torchvision+nhwc', 'nhwc')
 
@@ -73,12 +75,19 @@ def make_loaders(source: Callable, split: str, args: argparse.Namespace) -> dict
     nhwc_transform = train_transform(args.crop) if split == 'train' else eval_transform(args.crop, args.resize)
     geometry = nhwc_transform.transforms[:-1]  # everything before ToHWCUint8
     float_transform = transforms.Compose(
-        [*geometry, transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+        [*geometry, transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    )
     pin = device.type == 'cuda'
-    float_loader = DataLoader(source(float_transform, split), batch_size=args.batch_size, num_workers=args.workers,
-                              pin_memory=pin, persistent_workers=args.workers > 0)
-    nhwc_loader = build_loader(source(nhwc_transform, split), batch_size=args.batch_size, train=False,
-                               workers=args.workers, pin_memory=pin)
+    float_loader = DataLoader(
+        source(float_transform, split),
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        pin_memory=pin,
+        persistent_workers=args.workers > 0,
+    )
+    nhwc_loader = build_loader(
+        source(nhwc_transform, split), batch_size=args.batch_size, train=False, workers=args.workers, pin_memory=pin
+    )
     normalize = NormalizeBatch()
 
     def torchvision_pass():
@@ -96,47 +105,42 @@ def make_loaders(source: Callable, split: str, args: argparse.Namespace) -> dict
     return {'torchvision': torchvision_pass, 'torchvision+nhwc': torchvision_nhwc_pass, 'nhwc': nhwc_pass}
 
 
-def time_pass(run: Callable[[], Iterable], device: torch.device) -> tuple[float, int]:
-    """Seconds for one pass, and the images it gave."""
-    images_seen = 0
-    start = time.perf_counter()
-    for images, _ in run():
-        images_seen += images.shape[0]
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, images_seen
-
-
 def measure(source: Callable, data: str, split: str, args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     runs = make_loaders(source, split, args)
-    for run in runs.values():  # warm-up: worker start, page cache, first allocations
-        time_pass(run, device)
-    seconds: dict[str, list[float]] = {name: [] for name in PIPELINES}
     counts = {}
-    for _ in range(args.repeats):
-        for name in PIPELINES:
-            elapsed, counts[name] = time_pass(runs[name], device)
-            seconds[name].append(elapsed)
+
+    def one_pass(name: str, run: Callable[[], Iterable]) -> None:
+        counts[name] = sum(images.shape[0] for images, _ in run())
+
+    # one warm-up pass each: worker start, page cache, first allocations
+    timings = time_interleaved(
+        {name: functools.partial(one_pass, name, runs[name]) for name in PIPELINES},
+        rounds=args.repeats,
+        warmup=1,
+        synchronize=synchronizer(device),
+    )
+    seconds = timings.seconds
     pixels = args.batch_size * 3 * args.crop**2
     loaded_bytes = {'torchvision': 4 * pixels, 'torchvision+nhwc': 4 * pixels, 'nhwc': pixels}  # float32, uint8
     rows = []
     for name in PIPELINES:
         best, median = min(seconds[name]), statistics.median(seconds[name])
-        rows.append({
-            'data': data,
-            'split': split,
-            'workers': args.workers,
-            'pipeline': name,
-            'images': counts[name],
-            'seconds': seconds[name],
-            'best_images_per_s': counts[name] / best,
-            'median_images_per_s': counts[name] / median,
-            'batch_bytes_to_device': loaded_bytes[name],
-        })
+        rows.append(
+            {
+                'data': data,
+                'split': split,
+                'workers': args.workers,
+                'pipeline': name,
+                'images': counts[name],
+                'seconds': seconds[name],
+                'best_images_per_s': counts[name] / best,
+                'median_images_per_s': counts[name] / median,
+                'batch_bytes_to_device': loaded_bytes[name],
+            }
+        )
     for row in rows:  # paired: each pass against the torchvision pass of the same round
-        ratios = [base / own for base, own in zip(seconds['torchvision'], row['seconds'])]
-        row['speedup_vs_torchvision'] = statistics.median(ratios)
+        row['speedup_vs_torchvision'] = timings.ratio('torchvision', row['pipeline']).median
     del runs
     gc.collect()  # ends the persistent workers before the next group starts its own
     return rows
@@ -148,21 +152,21 @@ def markdown(result: dict) -> str:
     lines = [
         '# Loader throughput: NHWC uint8 path vs torchvision ToTensor + Normalize',
         '',
-        f"Machine: {m['cpu']}, {m['cores_usable']} usable cores ({m['cores']} online), "
-        f"{m['torch_threads']} torch thread(s) in the main process, 1 per worker, "
-        f"GPU: {m['gpu'] or 'none'}; device `{s['device']}`.",
-        f"torch {m['torch']}, torchvision {m['torchvision']}, Pillow {m['pillow']}, numpy {m['numpy']}, "
-        f"Python {m['python']}.",
+        f'Machine: {m["cpu"]}, {m["cores_usable"]} usable cores ({m["cores"]} online), '
+        f'{m["torch_threads"]} torch thread(s) in the main process, 1 per worker, '
+        f'GPU: {m["gpu"] or "none"}; device `{s["device"]}`.',
+        f'torch {m["torch"]}, torchvision {m["torchvision"]}, Pillow {m["pillow"]}, numpy {m["numpy"]}, '
+        f'Python {m["python"]}.',
         '',
-        f"Command: `{result['command']}`",
+        f'Command: `{result["command"]}`',
         '',
-        f"1-minute load average {result['load_average_1min']['before']:.1f} before and "
-        f"{result['load_average_1min']['after']:.1f} after the run (other work on the machine makes passes vary).",
+        f'1-minute load average {result["load_average_1min"]["before"]:.1f} before and '
+        f'{result["load_average_1min"]["after"]:.1f} after the run (other work on the machine makes passes vary).',
         '',
-        f"{s['images']} images per pass, batch {s['batch_size']}, crop {s['crop']} (val resize "
-        f"{s['resize']}), {s['repeats']} timed passes per pipeline after one warm-up, interleaved. "
+        f'{s["images"]} images per pass, batch {s["batch_size"]}, crop {s["crop"]} (val resize '
+        f'{s["resize"]}), {s["repeats"]} timed passes per pipeline after one warm-up, interleaved. '
         'JPEG folder: 224-320 px JPEGs (quality 90); synthetic: the embedded set at '
-        f"{s['synthetic_image_size']} px. Images/s from the fastest and the median pass; "
+        f'{s["synthetic_image_size"]} px. Images/s from the fastest and the median pass; '
         '"vs torchvision" is the median over rounds of the torchvision pass time over this '
         'pipeline\'s pass time in the same round (above 1: faster); "to device" is one batch of images '
         'as it leaves the loader.',
@@ -171,16 +175,20 @@ def markdown(result: dict) -> str:
         '|---|---|---:|---|---:|---:|---:|---:|',
     ]
     for row in result['rows']:
-        lines.append(f"| {row['data']} | {row['split']} | {row['workers']} | {row['pipeline']} | "
-                     f"{row['best_images_per_s']:.0f} | {row['median_images_per_s']:.0f} | "
-                     f"{row['speedup_vs_torchvision']:.2f}x | {row['batch_bytes_to_device'] / 2**20:.1f} MiB |")
+        lines.append(
+            f'| {row["data"]} | {row["split"]} | {row["workers"]} | {row["pipeline"]} | '
+            f'{row["best_images_per_s"]:.0f} | {row["median_images_per_s"]:.0f} | '
+            f'{row["speedup_vs_torchvision"]:.2f}x | {row["batch_bytes_to_device"] / 2**20:.1f} MiB |'
+        )
     return '\n'.join(lines) + '\n'
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split('\n\n', 1)[1])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split('\n\n', 1)[1],
+    )
     parser.add_argument('--images', type=int, default=384, help='images per pass (JPEGs written, synthetic size)')
     parser.add_argument('--classes', type=int, default=8, help='class folders of the JPEG set')
     parser.add_argument('--batch-size', type=int, default=64)
@@ -190,9 +198,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--splits', nargs='+', choices=('train', 'val'), default=['train', 'val'])
     parser.add_argument('--data', nargs='+', choices=('jpeg', 'synthetic'), default=['jpeg', 'synthetic'])
     parser.add_argument('--repeats', type=int, default=5, help='timed passes per pipeline')
-    parser.add_argument('--threads', type=int, default=1,
-                        help='torch threads of the main process (workers always use 1); per-image ops on a '
-                        'busy machine slow down badly with more than one')
+    parser.add_argument(
+        '--threads',
+        type=int,
+        default=1,
+        help='torch threads of the main process (workers always use 1); per-image ops on a '
+        'busy machine slow down badly with more than one',
+    )
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--seed', type=int, default=0)
     parser.add_argument('--out', type=Path, help='folder for loader.json and loader.md (else print only)')
@@ -212,7 +224,8 @@ def main(argv=None) -> int:
             sources['jpeg'] = lambda transform, split: CheckedImageFolder(folder, transform)
         if 'synthetic' in args.data:
             sources['synthetic'] = lambda transform, split: SyntheticImageNet(
-                args.images, image_size=synthetic_size, split=split, seed=args.seed, transform=transform)
+                args.images, image_size=synthetic_size, split=split, seed=args.seed, transform=transform
+            )
         for data, source in sources.items():
             for split in args.splits:
                 for workers in args.workers:
@@ -220,9 +233,12 @@ def main(argv=None) -> int:
                     group_rows = measure(source, data, split, group)
                     rows += group_rows
                     for row in group_rows:
-                        print(f"{data:9} {split:5} workers={workers} {row['pipeline']:16} "
-                              f"best {row['best_images_per_s']:7.0f} img/s  median {row['median_images_per_s']:7.0f}"
-                              f"  ({row['speedup_vs_torchvision']:.2f}x)", flush=True)
+                        print(
+                            f'{data:9} {split:5} workers={workers} {row["pipeline"]:16} '
+                            f'best {row["best_images_per_s"]:7.0f} img/s  median {row["median_images_per_s"]:7.0f}'
+                            f'  ({row["speedup_vs_torchvision"]:.2f}x)',
+                            flush=True,
+                        )
     result = {
         'command': ' '.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
         'machine': {**describe_machine(), 'pillow': PIL.__version__, 'numpy': np.__version__},

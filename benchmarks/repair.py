@@ -26,38 +26,26 @@ import copy
 import os
 import statistics
 import sys
-import time
-import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
-import torchvision
 from torch import nn
 
+from channels_last_algo.app import zoo
 from channels_last_algo.core.audit import LayoutAudit
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.layers import RULES, RepairRule, repair_model
 from channels_last_algo.core.machine import describe_machine, write_results
+from channels_last_algo.core.timing import time_interleaved
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'tests'))
-from unet import UNet  # noqa: E402  (the UNet-style model the repair tests use)
-
-ZOO = (
-    'resnet50', 'resnext50_32x4d', 'wide_resnet50_2', 'densenet121', 'efficientnet_b0', 'mobilenet_v2',
-    'mobilenet_v3_large', 'shufflenet_v2_x1_0', 'squeezenet1_1', 'googlenet', 'vgg11_bn', 'mnasnet1_0',
-    'regnet_y_400mf', 'convnext_tiny', 'unet',
-)
+ZOO = tuple(entry.name for entry in zoo.TORCHVISION_ZOO)
 VARIANTS = ('NCHW', 'CL', 'CL+repair')
 
 
 def build(name: str) -> nn.Module:
-    torch.manual_seed(0)
-    if name == 'unet':
-        return UNet()
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore', FutureWarning)  # googlenet's init_weights notice
-        return getattr(torchvision.models, name)(weights=None, num_classes=100)
+    entry = zoo.by_name(name)
+    return zoo.build(entry, num_classes=None if entry.source == 'local' else 100)
 
 
 def variants(name: str, rules: tuple[RepairRule, ...] = RULES) -> tuple[dict[str, nn.Module], list[str]]:
@@ -98,24 +86,13 @@ def make_step(name: str, model: nn.Module, nhwc: bool, batch_size: int, image_si
     return step
 
 
-def timed(step: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    step()
-    return time.perf_counter() - start
-
-
 def measure(name: str, args: argparse.Namespace, only_rule: str | None = None) -> dict:
     """Step times and layout breaks of the three variants; ``only_rule`` repairs with that rule alone."""
     rules = RULES if only_rule is None else tuple(r for r in RULES if r.name == only_rule)
     models, applied = variants(name, rules)
     steps = {v: make_step(name, models[v], v != 'NCHW', args.batch_size, args.image_size) for v in VARIANTS}
-    for _ in range(args.warmup):
-        for variant in VARIANTS:
-            steps[variant]()
-    seconds: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for _ in range(args.rounds):
-        for variant in VARIANTS:
-            seconds[variant].append(timed(steps[variant]))
+    timings = time_interleaved(steps, rounds=args.rounds, warmup=args.warmup)
+    seconds = timings.seconds
     breaks, outside = {}, {}
     for variant in VARIANTS:
         with LayoutAudit(models[variant]) as audit:
@@ -123,18 +100,15 @@ def measure(name: str, args: argparse.Namespace, only_rule: str | None = None) -
         breaks[variant] = len(audit.report.breaks)
         outside[variant] = sum(record.module_path is None for record in audit.report.breaks)
 
-    def paired(numerator: str, denominator: str) -> float:
-        return statistics.median(a / b for a, b in zip(seconds[numerator], seconds[denominator]))
-
     return {
         'model': name if only_rule is None else f'{name} ({only_rule} only)',
         'rules': applied,
         'seconds': seconds,
         'min_ms': {v: 1e3 * min(s) for v, s in seconds.items()},
         'median_ms': {v: 1e3 * statistics.median(s) for v, s in seconds.items()},
-        'cl_vs_nchw': paired('NCHW', 'CL'),
-        'repair_vs_cl': paired('CL', 'CL+repair'),
-        'repair_vs_nchw': paired('NCHW', 'CL+repair'),
+        'cl_vs_nchw': timings.ratio('NCHW', 'CL').median,
+        'repair_vs_cl': timings.ratio('CL', 'CL+repair').median,
+        'repair_vs_nchw': timings.ratio('NCHW', 'CL+repair').median,
         'layout_breaks': breaks,
         'breaks_outside_model': outside,
     }
@@ -145,17 +119,17 @@ def markdown(result: dict) -> str:
     lines = [
         '# Repair: training step time, NCHW vs channels last vs channels last + repair',
         '',
-        f"Machine: {m['cpu']}, {m['cores_usable']} usable cores ({m['cores']} online), "
-        f"{m['torch_threads']} torch threads, GPU: {m['gpu'] or 'none'}.",
-        f"torch {m['torch']}, torchvision {m['torchvision']}, oneDNN {m['onednn']}, Python {m['python']}.",
+        f'Machine: {m["cpu"]}, {m["cores_usable"]} usable cores ({m["cores"]} online), '
+        f'{m["torch_threads"]} torch threads, GPU: {m["gpu"] or "none"}.',
+        f'torch {m["torch"]}, torchvision {m["torchvision"]}, oneDNN {m["onednn"]}, Python {m["python"]}.',
         '',
-        f"Command: `{result['command']}`",
+        f'Command: `{result["command"]}`',
         '',
-        f"1-minute load average {result['load_average_1min']['before']:.1f} before and "
-        f"{result['load_average_1min']['after']:.1f} after the run (other work on the machine makes steps vary).",
+        f'1-minute load average {result["load_average_1min"]["before"]:.1f} before and '
+        f'{result["load_average_1min"]["after"]:.1f} after the run (other work on the machine makes steps vary).',
         '',
-        f"float32, batch {s['batch_size']} x 3 x {s['image_size']} x {s['image_size']} (UNet output at twice "
-        f"that), SGD with momentum; {s['rounds']} timed steps per variant after {s['warmup']} warm-up steps, "
+        f'float32, batch {s["batch_size"]} x 3 x {s["image_size"]} x {s["image_size"]} (UNet output at twice '
+        f'that), SGD with momentum; {s["rounds"]} timed steps per variant after {s["warmup"]} warm-up steps, '
         'interleaved. Medians and minimums in ms. The ratios are medians over rounds of paired step times '
         '(above 1: the second variant is faster). Where no rule applies, CL and CL+repair run the same code, '
         'so their ratio shows the noise of the run. Breaks: layout breaks the audit finds in one training step '
@@ -172,10 +146,11 @@ def markdown(result: dict) -> str:
         breaks = []
         for variant in ('CL', 'CL+repair'):
             outside = row['breaks_outside_model'][variant]
-            breaks.append(f"{row['layout_breaks'][variant]}" + (f' ({outside} outside)' if outside else ''))
+            breaks.append(f'{row["layout_breaks"][variant]}' + (f' ({outside} outside)' if outside else ''))
         lines.append(
-            f"| {row['model']} | {' | '.join(cells)} | {row['cl_vs_nchw']:.2f}x | {row['repair_vs_cl']:.2f}x | "
-            f"{row['repair_vs_nchw']:.2f}x | {' | '.join(breaks)} | {', '.join(row['rules']) or '-'} |")
+            f'| {row["model"]} | {" | ".join(cells)} | {row["cl_vs_nchw"]:.2f}x | {row["repair_vs_cl"]:.2f}x | '
+            f'{row["repair_vs_nchw"]:.2f}x | {" | ".join(breaks)} | {", ".join(row["rules"]) or "-"} |'
+        )
     return '\n'.join(lines) + '\n'
 
 
@@ -189,15 +164,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument('--out', type=Path, help='folder for repair.json and repair.md')
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0 or args.image_size < 64 or args.batch_size < 2:
-        parser.error('need --rounds >= 1, --warmup >= 0, --image-size >= 64 (GoogLeNet) and --batch-size >= 2 '
-                     '(BatchNorm in training)')
+        parser.error(
+            'need --rounds >= 1, --warmup >= 0, --image-size >= 64 (GoogLeNet) and --batch-size >= 2 '
+            '(BatchNorm in training)'
+        )
     load_before = os.getloadavg()[0]
     rows = []
 
     def record(row: dict) -> None:
         rows.append(row)
-        print(f"{row['model']:<20} " + '  '.join(f"{v} {row['median_ms'][v]:7.1f} ms" for v in VARIANTS) +
-              f"  repair vs CL {row['repair_vs_cl']:.2f}x  breaks {row['layout_breaks']}", flush=True)
+        print(
+            f'{row["model"]:<20} '
+            + '  '.join(f'{v} {row["median_ms"][v]:7.1f} ms' for v in VARIANTS)
+            + f'  repair vs CL {row["repair_vs_cl"]:.2f}x  breaks {row["layout_breaks"]}',
+            flush=True,
+        )
 
     for name in args.models:
         full = measure(name, args)

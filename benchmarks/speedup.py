@@ -29,29 +29,37 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
+import functools
 import os
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from speedup_report import VARIANTS, chart, check_targets, markdown  # benchmarks/, next to this script
 from torch import nn
 
+from channels_last_algo.app.models import build_model
 from channels_last_algo.core.audit import LayoutAudit
 from channels_last_algo.core.auto import decide_layout
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.fuse import fuse_for_inference
-from channels_last_algo.core.machine import describe_machine, machine_label, write_results
-from channels_last_algo.app.models import build_model
+from channels_last_algo.core.machine import describe_machine, machine_slug, write_results
+from channels_last_algo.core.timing import Ratio, synchronizer, time_interleaved
 
-MODELS = ('resnet50', 'resnext50_32x4d', 'densenet121', 'efficientnet_b0', 'mobilenet_v3_large',
-          'shufflenet_v2_x1_0', 'regnet_y_400mf', 'convnext_tiny')
+MODELS = (
+    'resnet50',
+    'resnext50_32x4d',
+    'densenet121',
+    'efficientnet_b0',
+    'mobilenet_v3_large',
+    'shufflenet_v2_x1_0',
+    'regnet_y_400mf',
+    'convnext_tiny',
+)
 QUICK_MODELS = ('resnet50', 'mobilenet_v3_large', 'convnext_tiny')
-VARIANTS = ('nchw', 'composer', 'timm', 'channels_last_algo', 'auto')
 DTYPES = {'fp32': torch.float32, 'bf16': torch.bfloat16, 'fp16': torch.float16}
 
 
@@ -71,8 +79,13 @@ def _logits(output: Any) -> torch.Tensor:
     return output.logits if hasattr(output, 'logits') else output  # googlenet/inception in train mode
 
 
-def _run(variant: Variant, batch: dict[bool, tuple[torch.Tensor, torch.Tensor]], train: bool, autocast: Optional[torch.dtype],
-         device: torch.device) -> None:
+def _run(
+    variant: Variant,
+    batch: dict[bool, tuple[torch.Tensor, torch.Tensor]],
+    train: bool,
+    autocast: Optional[torch.dtype],
+    device: torch.device,
+) -> None:
     images, labels = batch[variant.nhwc_input]
     if variant.convert_input:
         images = images.contiguous(memory_format=torch.channels_last)
@@ -105,13 +118,16 @@ def _auto(base: nn.Module, batch, train: bool, autocast, device) -> Variant:
                 with torch.inference_mode():
                     model(images)
 
-    decision = decide_layout(model, run_step, optimizers=optimizer, steps=3)
+    decision = decide_layout(model, run_step, optimizers=optimizer)
     if decision.channels_last and not train:
         variant = Variant(fuse_for_inference(model), nhwc_input=True)
     else:
         variant = Variant(model, nhwc_input=decision.channels_last)
     variant.optimizer = optimizer
-    variant.note = f'auto kept {decision.layout} ({decision.speedup:.2f}x measured, {decision.cost_seconds:.1f} s)'
+    variant.note = (
+        f'auto kept {decision.layout}{" (a tie: the default)" if decision.tie else ""} '
+        f'({decision.speedup:.2f}x measured over {decision.rounds} rounds, {decision.cost_seconds:.1f} s)'
+    )
     return variant
 
 
@@ -157,13 +173,6 @@ def _audit(name: str, variant: Variant, batch, train: bool, autocast, device) ->
     return len(audit.report.breaks)
 
 
-def _quartiles(values: list[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return values[0], values[0]
-    q = statistics.quantiles(values, n=4)
-    return q[0], q[2]
-
-
 def measure(model_name: str, train: bool, dtype: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
     """The rows of one model in one mode and precision."""
     torch.manual_seed(0)
@@ -178,165 +187,76 @@ def measure(model_name: str, train: bool, dtype: str, args: argparse.Namespace, 
     names = VARIANTS + (('compile',) if args.compile else ())
     variants = build_variants(base, names, batch, train, autocast, device)
 
-    def timed(variant: Variant) -> float:
-        if device.type == 'cuda':
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        _run(variant, batch, train, autocast, device)
-        if device.type == 'cuda':
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    for round_index in range(args.warmup + args.steps):
-        for variant in variants.values():
-            if variant.error:
-                continue
-            try:
-                elapsed = timed(variant)
-            except Exception as error:
-                variant.error = f'{type(error).__name__}: {error}'.splitlines()[0][:200]
-                traceback.print_exc(limit=1)
-                continue
-            if round_index >= args.warmup:
-                variant.times.append(elapsed)
+    live = {name: variant for name, variant in variants.items() if not variant.error}
+    timings = time_interleaved(
+        {name: functools.partial(_run, variant, batch, train, autocast, device) for name, variant in live.items()},
+        rounds=args.steps,
+        warmup=args.warmup,
+        synchronize=synchronizer(device),
+        catch=True,
+    )
+    for name, variant in live.items():  # a variant that raised keeps its error and is left out of the ratios
+        variant.times, variant.error = timings.seconds[name], timings.errors.get(name)
     for name, variant in variants.items():
         variant.breaks = _audit(name, variant, batch, train, autocast, device)
 
     rows = []
     for name, variant in variants.items():
-        row = {'model': model_name, 'mode': 'train' if train else 'infer', 'dtype': dtype, 'variant': name,
-               'batch_size': args.batch_size, 'image_size': args.image_size, 'breaks': variant.breaks,
-               'note': variant.note, 'error': variant.error, 'times_s': variant.times}
+        row = {
+            'model': model_name,
+            'mode': 'train' if train else 'infer',
+            'dtype': dtype,
+            'variant': name,
+            'batch_size': args.batch_size,
+            'image_size': args.image_size,
+            'breaks': variant.breaks,
+            'note': variant.note,
+            'error': variant.error,
+            'times_s': variant.times,
+        }
         if variant.times:
-            row.update(min_s=min(variant.times), median_s=statistics.median(variant.times),
-                       images_per_s=args.batch_size / statistics.median(variant.times))
+            row.update(
+                min_s=min(variant.times),
+                median_s=statistics.median(variant.times),
+                images_per_s=args.batch_size / statistics.median(variant.times),
+            )
             for reference in ('nchw', 'composer'):
                 ref = variants[reference]
                 if ref.times and len(ref.times) == len(variant.times):
-                    ratios = [r / v for r, v in zip(ref.times, variant.times)]
-                    low, high = _quartiles(ratios)
-                    row[f'speedup_vs_{reference}'] = statistics.median(ratios)
-                    row[f'noise_vs_{reference}'] = (high - low) / 2
+                    ratio = Ratio.of([r / v for r, v in zip(ref.times, variant.times)])
+                    row[f'speedup_vs_{reference}'] = ratio.median
+                    row[f'noise_vs_{reference}'] = ratio.noise
         rows.append(row)
     return rows
 
 
-def _geomean(values: list[float]) -> float:
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float('nan')
-
-
-def check_targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets, each with whether this run met it."""
-    def find(model, mode, dtype, variant):
-        return next((r for r in rows if (r['model'], r['mode'], r['dtype'], r['variant']) == (model, mode, dtype, variant)), None)
-
-    targets = []
-    ours = find('resnet50', 'train', 'fp32', 'channels_last_algo')
-    if ours and 'speedup_vs_nchw' in ours:
-        targets.append({'target': 'ResNet-50 fp32 training >= 1.25x over NCHW', 'value': f"{ours['speedup_vs_nchw']:.2f}x",
-                        'met': ours['speedup_vs_nchw'] >= 1.25})
-        targets.append({'target': "ResNet-50 fp32 training not slower than Composer's ChannelsLast",
-                        'value': f"{ours['speedup_vs_composer']:.2f}x", 'met': ours['speedup_vs_composer'] >= 1 - ours['noise_vs_composer']})
-    for mode in ('train', 'infer'):
-        for dtype in sorted({r['dtype'] for r in rows}):
-            pairs = [(find(r['model'], mode, dtype, 'channels_last_algo'), r) for r in rows
-                     if (r['mode'], r['dtype'], r['variant']) == (mode, dtype, 'composer') and 'speedup_vs_nchw' in r]
-            pairs = [(o, c) for o, c in pairs if o and 'speedup_vs_nchw' in o]
-            if pairs:
-                ours_mean = _geomean([o['speedup_vs_nchw'] for o, _ in pairs])
-                composer_mean = _geomean([c['speedup_vs_nchw'] for _, c in pairs])
-                targets.append({'target': f'{mode} {dtype}: geometric mean speedup of this project above Composer\'s',
-                                'value': f'{ours_mean:.2f}x vs {composer_mean:.2f}x over {len(pairs)} models',
-                                'met': ours_mean > composer_mean})
-            slower = [r for r in rows if (r['mode'], r['dtype'], r['variant']) == (mode, dtype, 'auto')
-                      and 'speedup_vs_nchw' in r and r['speedup_vs_nchw'] < 1 - max(r['noise_vs_nchw'], 0.03)]
-            auto_rows = [r for r in rows if (r['mode'], r['dtype'], r['variant']) == (mode, dtype, 'auto')]
-            if auto_rows:
-                targets.append({'target': f'{mode} {dtype}: auto mode slower than NCHW beyond noise on no model',
-                                'value': ', '.join(f"{r['model']} {r['speedup_vs_nchw']:.2f}x" for r in slower) or 'none slower',
-                                'met': not slower})
-    return targets
-
-
-def markdown(result: dict) -> str:
-    lines = [f"# Training and inference speedup: {machine_label(result['machine'])}", '',
-             f"Command: `{result['command']}`", '',
-             f"Batch {result['settings']['batch_size']} x 3 x {result['settings']['image_size']} x "
-             f"{result['settings']['image_size']}, {result['settings']['steps']} timed steps per variant after "
-             f"{result['settings']['warmup']} warm-up, interleaved round by round in one process. Speedups are the "
-             'median of per-round ratios (+- half the interquartile range); breaks: layout audit of one step.', '']
-    lines += ['## Targets', '', '| target | this run | met |', '|---|---|---|']
-    lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else '**no**'} |" for t in result['targets']]
-    groups = sorted({(r['mode'], r['dtype']) for r in result['rows']}, key=lambda g: (g[0] != 'train', g[1] != 'fp32', g))
-    for mode, dtype in groups:
-        lines += ['', f'## {"Training" if mode == "train" else "Inference"}, {dtype}', '',
-                  '| model | variant | median ms | min ms | images/s | vs NCHW | vs Composer | breaks | notes |',
-                  '|---|---|---:|---:|---:|---:|---:|---:|---|']
-        for r in (r for r in result['rows'] if (r['mode'], r['dtype']) == (mode, dtype)):
-            if r['error'] or not r['times_s']:
-                lines.append(f"| {r['model']} | {r['variant']} | failed | | | | | | {r['error'] or 'no timing'} |")
-                continue
-            vs = lambda key: f"{r[f'speedup_vs_{key}']:.2f}x +- {r[f'noise_vs_{key}']:.2f}" if f'speedup_vs_{key}' in r else ''
-            lines.append(f"| {r['model']} | {r['variant']} | {r['median_s'] * 1e3:.1f} | {r['min_s'] * 1e3:.1f} | "
-                         f"{r['images_per_s']:.1f} | {vs('nchw')} | {vs('composer')} | "
-                         f"{'' if r['breaks'] is None else r['breaks']} | {r['note']} |")
-    return '\n'.join(lines) + '\n'
-
-
-def chart(result: dict, path: Path) -> Optional[Path]:
-    """A bar chart of the speedups over NCHW, one panel per mode and precision (needs matplotlib)."""
-    try:
-        import matplotlib
-        matplotlib.use('Agg')
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print('matplotlib is not installed (pip install -e .[bench]); no chart written', file=sys.stderr)
-        return None
-    groups = sorted({(r['mode'], r['dtype']) for r in result['rows']}, key=lambda g: (g[0] != 'train', g[1] != 'fp32', g))
-    variants = [v for v in VARIANTS + ('compile',) if v != 'nchw' and any(r['variant'] == v for r in result['rows'])]
-    fig, axes = plt.subplots(len(groups), 1, figsize=(12, 3.2 * len(groups)), squeeze=False)
-    for ax, (mode, dtype) in zip(axes[:, 0], groups):
-        models = list(dict.fromkeys(r['model'] for r in result['rows'] if (r['mode'], r['dtype']) == (mode, dtype)))
-        width = 0.8 / len(variants)
-        for index, variant in enumerate(variants):
-            values = [next((r.get('speedup_vs_nchw', 0) for r in result['rows']
-                            if (r['model'], r['mode'], r['dtype'], r['variant']) == (m, mode, dtype, variant)), 0) for m in models]
-            ax.bar([i + index * width for i in range(len(models))], values, width, label=variant)
-        ax.axhline(1.0, color='black', linewidth=0.8)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(models))], models, fontsize=8)
-        ax.set_ylabel('speedup vs NCHW')
-        ax.set_title(f'{"training" if mode == "train" else "inference"}, {dtype}', fontsize=10)
-    axes[0, 0].legend(ncol=len(variants), fontsize=8, loc='upper left')
-    fig.suptitle(machine_label(result['machine']), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def default_out(device: torch.device) -> Path:
-    """``benchmarks/results/<machine>``: the GPU's name, or ``cpu-<N>core``."""
-    if device.type == 'cuda':
-        slug = torch.cuda.get_device_name().lower().replace(' ', '-')
-    else:
-        slug = f'cpu-{len(os.sched_getaffinity(0))}core'
-    return Path(__file__).resolve().parent / 'results' / slug
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__.split('\n\n', 1)[1])
-    parser.add_argument('--models', nargs='+', default=None, help=f'torchvision model names (default: {" ".join(MODELS)})')
+    parser = argparse.ArgumentParser(
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split('\n\n', 1)[1],
+    )
+    parser.add_argument(
+        '--models', nargs='+', default=None, help=f'torchvision model names (default: {" ".join(MODELS)})'
+    )
     parser.add_argument('--modes', nargs='+', choices=('train', 'infer'), default=['train', 'infer'])
-    parser.add_argument('--dtypes', nargs='+', choices=tuple(DTYPES), default=None,
-                        help='fp32 and bf16 autocast on CPU (default); fp32 and fp16 autocast on GPU')
+    parser.add_argument(
+        '--dtypes',
+        nargs='+',
+        choices=tuple(DTYPES),
+        default=None,
+        help='fp32 and bf16 autocast on CPU (default); fp32 and fp16 autocast on GPU',
+    )
     parser.add_argument('--batch-size', type=int, default=32)
     parser.add_argument('--image-size', type=int, default=128)
     parser.add_argument('--steps', type=int, default=5, help='timed rounds per variant')
     parser.add_argument('--warmup', type=int, default=2, help='untimed rounds per variant first')
     parser.add_argument('--compile', action='store_true', help='add a torch.compile (inductor) variant')
-    parser.add_argument('--quick', action='store_true',
-                        help=f'{", ".join(QUICK_MODELS)} at batch 16 x 96 px, 3 steps: under 10 minutes on 2 CPU cores')
+    parser.add_argument(
+        '--quick',
+        action='store_true',
+        help=f'{", ".join(QUICK_MODELS)} at batch 16 x 96 px, 3 steps: under 10 minutes on 2 CPU cores',
+    )
     parser.add_argument('--out', type=Path, default=None, help='results folder (default: benchmarks/results/<machine>)')
     parser.add_argument('--name', default='speedup', help='file name stem of the results (default: speedup)')
     args = parser.parse_args(argv)
@@ -353,7 +273,7 @@ def main(argv=None) -> int:
     if device.type == 'cuda':
         torch.backends.cudnn.benchmark = True
     dtypes = args.dtypes or (['fp32', 'fp16'] if device.type == 'cuda' else ['fp32', 'bf16'])
-    out = args.out or default_out(device)
+    out = args.out or Path(__file__).resolve().parent / 'results' / machine_slug(describe_machine())
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     started = time.perf_counter()
@@ -365,8 +285,13 @@ def main(argv=None) -> int:
     result = {
         'command': 'python benchmarks/speedup.py ' + ' '.join(sys.argv[1:] if argv is None else argv),
         'machine': describe_machine(),
-        'settings': {'batch_size': args.batch_size, 'image_size': args.image_size, 'steps': args.steps,
-                     'warmup': args.warmup, 'device': device.type},
+        'settings': {
+            'batch_size': args.batch_size,
+            'image_size': args.image_size,
+            'steps': args.steps,
+            'warmup': args.warmup,
+            'device': device.type,
+        },
         'load_average_1min': os.getloadavg()[0],
         'seconds': time.perf_counter() - started,
         'rows': rows,

@@ -1,13 +1,18 @@
-"""Auto mode: time real training steps in both layouts and keep channels last only where it wins.
+"""Auto mode: time real training steps in both layouts and keep NCHW only where the evidence
+says channels last is slower.
 
 Channels last is not always faster (grouped convolutions on some cuDNN versions, fp32 on GPUs
-without tensor cores, ConvNeXt on this kind of CPU). :func:`decide_layout` measures instead
-of guessing: on the user's own model, device, precision and batch it times a few forward +
-backward passes (no optimizer update) in NCHW and in channels last, interleaved, and leaves
-the model in channels last only when that is faster by more than ``margin``. Everything a
-trial step touches is put back: gradients, buffers (BatchNorm running statistics), and the
-torch, CUDA, Python and NumPy random states; parameters and optimizer state are never
-updated, only restrided.
+without tensor cores, ConvNeXt on this kind of CPU). :func:`decide_layout` measures instead of
+guessing: on the user's own model, device, precision and batch it times forward + backward
+passes (no optimizer update) in NCHW and in channels last, in paired interleaved rounds, and
+repeats rounds until the order-statistics interval of the median per-round ratio lies outside
+the tie band ``[1 / (1 + margin), 1 + margin]`` (or inside it), at most ``max_rounds`` rounds
+and ``max_seconds``. Channels last, the algorithm's purpose, is the default: NCHW is kept only
+on evidence that channels last is slower; a tie, or no evidence within the bound, keeps
+channels last and is recorded as a tie (docs/auto.md argues the choice). Everything a trial
+step touches is put back: gradients, buffers (BatchNorm running statistics), and the torch,
+CUDA, Python and NumPy random states; parameters and optimizer state are never updated, only
+restrided.
 
 Example:
     >>> import torch
@@ -16,9 +21,9 @@ Example:
     >>> def step(channels_last):
     ...     inputs = x.to(memory_format=torch.channels_last) if channels_last else x
     ...     model(inputs).sum().backward()
-    >>> decision = decide_layout(model, step, steps=2)
-    >>> decision.steps, model[1].num_batches_tracked.item()
-    (2, 0)
+    >>> decision = decide_layout(model, step, max_rounds=2)
+    >>> decision.rounds, decision.tie, decision.stopped_by, model[1].num_batches_tracked.item()
+    (2, True, 'max_rounds', 0)
 """
 
 from __future__ import annotations
@@ -27,64 +32,91 @@ import dataclasses
 import random
 import statistics
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
 from channels_last_algo.core.convert import restride
+from channels_last_algo.core.layout import MemoryFormat
+from channels_last_algo.core.timing import Timings, synchronizer, time_interleaved
 
 __all__ = ['LayoutDecision', 'decide_layout']
 
 Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
+_FIRST, _LAST = MemoryFormat.CHANNELS_FIRST, MemoryFormat.CHANNELS_LAST
 
 
 @dataclasses.dataclass
 class LayoutDecision:
-    """Which layout auto mode kept, and the timings it was decided from.
+    """Which layout auto mode kept, the evidence it was decided on, and what deciding cost.
 
     Attributes:
         channels_last: True when channels last was kept, False for NCHW.
-        nchw_seconds, channels_last_seconds: the timed steps of each layout.
-        margin: how much faster channels last had to be (0.02: 2%) to be kept.
+        tie: True when channels last was kept as the default, without evidence that it is
+            faster: the interval lay inside the tie band, or the bound was reached first.
+        interval: the interval of the median per-round speedup (NCHW time over channels-last
+            time) at ``confidence``; None when the bound allowed too few rounds for one.
+        nchw_seconds, channels_last_seconds: the step times of each paired round.
+        margin: the tie band is speedups within ``[1 / (1 + margin), 1 + margin]``.
+        confidence: the coverage of ``interval``.
+        stopped_by: ``'evidence'``, ``'max_rounds'`` or ``'max_seconds'``.
         cost_seconds: wall time the decision took, warm-up and restoring included.
     """
 
     channels_last: bool
+    tie: bool
+    interval: Optional[tuple[float, float]]
     nchw_seconds: list[float]
     channels_last_seconds: list[float]
     margin: float
+    confidence: float
+    stopped_by: str
     cost_seconds: float
 
     @property
-    def steps(self) -> int:
-        """Timed steps per layout."""
+    def rounds(self) -> int:
+        """Paired rounds timed."""
         return min(len(self.nchw_seconds), len(self.channels_last_seconds))
 
     @property
     def speedup(self) -> float:
-        """Median NCHW step time over median channels-last step time."""
-        return statistics.median(self.nchw_seconds) / statistics.median(self.channels_last_seconds)
+        """The median over rounds of NCHW step time over channels-last step time."""
+        return statistics.median(n / c for n, c in zip(self.nchw_seconds, self.channels_last_seconds))
 
     @property
-    def layout(self) -> str:
-        return 'channels last' if self.channels_last else 'NCHW'
+    def layout(self) -> MemoryFormat:
+        """The memory format kept."""
+        return _LAST if self.channels_last else _FIRST
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> 'LayoutDecision':
+    def from_dict(cls, data: dict[str, Any]) -> LayoutDecision:
         fields = [f.name for f in dataclasses.fields(cls)]
         if not isinstance(data, dict) or sorted(data) != sorted(fields):
             raise ValueError(f'a layout decision needs exactly the keys {fields}, got {data!r}')
-        return cls(**data)
+        interval = data['interval']
+        return cls(**{**data, 'interval': None if interval is None else tuple(interval)})
 
     def __str__(self) -> str:
-        nchw, cl = statistics.median(self.nchw_seconds), statistics.median(self.channels_last_seconds)
-        return (f'auto layout: kept {self.layout}; channels last {self.speedup:.2f}x vs NCHW '
-                f'(median step {cl * 1e3:.1f} ms vs {nchw * 1e3:.1f} ms over {self.steps} steps each, '
-                f'margin {self.margin:.0%}); deciding took {self.cost_seconds:.1f} s')
+        interval = (
+            'no interval yet'
+            if self.interval is None
+            else (f'{self.confidence:.0%} interval [{self.interval[0]:.2f}, {self.interval[1]:.2f}]')
+        )
+        why = (
+            f'no evidence beyond the {self.margin:.0%} tie band, the default'
+            if self.tie
+            else f'beyond the {self.margin:.0%} tie band'
+        )
+        return (
+            f'auto layout: kept {self.layout} ({why}); channels last {self.speedup:.2f}x vs channels first, {interval} '
+            f'over {self.rounds} paired rounds, stopped by {self.stopped_by}; deciding took '
+            f'{self.cost_seconds:.1f} s'
+        )
 
 
 @dataclasses.dataclass
@@ -94,7 +126,7 @@ class _Snapshot:
     rng: tuple[Any, ...]
 
     @classmethod
-    def take(cls, model: torch.nn.Module) -> '_Snapshot':
+    def take(cls, model: torch.nn.Module) -> _Snapshot:
         cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         return cls(
             grads=[None if p.grad is None else p.grad.clone() for p in model.parameters()],
@@ -121,63 +153,81 @@ def decide_layout(
     run_step: Callable[[bool], Any],
     *,
     optimizers: Optimizers = None,
-    steps: int = 3,
     warmup: int = 1,
+    max_rounds: int = 60,
+    max_seconds: float = 60.0,
     margin: float = 0.02,
-    max_seconds: float = 120.0,
+    confidence: float = 0.95,
     timer: Callable[[], float] = time.perf_counter,
 ) -> LayoutDecision:
-    """Time ``run_step(channels_last)`` in both layouts and leave ``model`` in the faster.
+    """Time ``run_step(channels_last)`` in both layouts until the evidence decides, and leave
+    ``model`` in the layout kept.
 
     Args:
         model: the model; restrided in place between trials and left in the chosen layout.
         run_step: runs one forward + loss + backward with the input in channels last when
             its argument is True, NCHW otherwise. It must not step the optimizer.
         optimizers: optimizers whose state is restrided with the parameters.
-        steps: timed steps per layout, interleaved NCHW / channels last.
-        warmup: untimed steps per layout first (allocator, oneDNN/cuDNN algorithm choice).
-        margin: channels last is kept only when its median step is this much faster.
-        max_seconds: stop timing once this much time has passed (at least one timed step
-            per layout is always taken), so deciding costs a bounded time.
+        warmup: untimed rounds first (allocator, oneDNN/cuDNN algorithm choice).
+        max_rounds: paired rounds at most (at 95% confidence, 6 are needed for an interval).
+        max_seconds: no new round starts after this much time (one round is always taken),
+            so deciding costs a bounded time: at most this plus one round.
+        margin: speedups within ``[1 / (1 + margin), 1 + margin]`` are a tie.
+        confidence: the coverage of the interval of the median per-round speedup.
         timer: the clock; a CUDA model is synchronised before each reading.
 
     Returns:
         The :class:`LayoutDecision`; the model is left in its layout and otherwise as before.
     """
-    if steps < 1 or warmup < 0 or not 0 <= margin < 1:
-        raise ValueError(f'need steps >= 1, warmup >= 0 and 0 <= margin < 1; got steps={steps}, '
-                         f'warmup={warmup}, margin={margin}')
-    cuda = any(p.is_cuda for p in model.parameters())
+    if max_rounds < 1 or warmup < 0 or not 0 <= margin < 1 or not 0 < confidence < 1:
+        raise ValueError(
+            f'need max_rounds >= 1, warmup >= 0, 0 <= margin < 1 and 0 < confidence < 1; got '
+            f'max_rounds={max_rounds}, warmup={warmup}, margin={margin}, confidence={confidence}'
+        )
+    device = next((p.device for p in model.parameters()), torch.device('cpu'))
 
-    def clock() -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        return timer()
-
-    def trial(channels_last: bool) -> float:
-        restride(model, channels_last, optimizers)
-        start = clock()
-        run_step(channels_last)
-        elapsed = clock() - start
+    def prepare(layout: str) -> None:
         for p in model.parameters():
             p.grad = None
-        return elapsed
+        restride(model, layout == _LAST, optimizers)
 
-    begin = clock()
+    def decided(timings: Timings) -> bool:
+        return timings.ratio(_FIRST, _LAST, confidence).verdict(margin) != 'unclear'
+
+    sync = synchronizer(device)
+
+    def now() -> float:
+        if sync is not None:
+            sync()
+        return timer()
+
+    begin = now()
     snapshot = _Snapshot.take(model)
-    times: dict[bool, list[float]] = {False: [], True: []}
     try:
-        for _ in range(warmup):
-            trial(False)
-            trial(True)
-        for index in range(steps):
-            if index and clock() - begin > max_seconds:
-                break
-            for layout in (False, True):
-                times[layout].append(trial(layout))
-        keep = statistics.median(times[True]) < (1 - margin) * statistics.median(times[False])
-        restride(model, keep, optimizers)
+        timings = time_interleaved(
+            {_FIRST: lambda: run_step(False), _LAST: lambda: run_step(True)},
+            rounds=max_rounds,
+            warmup=warmup,
+            prepare=prepare,
+            synchronize=sync,
+            stop=decided,
+            max_seconds=max_seconds,
+            timer=timer,
+        )
+        ratio = timings.ratio(_FIRST, _LAST, confidence)
+        verdict = ratio.verdict(margin)
+        prepare(_FIRST if verdict == 'slower' else _LAST)
     finally:
         snapshot.restore(model)
-    return LayoutDecision(channels_last=keep, nchw_seconds=times[False], channels_last_seconds=times[True],
-                          margin=margin, cost_seconds=clock() - begin)
+    stopped_by = {'stop': 'evidence', 'rounds': 'max_rounds'}.get(timings.stopped_by, timings.stopped_by)
+    return LayoutDecision(
+        channels_last=verdict != 'slower',
+        tie=verdict in ('tie', 'unclear'),
+        interval=ratio.interval,
+        nchw_seconds=timings.seconds[_FIRST],
+        channels_last_seconds=timings.seconds[_LAST],
+        margin=margin,
+        confidence=confidence,
+        stopped_by=stopped_by,
+        cost_seconds=now() - begin,
+    )

@@ -27,7 +27,9 @@ from torch.utils._pytree import tree_map_only
 
 from channels_last_algo.core.audit import AuditReport, LayoutAudit, LayoutBreakError
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
+from channels_last_algo.core.boundary import prune_boundaries, repair_breaks
 from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last, restride
+from channels_last_algo.core.layers import RepairRecord
 from channels_last_algo.core.layout import to_channels_first, to_channels_last
 from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
 
@@ -112,7 +114,11 @@ class LayoutGuard:
         strict: raise :class:`~channels_last_algo.core.audit.LayoutBreakError`, naming the first
             break's module path and op, at the end of an audited step that had a break.
         repair: swap the layers that drop NHWC for NHWC-preserving ones at :meth:`on_init`
-            (see :mod:`channels_last_algo.core.layers`); same parameters, keys and numbers.
+            (see :mod:`channels_last_algo.core.layers`); same parameters, keys and numbers. With
+            an audit, also restore NHWC at the boundary of each module where an audited step
+            found a break that no rule removed (:mod:`channels_last_algo.core.boundary`, listed
+            in :attr:`boundaries`), and take it off again where the next audited step shows it
+            copied nothing.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(288, 2))
@@ -134,6 +140,7 @@ class LayoutGuard:
         self.decision: Optional[LayoutDecision] = None
         self.weight_layout: Optional[WeightLayoutPlan] = None
         self._audit: Optional[LayoutAudit] = None
+        self.boundaries: list[RepairRecord] = []  # the boundary fallbacks in place
 
     @property
     def channels_last(self) -> bool:
@@ -182,10 +189,11 @@ class LayoutGuard:
 
     def decide(self, model: torch.nn.Module, batch: Any, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
                optimizers: Optimizers = None, **options: Any) -> LayoutDecision:
-        """Auto mode: time ``loss_fn(model, batch).backward()`` in both layouts and keep the faster.
+        """Auto mode: time ``loss_fn(model, batch).backward()`` in both layouts and keep channels first
+        only on evidence that channels last is slower (docs/auto.md).
 
-        ``options`` go to :func:`~channels_last_algo.core.auto.decide_layout` (``steps``, ``margin``,
-        ...). The model is left in the chosen layout and otherwise untouched; later batches
+        ``options`` go to :func:`~channels_last_algo.core.auto.decide_layout` (``max_rounds``,
+        ``max_seconds``, ``margin``, ...). The model is left in the chosen layout and otherwise untouched; later batches
         follow it.
         """
         if self.mode != 'auto':
@@ -227,12 +235,22 @@ class LayoutGuard:
         if not self.auditing:
             return None
         step_report = self._audit.stop()
+        if self.repair:
+            self._fall_back(step_report)
         if self._audit.report.steps == self.audit_steps:
             report = self._audit.report
             (log.info if report.ok else log.warning)('%s', report)
         if self.strict and step_report.breaks:
             raise LayoutBreakError(step_report.breaks[0])
         return step_report
+
+    def _fall_back(self, step_report: AuditReport) -> None:
+        pruned = set(prune_boundaries(self._audit.model, step_report)) if self.boundaries else set()
+        self.boundaries = [r for r in self.boundaries if r.path not in pruned]
+        added = repair_breaks(self._audit.model, step_report)
+        self.boundaries += added
+        for record in added:
+            log.info('boundary fallback at %s (%s): %s', record.path, record.original, record.detail)
 
     def close(self) -> None:
         """Stop an audit left running by a step that raised; safe to call at any time."""

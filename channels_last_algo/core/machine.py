@@ -1,5 +1,5 @@
 """The record of a measurement: what machine it was taken on (CPU, cores, GPU, library
-versions) and its results files.
+versions), the folder its results go to, and its results files.
 
 Example:
     >>> info = describe_machine()
@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ['describe_machine', 'machine_label', 'write_results']
+__all__ = ['describe_machine', 'machine_label', 'machine_slug', 'write_results']
 
 
 def _cpu_model() -> str:
@@ -60,8 +60,22 @@ def describe_machine() -> dict[str, Any]:
 def machine_label(info: dict[str, Any]) -> str:
     """One line naming the device: the GPU if there is one, else the CPU and its threads."""
     if info['gpu']:
-        return f"{info['gpu']} (cuDNN {info['cudnn']}), torch {info['torch']}"
-    return f"{info['cpu']}, {info['torch_threads']} threads (oneDNN {info['onednn']}), torch {info['torch']}"
+        return f'{info["gpu"]} (cuDNN {info["cudnn"]}), torch {info["torch"]}'
+    return f'{info["cpu"]}, {info["torch_threads"]} threads (oneDNN {info["onednn"]}), torch {info["torch"]}'
+
+
+def machine_slug(info: dict[str, Any]) -> str:
+    """A folder name for the machine's results: the GPU's name, or ``cpu-<usable cores>core``.
+
+    Example:
+        >>> machine_slug({'gpu': 'NVIDIA H100 80GB HBM3', 'cores_usable': 16})
+        'nvidia-h100-80gb-hbm3'
+        >>> machine_slug({'gpu': None, 'cores_usable': 2})
+        'cpu-2core'
+    """
+    if info['gpu']:
+        return re.sub(r'[^a-z0-9]+', '-', info['gpu'].lower()).strip('-')
+    return f'cpu-{info["cores_usable"]}core'
 
 
 def write_results(folder: Path, stem: str, result: dict[str, Any], markdown: str) -> tuple[Path, Path]:
