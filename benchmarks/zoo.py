@@ -76,16 +76,16 @@ PRELOAD = (
 # --- one model, in a child process --------------------------------------------------------------------
 
 
-def _loss(output: Any) -> torch.Tensor:
+def output_loss(output: Any) -> torch.Tensor:
     tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     return sum(t.float().square().mean() for t in tensors)
 
 
-def _step(model: nn.Module, images: torch.Tensor) -> Callable[[], None]:
+def training_step(model: nn.Module, images: torch.Tensor) -> Callable[[], None]:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
 
     def step() -> None:
-        _loss(model(images)).backward()
+        output_loss(model(images)).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -104,20 +104,20 @@ def _variants(
         turn(name)
         model = copy.deepcopy(base)
         if name == 'nchw':
-            steps[name] = _step(model, images)
+            steps[name] = training_step(model, images)
         elif name == 'composer':
             from composer.algorithms.channels_last import apply_channels_last as composer_apply_channels_last
 
             composer_apply_channels_last(model)
-            steps[name] = _step(model, images)
+            steps[name] = training_step(model, images)
         elif name == 'ours':
             apply_channels_last(model)
-            steps[name] = _step(model, nhwc)
+            steps[name] = training_step(model, nhwc)
         elif name == 'auto':
             apply_channels_last(model)
             chosen = decide_layout(
                 model,
-                lambda channels_last, model=model: _loss(model(nhwc if channels_last else images)).backward(),
+                lambda channels_last, model=model: output_loss(model(nhwc if channels_last else images)).backward(),
                 max_seconds=auto_seconds,
             )
             decision = {
@@ -129,7 +129,7 @@ def _variants(
                 'stopped_by': chosen.stopped_by,
                 'cost_seconds': chosen.cost_seconds,
             }
-            steps[name] = _step(model, nhwc if chosen.channels_last else images)
+            steps[name] = training_step(model, nhwc if chosen.channels_last else images)
     return steps, decision
 
 

@@ -1,0 +1,151 @@
+"""Compile benchmark: training-step time with torch.compile and channels last, side by side.
+
+Variants of each model, from the same weights, on the same random batch, interleaved round by
+round in one process (channels_last_algo.core.timing):
+
+    nchw              the model as built, NCHW input
+    channels_last     model.to(memory_format=channels_last) and NHWC input (timm's --channels-last)
+    ours              apply_channels_last(model) (repair and kernel safety on), NHWC input
+    compiled_nchw     torch.compile(model) (inductor), NCHW input
+    compiled_ours     apply_channels_last, then torch.compile, NHWC input
+
+A step is forward, a loss, backward and an SGD step (benchmarks/zoo.py's training_step).
+Compilation happens in the warm-up rounds and is reported, not timed. A compile failure is a
+row that says why (inductor build errors explained by core/compile.py).
+
+    python benchmarks/compile.py                              # resnet50 and two zoo models
+    python benchmarks/compile.py --models resnet50 --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from zoo import training_step  # benchmarks/, next to this script
+from zoo_report import cell
+
+from channels_last_algo.app.zoo import TIMM_ZOO, TORCHVISION_ZOO, build
+from channels_last_algo.core.compile import explain_compile_failures
+from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.machine import describe_machine, machine_label, machine_slug, write_results
+from channels_last_algo.core.timing import time_interleaved
+
+VARIANTS = ('nchw', 'channels_last', 'ours', 'compiled_nchw', 'compiled_ours')
+MARGIN = 0.02
+
+
+def _steps(model_name: str, batch_size: int, size: int) -> dict:
+    entry = next(e for e in TORCHVISION_ZOO + TIMM_ZOO if e.name == model_name)
+    torch.manual_seed(0)
+    base = build(entry).train()
+    images = torch.randn(batch_size, 3, size, size, generator=torch.Generator().manual_seed(1))
+    nhwc = images.to(memory_format=torch.channels_last)
+    steps = {}
+    for name in VARIANTS:
+        model = copy.deepcopy(base)
+        if name in ('channels_last',):
+            model = model.to(memory_format=torch.channels_last)
+        if name in ('ours', 'compiled_ours'):
+            apply_channels_last(model)
+        if name.startswith('compiled'):
+            model = torch.compile(model)
+        step = training_step(model, images if name.endswith('nchw') else nhwc)
+        steps[name] = _explained(step) if name.startswith('compiled') else step
+    return steps
+
+
+def _explained(step):
+    def run() -> None:
+        with explain_compile_failures():
+            step()
+
+    return run
+
+
+def measure(model_name: str, args: argparse.Namespace) -> dict:
+    started = time.perf_counter()
+    steps = _steps(model_name, args.batch_size, args.image_size)
+    warm = time.perf_counter()
+    timings = time_interleaved(steps, rounds=1, warmup=1, catch=True)  # compiles; not counted
+    compile_seconds = time.perf_counter() - warm
+    timings = time_interleaved({k: v for k, v in steps.items() if k not in timings.errors},
+                               rounds=args.rounds, warmup=0, catch=True)
+    row = {'model': model_name, 'build_seconds': warm - started, 'warmup_seconds': compile_seconds,
+           'errors': timings.errors, 'ms': {}, 'ratios': {}}
+    for name, seconds in timings.seconds.items():
+        row['ms'][name] = {'min': 1e3 * min(seconds), 'median': 1e3 * statistics.median(seconds)}
+        if name != 'nchw' and 'nchw' in timings.seconds:
+            ratio = timings.ratio('nchw', name)
+            row['ratios'][name] = {'median': ratio.median, 'interval': ratio.interval, 'verdict': ratio.verdict(MARGIN)}
+    fastest = min(row['ms'], key=lambda n: row['ms'][n]['median']) if row['ms'] else None
+    row['fastest'] = fastest
+    return row
+
+
+def markdown(result: dict) -> str:
+    s = result['settings']
+    lines = [
+        f'# Compile: training step time, eager and torch.compile, NCHW and channels last: {machine_label(result["machine"])}',
+        '',
+        f'{result["machine"]["cpu"]}, torch {result["machine"]["torch"]}. {result["date"]}, '
+        f'{result["seconds"] / 60:.0f} minutes. Command: `{result["command"]}`',
+        '',
+        f'Batch {s["batch_size"]} x {s["image_size"]} px, float32, {s["threads"]} torch threads, SGD with momentum; '
+        f'{s["rounds"]} timed rounds after one warm-up round (where inductor compiles), variants interleaved. '
+        f'1-minute load average {result["load_average_1min"][0]:.1f} before, {result["load_average_1min"][1]:.1f} '
+        'after. Cells: median of per-round ratios over eager NCHW, its 95% interval, + / - beyond a 2% tie band.',
+        '',
+        '| model | NCHW ms (median) | ' + ' | '.join(VARIANTS[1:]) + ' | fastest | warm-up s | errors |',
+        '|---|---:|' + '---:|' * (len(VARIANTS) - 1) + '---|---:|---|',
+    ]
+    for row in result['rows']:
+        nchw = row['ms'].get('nchw', {}).get('median')
+        cells = [cell(row['ratios'].get(name)) for name in VARIANTS[1:]]
+        errors = '; '.join(f'{k}: {v}' for k, v in row['errors'].items())
+        lines.append(f'| {row["model"]} | {nchw:.0f} | ' if nchw else f'| {row["model"]} | | ')
+        lines[-1] += ' | '.join(cells) + f' | {row["fastest"]} | {row["warmup_seconds"]:.0f} | {errors} |'
+    return '\n'.join(lines) + '\n'
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    parser.add_argument('--models', nargs='+', default=['resnet50', 'mobilenet_v3_large', 'regnet_y_400mf'])
+    parser.add_argument('--batch-size', type=int, default=16)
+    parser.add_argument('--image-size', type=int, default=128)
+    parser.add_argument('--rounds', type=int, default=8)
+    parser.add_argument('--threads', type=int, default=2)
+    parser.add_argument('--out', type=Path)
+    parser.add_argument('--name', default=f'compile-torch{".".join(torch.__version__.split(".")[:2])}')
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started, load = time.perf_counter(), os.getloadavg()[0]
+    rows = []
+    for name in args.models:
+        rows.append(measure(name, args))
+        print(rows[-1]['model'], {k: cell(v) for k, v in rows[-1]['ratios'].items()}, rows[-1]['errors'], flush=True)
+    result = {
+        'benchmark': 'compile',
+        'command': ' '.join(['python benchmarks/compile.py', *(sys.argv[1:] if argv is None else argv)]),
+        'machine': describe_machine(),
+        'settings': {k: getattr(args, k) for k in ('batch_size', 'image_size', 'rounds', 'threads')},
+        'date': time.strftime('%Y-%m-%d'),
+        'seconds': time.perf_counter() - started,
+        'load_average_1min': [load, os.getloadavg()[0]],
+        'rows': rows,
+    }
+    out = args.out or Path(__file__).resolve().parent / 'results' / machine_slug(result['machine'])
+    text = markdown(result)
+    write_results(out, args.name, result, text)
+    print(text)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
