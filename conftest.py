@@ -15,15 +15,21 @@ from channels_last_algo.integrations import INTEGRATIONS
 # Application modules that import Composer at the top: the checkpoints of recipe runs.
 COMPOSER_MODULES = ('channels_last_algo/app/checkpoints.py',)
 
-collect_ignore = sorted({
-    str(Path(*module.split('.')).with_suffix('.py'))
-    for module, package, _ in INTEGRATIONS.values()
-    if importlib.util.find_spec(package) is None
-} | (set(COMPOSER_MODULES) if importlib.util.find_spec('composer') is None else set()))
+collect_ignore = sorted(
+    {
+        str(Path(*module.split('.')).with_suffix('.py'))
+        for module, package, _ in INTEGRATIONS.values()
+        if importlib.util.find_spec(package) is None
+    }
+    | (set(COMPOSER_MODULES) if importlib.util.find_spec('composer') is None else set())
+)
 
 # Doctests (module or object names) that build Composer Trainers, DataSpecs or algorithms.
-COMPOSER_DOCTESTS = ('channels_last_algo.app.recipes', 'channels_last_algo.app.compare',
-                     'channels_last_algo.app.data.build_data_spec')
+COMPOSER_DOCTESTS = (
+    'channels_last_algo.app.recipes',
+    'channels_last_algo.app.compare',
+    'channels_last_algo.app.data.build_data_spec',
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -75,10 +75,17 @@ def measure(model_name: str, args: argparse.Namespace) -> dict:
     warm = time.perf_counter()
     timings = time_interleaved(steps, rounds=1, warmup=1, catch=True)  # compiles; not counted
     compile_seconds = time.perf_counter() - warm
-    timings = time_interleaved({k: v for k, v in steps.items() if k not in timings.errors},
-                               rounds=args.rounds, warmup=0, catch=True)
-    row = {'model': model_name, 'build_seconds': warm - started, 'warmup_seconds': compile_seconds,
-           'errors': timings.errors, 'ms': {}, 'ratios': {}}
+    timings = time_interleaved(
+        {k: v for k, v in steps.items() if k not in timings.errors}, rounds=args.rounds, warmup=0, catch=True
+    )
+    row = {
+        'model': model_name,
+        'build_seconds': warm - started,
+        'warmup_seconds': compile_seconds,
+        'errors': timings.errors,
+        'ms': {},
+        'ratios': {},
+    }
     for name, seconds in timings.seconds.items():
         row['ms'][name] = {'min': 1e3 * min(seconds), 'median': 1e3 * statistics.median(seconds)}
         if name != 'nchw' and 'nchw' in timings.seconds:
@@ -92,7 +99,8 @@ def measure(model_name: str, args: argparse.Namespace) -> dict:
 def markdown(result: dict) -> str:
     s = result['settings']
     lines = [
-        f'# Compile: training step time, eager and torch.compile, NCHW and channels last: {machine_label(result["machine"])}',
+        '# Compile: training step time, eager and torch.compile, NCHW and channels last: '
+        f'{machine_label(result["machine"])}',
         '',
         f'{result["machine"]["cpu"]}, torch {result["machine"]["torch"]}. {result["date"]}, '
         f'{result["seconds"] / 60:.0f} minutes. Command: `{result["command"]}`',

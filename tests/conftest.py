@@ -27,8 +27,14 @@ class DropsNHWC(nn.Module):
 
 def breaking_model() -> nn.Module:
     """Conv, a layer that drops NHWC, conv, pool, linear head: exactly one break, at '1'."""
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), DropsNHWC(), nn.Conv2d(8, 8, 3, padding=1),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        DropsNHWC(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
 
 
 def random_images(n: int = 16, size: int = 16, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,10 +11,19 @@ from pathlib import Path
 
 RECIPE = str(Path(__file__).resolve().parent.parent / 'recipes' / 'resnet50_imagenet.yaml')
 TINY = [
-    'model.name=channels_last_algo.app.demo:TinyResNet', 'model.num_classes=10', 'data.train_crop=32',
-    'data.eval_crop=32', 'data.eval_resize=36', 'data.synthetic_train_samples=16', 'data.synthetic_eval_samples=4',
-    'data.workers=0', 'train.global_batch_size=4', 'train.eval_interval=2ba', 'train.save_interval=2ba',
-    'train.max_duration=6ba', 'scheduler.t_warmup=1ba',
+    'model.name=channels_last_algo.app.demo:TinyResNet',
+    'model.num_classes=10',
+    'data.train_crop=32',
+    'data.eval_crop=32',
+    'data.eval_resize=36',
+    'data.synthetic_train_samples=16',
+    'data.synthetic_eval_samples=4',
+    'data.workers=0',
+    'train.global_batch_size=4',
+    'train.eval_interval=2ba',
+    'train.save_interval=2ba',
+    'train.max_duration=6ba',
+    'scheduler.t_warmup=1ba',
 ]
 
 

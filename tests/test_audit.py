@@ -57,8 +57,11 @@ def test_resnet50_has_no_break_and_a_free_exit(zoo):
 
 def test_shufflenet_breaks_in_cat_of_every_non_downsampling_block(zoo):
     model, report = zoo('shufflenet_v2_x1_0')
-    blocks = [f'stage2.{i}' for i in range(1, 4)] + [f'stage3.{i}' for i in range(1, 8)] + \
-        [f'stage4.{i}' for i in range(1, 4)]
+    blocks = (
+        [f'stage2.{i}' for i in range(1, 4)]
+        + [f'stage3.{i}' for i in range(1, 8)]
+        + [f'stage4.{i}' for i in range(1, 4)]
+    )
     assert _found(report) == {('aten.cat.default', b, phase) for b in blocks for phase in ('forward', 'backward')}
     assert len(report.breaks) == 2 * len(blocks)
     assert all(type(model.get_submodule(b)).__name__ == 'InvertedResidual' for b in blocks)
@@ -81,8 +84,10 @@ def test_mobilenet_v3_breaks_in_hardswish_backward_of_the_last_conv_block(zoo):
 def test_convnext_breaks_in_layer_scale_mul_and_gradient_add(zoo):
     model, report = zoo('convnext_tiny')
     blocks = [f'features.7.{i}' for i in range(3)]
-    assert _found(report) == ({('aten.mul.Tensor', b, 'backward') for b in blocks}
-                              | {('aten.add.Tensor', f'{b}.block.0', 'backward') for b in blocks})
+    assert _found(report) == (
+        {('aten.mul.Tensor', b, 'backward') for b in blocks}
+        | {('aten.add.Tensor', f'{b}.block.0', 'backward') for b in blocks}
+    )
     assert all(type(model.get_submodule(b)).__name__ == 'CNBlock' for b in blocks)
 
 
@@ -91,15 +96,17 @@ def test_googlenet_clones_are_exits_of_its_aux_heads_not_breaks(zoo):
     assert report.ok
     copies = [(e.op, e.module_path, e.nbytes) for e in report.exits if e.nbytes]
     assert copies == [('aten.clone.default', 'aux1', 128 * 4 * 4 * 4), ('aten.clone.default', 'aux2', 128 * 4 * 4 * 4)]
-    assert [(e.op, e.module_path, e.shape) for e in report.exits if not e.nbytes] == \
-        [('aten.view.default', '', (1, 1024, 1, 1))]
+    assert [(e.op, e.module_path, e.shape) for e in report.exits if not e.nbytes] == [
+        ('aten.view.default', '', (1, 1024, 1, 1))
+    ]
 
 
 def test_vgg11_bn_clone_is_the_exit_before_its_classifier(zoo):
     _, report = zoo('vgg11_bn')
     assert report.ok
-    assert report.exits == [AuditRecord('aten.clone.default', '', 'forward', (1, 512, 7, 7), 512 * 7 * 7 * 4,
-                                        'NHWC->NCHW->2D')]
+    assert report.exits == [
+        AuditRecord('aten.clone.default', '', 'forward', (1, 512, 7, 7), 512 * 7 * 7 * 4, 'NHWC->NCHW->2D')
+    ]
 
 
 def test_strict_raises_at_the_first_break_with_its_module_path(zoo):
@@ -113,11 +120,23 @@ def test_report_json_round_trips_and_prints_a_table(zoo):
     _, report = zoo('convnext_tiny')
     assert AuditReport.from_dict(json.loads(json.dumps(report.to_dict()))) == report
     text = str(report)
-    assert text.splitlines()[0] == ('layout audit over 1 step: 6 layout breaks (72.0 KiB moved), '
-                                    '1 exit conversions (0 B copied)')
+    assert text.splitlines()[0] == (
+        'layout audit over 1 step: 6 layout breaks (72.0 KiB moved), 1 exit conversions (0 B copied)'
+    )
     row = [line.split() for line in text.splitlines() if 'features.7.2 ' in line][0]
-    assert row == ['backward', 'features.7.2', 'aten.mul.Tensor', '(1,', '768,', '2,', '2)', 'NHWC->NCHW', '1',
-                   '12.0', 'KiB']
+    assert row == [
+        'backward',
+        'features.7.2',
+        'aten.mul.Tensor',
+        '(1,',
+        '768,',
+        '2,',
+        '2)',
+        'NHWC->NCHW',
+        '1',
+        '12.0',
+        'KiB',
+    ]
     assert 'classifier.1' in text and 'ambiguous->2D' in text
 
 
@@ -155,8 +174,7 @@ def _forward_break_net():
 
 
 def _backward_break_net():
-    return nn.Sequential(OrderedDict(stem=nn.Conv2d(3, 8, 3, padding=1), drop=_BackwardDrop(),
-                                     head=nn.Conv2d(8, 4, 3)))
+    return nn.Sequential(OrderedDict(stem=nn.Conv2d(3, 8, 3, padding=1), drop=_BackwardDrop(), head=nn.Conv2d(8, 4, 3)))
 
 
 def _converted(factory):
@@ -186,8 +204,9 @@ def test_flatten_is_an_exit_with_bytes_when_it_copies_and_free_after_pooling():
     report = audit_model(flat, _nhwc(2, 3, 8, 8))
     assert report.ok
     assert [(e.op, e.module_path, e.nbytes) for e in report.exits] == [('aten.clone.default', '1', 2 * 8 * 6 * 6 * 4)]
-    pooled = _converted(lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                              nn.Linear(8, 2)))
+    pooled = _converted(
+        lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 2))
+    )
     report = audit_model(pooled, _nhwc(2, 3, 8, 8))
     assert report.ok
     assert [(e.op, e.module_path, e.nbytes) for e in report.exits] == [('aten.view.default', '2', 0)]
@@ -225,7 +244,9 @@ def test_audit_spans_per_step_merge_into_the_whole_report_and_leave_nothing_inst
         step_reports.append(audit.stop())
         assert _python_dispatch._get_current_dispatch_mode() is None
         assert (len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks)) == (
-            pre_hooks, hooks)
+            pre_hooks,
+            hooks,
+        )
     assert [len(r.breaks) for r in step_reports] == [2, 2]
     assert AuditReport.merge(step_reports) == audit.report
     assert audit.report.steps == 2 and '2 steps' in str(audit.report)
@@ -260,12 +281,15 @@ def test_cli_audit_strict_exits_1_on_a_breaking_model(capsys):
     assert [r.module_path for r in report.breaks] == ['body.1', 'body.2']
 
 
-@pytest.mark.parametrize('argv, message', [
-    (['audit', 'resnet_51'], "'resnet_51' is no torchvision model name"),
-    (['audit', 'no_such_module:build'], "cannot load 'no_such_module:build'"),
-    (['audit', 'resnet18', '--input', '2,3,x'], "'2,3,x' is not an input shape"),
-    (['audit', 'resnet18', '--input', '2,3,32'], "'2,3,32' is not an input shape"),
-])
+@pytest.mark.parametrize(
+    'argv, message',
+    [
+        (['audit', 'resnet_51'], "'resnet_51' is no torchvision model name"),
+        (['audit', 'no_such_module:build'], "cannot load 'no_such_module:build'"),
+        (['audit', 'resnet18', '--input', '2,3,x'], "'2,3,x' is not an input shape"),
+        (['audit', 'resnet18', '--input', '2,3,32'], "'2,3,32' is not an input shape"),
+    ],
+)
 def test_cli_audit_exits_2_on_a_bad_model_or_input(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(argv)

@@ -76,8 +76,9 @@ def test_a_folder_with_an_earlier_run_is_refused_unless_resumed_or_overwritten(t
         folder.write(f'ep0-ba{batch}-rank0.pt', lambda file, b=batch: torch.save(_fake_state(b), file))
     (tmp_path / '.ep0-ba6-rank0.pt.123.partial').write_bytes(b'left by a kill')
     (tmp_path / 'notes.txt').write_text('not a checkpoint')
-    with pytest.raises(RunFolderError, match='holds the checkpoints of an earlier run .*--resume.*new folder.*'
-                                             '--overwrite'):
+    with pytest.raises(
+        RunFolderError, match='holds the checkpoints of an earlier run .*--resume.*new folder.*--overwrite'
+    ):
         with folder.open():
             pass
     with pytest.raises(RunFolderError, match=r'ep0-ba2-rank0.pt is older than ep0-ba4-rank0.pt in the same folder'):
@@ -100,8 +101,11 @@ def test_resume_takes_the_newest_readable_checkpoint_and_names_every_unusable_on
     assert f'skipping {newest} is truncated or corrupt' in caplog.text
     with pytest.raises(RunFolderError, match=rf'^{newest} is truncated or corrupt: .*--resume PATH'):
         folder.resume_point(newest, '8ba')
-    with pytest.raises(RunFolderError, match=r'ep0-ba2-rank0.pt is the end of a finished run \(2ba of '
-                                             r'train.max_duration 2ba\); to train on, raise it'):
+    with pytest.raises(
+        RunFolderError,
+        match=r'ep0-ba2-rank0.pt is the end of a finished run \(2ba of '
+        r'train.max_duration 2ba\); to train on, raise it',
+    ):
         folder.resume_point(True, '2ba')
     (tmp_path / 'latest-rank0.pt').symlink_to('ep0-ba9-rank0.pt')
     with pytest.raises(RunFolderError, match=r'latest-rank0.pt is a link to ep0-ba9-rank0.pt, which does not exist'):
@@ -137,7 +141,7 @@ def runs(tmp_path_factory):
 # the second checkpoint write (after 4 batches) at that moment: SIGINT in the middle of writing
 # the file, just before its rename, or just before the `latest` link moves; the last moment
 # SIGKILLs the process in the middle of writing, so nothing of it can clean up.
-_INTERRUPTED = textwrap.dedent('''
+_INTERRUPTED = textwrap.dedent("""
     import io, os, signal, sys
     from pathlib import Path
     import torch
@@ -176,15 +180,19 @@ _INTERRUPTED = textwrap.dedent('''
         except SystemExit as stop:  # Composer turns SIGINT into SystemExit(130)
             code = stop.code
         print(f'{{moment}}: exit {{code}}', flush=True)
-''').format(tests=str(TESTS))
+""").format(tests=str(TESTS))
 _MOMENTS = ['mid-write', 'before rename', 'before link', 'killed mid-write']
 
 
 @pytest.fixture(scope='module')
 def interrupted(runs, composer_main):
     """The child's runs, started at once so that they overlap the in-process runs."""
-    child = subprocess.Popen([sys.executable, '-c', _INTERRUPTED, str(runs / 'interrupted'), *_MOMENTS],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, '-c', _INTERRUPTED, str(runs / 'interrupted'), *_MOMENTS],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     yield child
     if child.poll() is None:
         child.kill()
@@ -205,9 +213,10 @@ def test_interrupted_checkpoint_writes_resume_to_the_uninterrupted_run(runs, com
     for moment in _MOMENTS:
         folder = runs / 'interrupted' / moment
         names = sorted(p.name for p in folder.iterdir())
-        expected = {'before link': ['ep0-ba2-rank0.pt', 'ep0-ba4-rank0.pt', 'latest-rank0.pt'],
-                    'killed mid-write': ['.ep0-ba4-rank0.pt.{}.partial', '.run.lock', 'ep0-ba2-rank0.pt',
-                                         'latest-rank0.pt']}.get(moment, ['ep0-ba2-rank0.pt', 'latest-rank0.pt'])
+        expected = {
+            'before link': ['ep0-ba2-rank0.pt', 'ep0-ba4-rank0.pt', 'latest-rank0.pt'],
+            'killed mid-write': ['.ep0-ba4-rank0.pt.{}.partial', '.run.lock', 'ep0-ba2-rank0.pt', 'latest-rank0.pt'],
+        }.get(moment, ['ep0-ba2-rank0.pt', 'latest-rank0.pt'])
         assert names == [name.format(interrupted.pid) for name in expected], moment
         assert (folder / 'latest-rank0.pt').resolve().name == 'ep0-ba2-rank0.pt', moment
         assert composer_main(train_args(folder, '--resume')) == 0, moment
@@ -218,9 +227,15 @@ def test_interrupted_checkpoint_writes_resume_to_the_uninterrupted_run(runs, com
 def test_a_checkpoint_copied_into_a_new_folder_resumes_there(tmp_path, capfd, composer_main, uninterrupted):
     folder = tmp_path / 'run'
     assert composer_main(train_args(folder, '--resume')) == 2
-    assert capfd.readouterr().err.strip().splitlines()[-1].endswith(
-        f'--resume: {folder} holds no checkpoint to resume from; train once without --resume first, or set '
-        'train.save_folder to the run to resume')
+    assert (
+        capfd.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .endswith(
+            f'--resume: {folder} holds no checkpoint to resume from; train once without --resume first, or set '
+            'train.save_folder to the run to resume'
+        )
+    )
     shutil.copy(uninterrupted / 'ep0-ba2-rank0.pt', folder / 'latest-rank0.pt')  # all that survived of a run
     assert composer_main(train_args(folder, '--resume')) == 0
     assert_same_run(final_state(folder), final_state(uninterrupted))
@@ -228,7 +243,7 @@ def test_a_checkpoint_copied_into_a_new_folder_resumes_there(tmp_path, capfd, co
 
 # A child that trains the tiny recipe and, half-way through writing its second checkpoint,
 # waits for the file `go` next to its folder.
-_PAUSED = textwrap.dedent('''
+_PAUSED = textwrap.dedent("""
     import io, sys, time
     from pathlib import Path
     import torch
@@ -255,11 +270,12 @@ _PAUSED = textwrap.dedent('''
 
     torch.save = save
     sys.exit(main(train_args(folder)))
-''').format(tests=str(TESTS))
+""").format(tests=str(TESTS))
 
 
-def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes_intact(tmp_path, capfd, composer_main,
-                                                                                   uninterrupted):
+def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes_intact(
+    tmp_path, capfd, composer_main, uninterrupted
+):
     folder = tmp_path / 'run'
     first = subprocess.Popen([sys.executable, '-c', _PAUSED, str(folder)], stderr=subprocess.PIPE, text=True)
     try:
@@ -270,9 +286,11 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes_intac
         for extra in ([], ['--resume'], ['--overwrite']):
             assert composer_main(train_args(folder, *extra)) == 2
             err = capfd.readouterr().err.strip().splitlines()[-1]
-            assert err.endswith(f'error: {folder} is in use by another run (pid {first.pid} on '
-                                f'{socket.gethostname()}); wait for it to finish, or give this run another folder '
-                                '(--set train.save_folder=PATH)')
+            assert err.endswith(
+                f'error: {folder} is in use by another run (pid {first.pid} on '
+                f'{socket.gethostname()}); wait for it to finish, or give this run another folder '
+                '(--set train.save_folder=PATH)'
+            )
         (tmp_path / 'go').touch()
         assert first.wait(timeout=240) == 0, first.stderr.read()[-3000:]
     finally:
@@ -280,8 +298,9 @@ def test_a_second_run_on_a_folder_in_use_is_refused_and_the_first_finishes_intac
     assert_same_run(final_state(folder), final_state(uninterrupted))
 
 
-def test_resume_refuses_a_finished_run_another_model_and_broken_files_in_one_line(tmp_path, capfd, composer_main,
-                                                                                 uninterrupted):
+def test_resume_refuses_a_finished_run_another_model_and_broken_files_in_one_line(
+    tmp_path, capfd, composer_main, uninterrupted
+):
     folder = tmp_path / 'run'
     shutil.copytree(uninterrupted, folder, symlinks=True)
     newest = folder / 'ep1-ba6-rank0.pt'
@@ -290,24 +309,30 @@ def test_resume_refuses_a_finished_run_another_model_and_broken_files_in_one_lin
         assert composer_main(train_args(folder, *extra, overrides=overrides)) == 2
         return capfd.readouterr().err.strip().splitlines()[-1]
 
-    assert refused('--resume').endswith(f'{newest} is the end of a finished run (6ba of train.max_duration 6ba); to '
-                                        'train on, raise it (--set train.max_duration=...) and resume, or start afresh '
-                                        'in a new folder (--set train.save_folder=PATH)')
+    assert refused('--resume').endswith(
+        f'{newest} is the end of a finished run (6ba of train.max_duration 6ba); to '
+        'train on, raise it (--set train.max_duration=...) and resume, or start afresh '
+        'in a new folder (--set train.save_folder=PATH)'
+    )
     longer = ('train.max_duration=8ba',)
     assert refused('--resume', overrides=(*longer, 'model.num_classes=5')).endswith(
         f"{newest} holds another model ('module.head.weight' is [10, 32] there and [5, 32] here); resume it with the "
         'recipe (model and algorithms) that wrote it, or train this recipe in a new folder '
-        '(--set train.save_folder=PATH)')
+        '(--set train.save_folder=PATH)'
+    )
     assert f'{newest} holds another model' in refused('--resume', overrides=(*longer, 'algorithms.blurpool=false'))
-    assert refused().endswith(f'{folder} holds the checkpoints of an earlier run (ep0-ba2-rank0.pt, ep0-ba4-rank0.pt, '
-                              'ep1-ba6-rank0.pt); continue it with --resume, give this run a new folder (--set '
-                              'train.save_folder=PATH), or replace them with --overwrite')
+    assert refused().endswith(
+        f'{folder} holds the checkpoints of an earlier run (ep0-ba2-rank0.pt, ep0-ba4-rank0.pt, '
+        'ep1-ba6-rank0.pt); continue it with --resume, give this run a new folder (--set '
+        'train.save_folder=PATH), or replace them with --overwrite'
+    )
     newest.write_bytes(newest.read_bytes()[:1000])
     assert f'{newest} is truncated or corrupt' in refused('--resume', str(newest), overrides=longer)
     (folder / 'latest-rank0.pt').unlink()
     (folder / 'latest-rank0.pt').symlink_to('ep9-ba99-rank0.pt')
     assert 'latest-rank0.pt is a link to ep9-ba99-rank0.pt, which does not exist' in refused(
-        '--resume', str(folder / 'latest-rank0.pt'), overrides=longer)
+        '--resume', str(folder / 'latest-rank0.pt'), overrides=longer
+    )
     # --resume alone skips the truncated newest checkpoint and trains on from the one before it
     assert composer_main(train_args(folder, '--resume', overrides=longer)) == 0
     assert final_state(folder, batch=6)['timestamp']['Timestamp']['batch'] == 6  # whole again

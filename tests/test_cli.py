@@ -37,12 +37,15 @@ def test_demo_refuses_sizes_that_would_time_nothing(capsys, flag, value):
         run_demo(batch_size=0)
 
 
-@pytest.mark.parametrize('arguments', [['out.pt2'], ['out.pt2', '--recipe', RECIPE],
-                                       ['resnet18', 'out.pt2', '--recipe', RECIPE, '--checkpoint', 'c.pt']])
+@pytest.mark.parametrize(
+    'arguments',
+    [['out.pt2'], ['out.pt2', '--recipe', RECIPE], ['resnet18', 'out.pt2', '--recipe', RECIPE, '--checkpoint', 'c.pt']],
+)
 def test_export_needs_a_model_or_a_recipe_with_its_checkpoint(tmp_path, capsys, arguments):
     assert main(['export', *arguments]) == 2
-    assert ('error: give MODEL (with --weights FILE to load a state_dict), or --recipe RECIPE with --checkpoint '
-            'FILE') in capsys.readouterr().err
+    assert (
+        'error: give MODEL (with --weights FILE to load a state_dict), or --recipe RECIPE with --checkpoint FILE'
+    ) in capsys.readouterr().err
 
 
 def test_export_from_a_recipe_checkpoint_with_blurpool_and_ema(tmp_path, capfd):

@@ -1,19 +1,16 @@
 """The Composer integration: ChannelsLast driving the guard from Trainer events."""
 
 import pytest
-import torch
 
 pytest.importorskip('composer')
 
 from composer import Trainer
 from composer.loggers import InMemoryLogger
 from composer.models import ComposerClassifier
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from channels_last_algo import ChannelsLast, LayoutBreakError, has_channels_last_strides, is_channels_last
 from channels_last_algo.app.demo import TinyResNet
-
 from conftest import breaking_model, no_dispatch_mode, random_images, tiny_loader
 
 
@@ -57,8 +54,14 @@ def test_audit_steps_zero_installs_nothing_in_composer():
     module = TinyResNet()
     modes = []
     module.register_forward_pre_hook(lambda mod, args: modes.append(no_dispatch_mode()))
-    trainer = Trainer(model=ComposerClassifier(module, num_classes=10), train_dataloader=tiny_loader(),
-                      max_duration='2ba', device='cpu', algorithms=[ChannelsLast()], progress_bar=False)
+    trainer = Trainer(
+        model=ComposerClassifier(module, num_classes=10),
+        train_dataloader=tiny_loader(),
+        max_duration='2ba',
+        device='cpu',
+        algorithms=[ChannelsLast()],
+        progress_bar=False,
+    )
     trainer.fit()
     assert modes == [True, True]
 
@@ -66,9 +69,15 @@ def test_audit_steps_zero_installs_nothing_in_composer():
 def test_composer_audit_logs_each_audited_step_and_keeps_the_report():
     in_memory = InMemoryLogger()
     algorithm = ChannelsLast(audit_steps=1)
-    trainer = Trainer(model=ComposerClassifier(breaking_model(), num_classes=10), train_dataloader=tiny_loader(),
-                      max_duration='2ba', device='cpu', algorithms=[algorithm], loggers=[in_memory],
-                      progress_bar=False)
+    trainer = Trainer(
+        model=ComposerClassifier(breaking_model(), num_classes=10),
+        train_dataloader=tiny_loader(),
+        max_duration='2ba',
+        device='cpu',
+        algorithms=[algorithm],
+        loggers=[in_memory],
+        progress_bar=False,
+    )
     trainer.fit()
     breaks = in_memory.data['channels_last/layout_breaks']
     assert len(breaks) == 1 and breaks[0][1] >= 1
@@ -78,9 +87,14 @@ def test_composer_audit_logs_each_audited_step_and_keeps_the_report():
 
 
 def test_composer_strict_raises_out_of_fit_with_the_module_path():
-    trainer = Trainer(model=ComposerClassifier(breaking_model(), num_classes=10), train_dataloader=tiny_loader(),
-                      max_duration='2ba', device='cpu', algorithms=[ChannelsLast(audit_steps=2, strict=True)],
-                      progress_bar=False)
+    trainer = Trainer(
+        model=ComposerClassifier(breaking_model(), num_classes=10),
+        train_dataloader=tiny_loader(),
+        max_duration='2ba',
+        device='cpu',
+        algorithms=[ChannelsLast(audit_steps=2, strict=True)],
+        progress_bar=False,
+    )
     with pytest.raises(LayoutBreakError, match="module 'module.1'.*aten.clone"):
         trainer.fit()
     assert no_dispatch_mode()
@@ -90,8 +104,13 @@ def test_resnet_trains_clean_under_strict_audit_in_composer():
     from torchvision.models import resnet18
 
     algorithm = ChannelsLast(audit_steps=1, strict=True)
-    trainer = Trainer(model=ComposerClassifier(resnet18(weights=None, num_classes=10), num_classes=10),
-                      train_dataloader=tiny_loader(n=4), max_duration='1ba', device='cpu', algorithms=[algorithm],
-                      progress_bar=False)
+    trainer = Trainer(
+        model=ComposerClassifier(resnet18(weights=None, num_classes=10), num_classes=10),
+        train_dataloader=tiny_loader(n=4),
+        max_duration='1ba',
+        device='cpu',
+        algorithms=[algorithm],
+        progress_bar=False,
+    )
     trainer.fit()
     assert algorithm.report.ok and algorithm.report.steps == 1

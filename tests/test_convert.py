@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from channels_last_algo import apply_channels_last, has_channels_last_strides
-from channels_last_algo.core.convert import apply_channels_first
 from channels_last_algo.app.demo import TinyResNet
+from channels_last_algo.core.convert import apply_channels_first
 
 
 def _four_and_five_d(model):
@@ -30,9 +30,9 @@ def test_parameters_keep_identity_keys_and_values():
 
 def test_ambiguous_kernels_get_real_strides_and_conversion_is_idempotent():
     model = nn.Sequential(
-        nn.Conv2d(1, 8, 3),                 # in_channels=1
-        nn.Conv2d(8, 8, 1),                 # 1x1
-        nn.Conv2d(8, 8, 3, groups=8),       # depthwise
+        nn.Conv2d(1, 8, 3),  # in_channels=1
+        nn.Conv2d(8, 8, 1),  # 1x1
+        nn.Conv2d(8, 8, 3, groups=8),  # depthwise
     )
     apply_channels_last(model)
     for conv in model:
@@ -60,8 +60,15 @@ def test_conv3d_model_converts_where_composers_algorithm_raises():
 
 def test_conv3d_model_trains_in_channels_last_3d_and_matches_ncdhw():
     torch.manual_seed(0)
-    base = nn.Sequential(nn.Conv3d(2, 8, 3, padding=1), nn.BatchNorm3d(8), nn.ReLU(), nn.Conv3d(8, 4, 1),
-                         nn.AdaptiveAvgPool3d(1), nn.Flatten(), nn.Linear(4, 3))
+    base = nn.Sequential(
+        nn.Conv3d(2, 8, 3, padding=1),
+        nn.BatchNorm3d(8),
+        nn.ReLU(),
+        nn.Conv3d(8, 4, 1),
+        nn.AdaptiveAvgPool3d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    )
     converted = copy.deepcopy(base)
     apply_channels_last(converted)
     x = torch.randn(2, 2, 4, 8, 8)

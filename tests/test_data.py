@@ -39,18 +39,20 @@ def test_normalized_batch_equals_torchvision_to_tensor_normalize_in_nhwc(image_r
     folder = image_root / 'val'
     ours = CheckedImageFolder(folder, eval_transform(32, resize_size=36))
     loader = build_loader(ours, batch_size=8, train=False, workers=workers)
-    (images, labels), = list(loader)
+    ((images, labels),) = list(loader)
     assert images.dtype == torch.uint8 and has_channels_last_strides(images)
     normalized = NormalizeBatch()((images, labels))[0]
 
     reference = torchvision.datasets.ImageFolder(
         str(folder),
-        transforms.Compose([
-            transforms.Resize(36),
-            transforms.CenterCrop(32),
-            transforms.ToTensor(),
-            transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
-        ]),
+        transforms.Compose(
+            [
+                transforms.Resize(36),
+                transforms.CenterCrop(32),
+                transforms.ToTensor(),
+                transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD),
+            ]
+        ),
     )
     expected = torch.stack([reference[i][0] for i in range(len(reference))]).to(memory_format=torch.channels_last)
     assert normalized.dtype == torch.float32
@@ -167,16 +169,18 @@ def test_image_folder_trains_a_resnet_in_composer_with_only_nhwc_batches(image_r
     torch.manual_seed(0)
     resnet = torchvision.models.resnet18(weights=None, num_classes=2)
     reaching_model = []
-    resnet.register_forward_pre_hook(lambda module, args: reaching_model.append(
-        (args[0].dtype, layout_of(args[0]), bool(args[0].min() < 0))))
+    resnet.register_forward_pre_hook(
+        lambda module, args: reaching_model.append((args[0].dtype, layout_of(args[0]), bool(args[0].min() < 0)))
+    )
     train = imagenet_dataset('train', data_path=image_root, crop_size=32, num_classes=2)
     val = imagenet_dataset('val', data_path=image_root, crop_size=32, resize_size=36)
     loader_layout = LoaderLayout()
     trainer = Trainer(
         model=ComposerClassifier(resnet, num_classes=2),
         train_dataloader=build_data_spec(train, batch_size=4, train=True),
-        eval_dataloader=Evaluator(label='val', dataloader=build_data_spec(val, batch_size=8, train=False),
-                                  metric_names=['MulticlassAccuracy']),
+        eval_dataloader=Evaluator(
+            label='val', dataloader=build_data_spec(val, batch_size=8, train=False), metric_names=['MulticlassAccuracy']
+        ),
         eval_interval='2ba',
         max_duration='2ba',
         device='cpu',

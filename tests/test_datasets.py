@@ -75,7 +75,7 @@ def _corrupt(root):
     good = io.BytesIO()
     Image.fromarray(np.full((32, 32, 3), 128, dtype=np.uint8)).save(good, format='JPEG')
     truncated = root / 'cat' / '1.jpg'
-    truncated.write_bytes(good.getvalue()[:len(good.getvalue()) // 2])
+    truncated.write_bytes(good.getvalue()[: len(good.getvalue()) // 2])
     garbage = root / 'cat' / '2.jpg'
     garbage.write_text('this is not a JPEG')
     return truncated, garbage
@@ -101,7 +101,7 @@ def test_skipped_corrupt_images_are_reported_and_never_mislabel(image_root):
         batches = list(build_loader(data, batch_size=8, train=False))
     reported = ' '.join(str(warning.message) for warning in caught)
     assert str(truncated) in reported and str(garbage) in reported
-    (images, labels), = batches
+    ((images, labels),) = batches
     assert len(labels) == 8
     assert labels.tolist() == [class_of(image) for image in images]
 
@@ -118,8 +118,11 @@ def test_directory_links_that_loop_or_repeat_a_folder_are_refused(image_root, tm
     train = image_root / 'train'
     loop = train / 'cat' / 'loop'
     loop.symlink_to('..')  # the split itself again, inside the cat class: dogs would become cats, forever
-    with pytest.raises(DataPathError, match=rf'{loop / "cat"} is the folder {train / "cat"} again through the '
-                                            rf'directory link {loop} -> \.\. \(a loop, under another label\); remove'):
+    with pytest.raises(
+        DataPathError,
+        match=rf'{loop / "cat"} is the folder {train / "cat"} again through the '
+        rf'directory link {loop} -> \.\. \(a loop, under another label\); remove',
+    ):
         CheckedImageFolder(train)
     loop.unlink()
     dogs = train / 'cat' / 'dogs'
@@ -150,22 +153,39 @@ def test_a_corrupt_validation_image_loses_no_training(image_root, tmp_path, capf
     broken = image_root / 'val' / 'dog' / '2.jpg'
     broken.write_bytes(broken.read_bytes()[:300])
     folder = tmp_path / 'run'
-    overrides = sets([f'data.path={image_root}', 'model.name=channels_last_algo.app.demo:TinyResNet',
-                      'model.num_classes=2', 'data.train_crop=32', 'data.eval_crop=32', 'data.eval_resize=36',
-                      'data.workers=0', 'train.global_batch_size=4', 'train.max_duration=2ep', 'scheduler.t_warmup=1ba',
-                      f'train.save_folder={folder}'])
+    overrides = sets(
+        [
+            f'data.path={image_root}',
+            'model.name=channels_last_algo.app.demo:TinyResNet',
+            'model.num_classes=2',
+            'data.train_crop=32',
+            'data.eval_crop=32',
+            'data.eval_resize=36',
+            'data.workers=0',
+            'train.global_batch_size=4',
+            'train.max_duration=2ep',
+            'scheduler.t_warmup=1ba',
+            f'train.save_folder={folder}',
+        ]
+    )
     assert main(['train', RECIPE, '--check-data', *overrides]) == 2  # the pre-flight scan finds it first
     err = capfd.readouterr().err
     assert err.startswith(f'channels-last train: error: --check-data: 1 of 16 images cannot be decoded: {broken} (')
-    assert err.endswith(f'); replace or delete them, or set data.on_corrupt: skip in {RECIPE} (--set '
-                        'data.on_corrupt=skip)\n') and err.count('\n') == 1
+    assert (
+        err.endswith(
+            f'); replace or delete them, or set data.on_corrupt: skip in {RECIPE} (--set data.on_corrupt=skip)\n'
+        )
+        and err.count('\n') == 1
+    )
     assert not folder.exists()
     assert main(['train', RECIPE, *overrides]) == 2  # evaluated after the first epoch, and saved before that
     err = capfd.readouterr().err.strip().splitlines()[-1]
     assert err.startswith(f'channels-last train: error: cannot decode image {broken}: ')
-    assert err.endswith(f'Replace or delete the file, or set data.on_corrupt: skip in {RECIPE} (--set '
-                        f'data.on_corrupt=skip) to skip corrupt files.; the training up to {folder}/ep1-ba2-rank0.pt '
-                        'is saved: continue with --resume')
+    assert err.endswith(
+        f'Replace or delete the file, or set data.on_corrupt: skip in {RECIPE} (--set '
+        f'data.on_corrupt=skip) to skip corrupt files.; the training up to {folder}/ep1-ba2-rank0.pt '
+        'is saved: continue with --resume'
+    )
     assert read_state(folder / 'ep1-ba2-rank0.pt')['timestamp']['Timestamp']['epoch'] == 1
     assert main(['train', RECIPE, '--resume', *overrides, '--set', 'data.on_corrupt=skip']) == 0
     assert read_state(folder / 'latest-rank0.pt')['timestamp']['Timestamp']['epoch'] == 2
@@ -204,9 +224,15 @@ def test_synthetic_set_is_learnable():
     loader = build_loader(data, batch_size=32, train=True)
     normalize = NormalizeBatch()
     model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, stride=2), nn.BatchNorm2d(16), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, stride=2), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+        nn.Conv2d(3, 16, 3, stride=2),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
     ).to(memory_format=torch.channels_last)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses = []

@@ -48,10 +48,16 @@ STRIDE_WARNING = 'Grad strides do not match bucket view strides'
 def small_net() -> nn.Module:
     """3x3 conv + BN, a depthwise 3x3 (8x1x3x3: ambiguous), a 1x1 (16x8x1x1: ambiguous) + BN, a linear head."""
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
         nn.Conv2d(8, 8, 3, padding=1, groups=8),
-        nn.Conv2d(8, 16, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4),
+        nn.Conv2d(8, 16, 1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 4),
     )
 
 
@@ -59,8 +65,9 @@ def dataset() -> torch.utils.data.TensorDataset:
     """2 * STEPS global batches of CHW images and labels, the same in every process."""
     generator = torch.Generator().manual_seed(0)
     samples = 2 * STEPS * WORLD * RANK_BATCH
-    return torch.utils.data.TensorDataset(torch.randn(samples, 3, IMAGE, IMAGE, generator=generator),
-                                          torch.randint(0, 4, (samples,), generator=generator))
+    return torch.utils.data.TensorDataset(
+        torch.randn(samples, 3, IMAGE, IMAGE, generator=generator), torch.randint(0, 4, (samples,), generator=generator)
+    )
 
 
 def probe_images() -> torch.Tensor:
@@ -71,8 +78,9 @@ def parameters_of(net: nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) copies of ``net``'s parameters."""
     from torch.distributed.tensor import DTensor
 
-    return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-            for name, p in net.named_parameters()}
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for name, p in net.named_parameters()
+    }
 
 
 def channels_last_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -90,10 +98,19 @@ def _trainer(net: nn.Module, duration: str, callbacks=(), **options):
     data = dataset()
     loader = torch.utils.data.DataLoader(data, batch_size=RANK_BATCH, sampler=dist.get_sampler(data, shuffle=False))
     algorithm = options.pop('algorithm', ChannelsLast())
-    return Trainer(model=ComposerClassifier(net, num_classes=4), train_dataloader=loader, max_duration=duration,
-                   optimizers=torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), algorithms=[algorithm],
-                   callbacks=list(callbacks), device='cpu', seed=17, progress_bar=False, log_to_console=False,
-                   **options)
+    return Trainer(
+        model=ComposerClassifier(net, num_classes=4),
+        train_dataloader=loader,
+        max_duration=duration,
+        optimizers=torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+        algorithms=[algorithm],
+        callbacks=list(callbacks),
+        device='cpu',
+        seed=17,
+        progress_bar=False,
+        log_to_console=False,
+        **options,
+    )
 
 
 class _Recorder:
@@ -118,8 +135,9 @@ class _Recorder:
 
             def after_backward(self, state, logger):
                 if ddp:
-                    recorder.record['grads'].append({n: (p.stride(), p.grad.stride()) for n, p in
-                                                     net.named_parameters() if p.dim() == 4})
+                    recorder.record['grads'].append(
+                        {n: (p.stride(), p.grad.stride()) for n, p in net.named_parameters() if p.dim() == 4}
+                    )
 
         self.callback = Hooks()
 
@@ -131,9 +149,10 @@ class _Recorder:
         buffer, offset, seen = bucket.buffer(), 0, {}
         for param in bucket.parameters():
             if param.dim() == 4:
-                segment = buffer[offset:offset + param.numel()]
+                segment = buffer[offset : offset + param.numel()]
                 seen[tuple(param.shape)] = torch.equal(
-                    segment.as_strided(param.shape, channels_last_strides(param.shape)), param.grad)
+                    segment.as_strided(param.shape, channels_last_strides(param.shape)), param.grad
+                )
             offset += param.numel()
         self.record['buckets'].append(seen)
         return default_hooks.allreduce_hook(process_group, bucket)
@@ -144,8 +163,13 @@ def _conv_layouts(net: nn.Module) -> tuple[list, list]:
     seen = []
 
     def note(module, inputs, output):
-        seen.append((inputs[0].is_contiguous(memory_format=torch.channels_last),
-                     output.is_contiguous(memory_format=torch.channels_last), module.weight.is_contiguous()))
+        seen.append(
+            (
+                inputs[0].is_contiguous(memory_format=torch.channels_last),
+                output.is_contiguous(memory_format=torch.channels_last),
+                module.weight.is_contiguous(),
+            )
+        )
 
     handles = [m.register_forward_hook(note) for m in net.modules() if isinstance(m, nn.Conv2d)]
     return seen, handles
@@ -155,8 +179,20 @@ def _run_rank(out: Path) -> None:
     from composer.utils import FSDP2Config, dist
 
     rank = int(os.environ['RANK'])
-    result = {'env': {key: os.environ[key] for key in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE',
-                                                         'NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT')}}
+    result = {
+        'env': {
+            key: os.environ[key]
+            for key in (
+                'RANK',
+                'WORLD_SIZE',
+                'LOCAL_RANK',
+                'LOCAL_WORLD_SIZE',
+                'NODE_RANK',
+                'MASTER_ADDR',
+                'MASTER_PORT',
+            )
+        }
+    }
     initial = torch.load(out / 'initial.pt')
     messages = []
     handler = logging.Handler()
@@ -181,10 +217,18 @@ def _run_rank(out: Path) -> None:
     net = small_net()
     net.load_state_dict(initial)
     algorithm = ChannelsLast(audit_steps=STEPS)
-    train('ddp', net, f'{STEPS}ba', algorithm=algorithm, save_folder=str(out / 'checkpoints'),
-          save_interval=f'{STEPS}ba', save_filename='ep{epoch}-ba{batch}-rank{rank}.pt')
-    result['ddp']['audit'] = None if algorithm.report is None else (algorithm.report.steps, algorithm.report.ok,
-                                                                     str(algorithm.report))
+    train(
+        'ddp',
+        net,
+        f'{STEPS}ba',
+        algorithm=algorithm,
+        save_folder=str(out / 'checkpoints'),
+        save_interval=f'{STEPS}ba',
+        save_filename='ep{epoch}-ba{batch}-rank{rank}.pt',
+    )
+    result['ddp']['audit'] = (
+        None if algorithm.report is None else (algorithm.report.steps, algorithm.report.ok, str(algorithm.report))
+    )
     net.eval()
     with torch.no_grad():
         result['ddp']['probe_output'] = net(probe_images().to(memory_format=torch.channels_last))
@@ -199,8 +243,14 @@ def _run_rank(out: Path) -> None:
         net = small_net()
         net.load_state_dict(initial)
         convs, handles = _conv_layouts(net)
-        train(name, net, f'{STEPS}ba', ddp=False, algorithm=ChannelsLast(mode=mode),
-              parallelism_config={'fsdp': FSDP2Config()})
+        train(
+            name,
+            net,
+            f'{STEPS}ba',
+            ddp=False,
+            algorithm=ChannelsLast(mode=mode),
+            parallelism_config={'fsdp': FSDP2Config()},
+        )
         result[name]['conv_layouts'] = list(convs)
         for handle in handles:
             handle.remove()
@@ -238,8 +288,12 @@ def _reference(initial: Path, steps: int) -> dict[int, dict[str, torch.Tensor]]:
 
     data = dataset()
     per_rank = [list(DistributedSampler(data, num_replicas=WORLD, rank=r, shuffle=False)) for r in range(WORLD)]
-    order = [index for step in range(steps) for rank_indices in per_rank
-             for index in rank_indices[step * RANK_BATCH:(step + 1) * RANK_BATCH]]
+    order = [
+        index
+        for step in range(steps)
+        for rank_indices in per_rank
+        for index in rank_indices[step * RANK_BATCH : (step + 1) * RANK_BATCH]
+    ]
     net = small_net()
     net.load_state_dict(torch.load(initial))
     snapshots = {}
@@ -248,11 +302,18 @@ def _reference(initial: Path, steps: int) -> dict[int, dict[str, torch.Tensor]]:
         def batch_end(self, state, logger):
             snapshots[int(state.timestamp.batch)] = parameters_of(net)
 
-    trainer = Trainer(model=ComposerClassifier(net, num_classes=4),
-                      train_dataloader=DataLoader(Subset(data, order), batch_size=WORLD * RANK_BATCH),
-                      max_duration=f'{steps}ba', device_train_microbatch_size=RANK_BATCH,
-                      optimizers=torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9), callbacks=[Snapshot()],
-                      device='cpu', seed=17, progress_bar=False, log_to_console=False)
+    trainer = Trainer(
+        model=ComposerClassifier(net, num_classes=4),
+        train_dataloader=DataLoader(Subset(data, order), batch_size=WORLD * RANK_BATCH),
+        max_duration=f'{steps}ba',
+        device_train_microbatch_size=RANK_BATCH,
+        optimizers=torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+        callbacks=[Snapshot()],
+        device='cpu',
+        seed=17,
+        progress_bar=False,
+        log_to_console=False,
+    )
     trainer.fit()
     return snapshots
 
@@ -263,15 +324,32 @@ def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp('two_ranks')
     torch.manual_seed(0)
     torch.save(small_net().state_dict(), out / 'initial.pt')
-    env = {k: v for k, v in os.environ.items()
-           if k not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT')}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT')
+    }
     env['OMP_NUM_THREADS'] = '1'  # two ranks on a small CPU
-    command = [sys.executable, '-m', 'composer.cli.launcher', '-n', str(WORLD), '--master_port', str(_free_port()),
-               '--stdout', str(out / 'rank{rank}.stdout'), '--stderr', str(out / 'rank{rank}.stderr'),
-               __file__, str(out)]
+    command = [
+        sys.executable,
+        '-m',
+        'composer.cli.launcher',
+        '-n',
+        str(WORLD),
+        '--master_port',
+        str(_free_port()),
+        '--stdout',
+        str(out / 'rank{rank}.stdout'),
+        '--stderr',
+        str(out / 'rank{rank}.stderr'),
+        __file__,
+        str(out),
+    ]
     process = subprocess.run(command, env=env, cwd=out, capture_output=True, text=True, timeout=300)
     logs = '\n'.join(path.read_text()[-3000:] for path in sorted(out.glob('rank*.std*')))
-    assert process.returncode == 0, f'launcher exit {process.returncode}\n{process.stdout[-3000:]}\n{process.stderr[-5000:]}\n{logs}'
+    assert process.returncode == 0, (
+        f'launcher exit {process.returncode}\n{process.stdout[-3000:]}\n{process.stderr[-5000:]}\n{logs}'
+    )
     return [torch.load(out / f'rank{r}.pt', weights_only=False) for r in range(WORLD)], out
 
 
@@ -283,15 +361,22 @@ def reference(two_ranks):
 def _assert_close(actual: dict, expected: dict, what: str) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=lambda m: f'{what} {name}: {m}')
+        torch.testing.assert_close(
+            actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f'{what} {name}: {m}'
+        )
 
 
 def test_ranks_start_like_composers_launcher(two_ranks):
     ranks, _ = two_ranks
     for rank, record in enumerate(ranks):
         env = record['env']
-        assert (env['RANK'], env['LOCAL_RANK'], env['WORLD_SIZE'], env['LOCAL_WORLD_SIZE'], env['NODE_RANK']) == \
-            (str(rank), str(rank), '2', '2', '0')
+        assert (env['RANK'], env['LOCAL_RANK'], env['WORLD_SIZE'], env['LOCAL_WORLD_SIZE'], env['NODE_RANK']) == (
+            str(rank),
+            str(rank),
+            '2',
+            '2',
+            '0',
+        )
         assert env['MASTER_ADDR'] == '127.0.0.1'
 
 
@@ -300,7 +385,10 @@ def test_ddp_gradients_and_buckets_are_nhwc_with_no_stride_warning(two_ranks, ru
     ranks, _ = two_ranks
     for record in ranks:
         # INIT restrides the bare model; the Trainer wraps it in DDP afterwards.
-        assert (record[run]['init_model'], record[run]['wrapped_model']) == ('ComposerClassifier', 'DistributedDataParallel')
+        assert (record[run]['init_model'], record[run]['wrapped_model']) == (
+            'ComposerClassifier',
+            'DistributedDataParallel',
+        )
         assert record[run]['warnings'] == []
         # The 3x3, depthwise and 1x1 weights, as DDP saw them when it built its buckets.
         wrapped_strides = record[run]['param_strides']
@@ -396,8 +484,9 @@ def test_plain_model_gets_channels_last_weights():
 def test_composer_sharding_configs_keep_weights_contiguous(config):
     import composer.utils.parallelism as parallelism
 
-    plan = weight_layout_for(small_net(), **{('tp_config' if config == 'TPConfig' else 'fsdp_config'):
-                                             getattr(parallelism, config)()})
+    plan = weight_layout_for(
+        small_net(), **{('tp_config' if config == 'TPConfig' else 'fsdp_config'): getattr(parallelism, config)()}
+    )
     assert plan.contiguous and not plan.sharded and plan.memory_format == 'channels_first'
     assert config in plan.reason
 

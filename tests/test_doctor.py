@@ -21,10 +21,12 @@ class RepVGGBlock(nn.Module):
 
     def __init__(self, in_channels: int, out_channels: int, stride: int):
         super().__init__()
-        self.conv3x3 = nn.Sequential(nn.Conv2d(in_channels, out_channels, 3, stride, 1, bias=False),
-                                     nn.BatchNorm2d(out_channels))
-        self.conv1x1 = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False),
-                                     nn.BatchNorm2d(out_channels))
+        self.conv3x3 = nn.Sequential(
+            nn.Conv2d(in_channels, out_channels, 3, stride, 1, bias=False), nn.BatchNorm2d(out_channels)
+        )
+        self.conv1x1 = nn.Sequential(
+            nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), nn.BatchNorm2d(out_channels)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.relu(self.conv3x3(x) + self.conv1x1(x))
@@ -32,8 +34,9 @@ class RepVGGBlock(nn.Module):
 
 def repvgg_style_net() -> nn.Module:
     """A RepVGG-style net whose stem has the 3 -> 48 1x1 stride-2 convolution of repvgg_a0."""
-    return nn.Sequential(RepVGGBlock(3, 48, 2), RepVGGBlock(48, 48, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(48, 10))
+    return nn.Sequential(
+        RepVGGBlock(3, 48, 2), RepVGGBlock(48, 48, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(48, 10)
+    )
 
 
 class AssumesNCHW(nn.Module):
@@ -53,8 +56,20 @@ def test_doctor_command_on_a_repvgg_style_model(capsys):
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report['ok'], report
     affected = ONEDNN.affects(Runtime.current('cpu'))
-    expected = [{'path': '0.conv1x1.0', 'layer': 'Conv2d', 'bug': ONEDNN.name, 'failures': list(ONEDNN.failures),
-                 'safe_path': 'SubsampledConv2d', 'made_safe': True}] if affected else []
+    expected = (
+        [
+            {
+                'path': '0.conv1x1.0',
+                'layer': 'Conv2d',
+                'bug': ONEDNN.name,
+                'failures': list(ONEDNN.failures),
+                'safe_path': 'SubsampledConv2d',
+                'made_safe': True,
+            }
+        ]
+        if affected
+        else []
+    )
     assert report['known_bug_conditions'] == expected
     checks = {c['name']: c for c in report['checks']}
     assert checks['channels-last training step with the safe paths']['passed']  # the model trains here

@@ -3,13 +3,22 @@
 import pytest
 import torch
 
-from channels_last_algo.core.layout import Layout, has_channels_last_strides, is_channels_last, layout_of, to_channels_last
+from channels_last_algo.core.layout import (
+    Layout,
+    has_channels_last_strides,
+    is_channels_last,
+    layout_of,
+    to_channels_last,
+)
 
 
-@pytest.mark.parametrize('shape,first,last', [
-    ((2, 3, 8, 8), Layout.NCHW, Layout.NHWC),
-    ((2, 3, 4, 8, 8), Layout.NCDHW, Layout.NDHWC),
-])
+@pytest.mark.parametrize(
+    'shape,first,last',
+    [
+        ((2, 3, 8, 8), Layout.NCHW, Layout.NHWC),
+        ((2, 3, 4, 8, 8), Layout.NCDHW, Layout.NDHWC),
+    ],
+)
 def test_layout_of_names_both_orders(shape, first, last):
     x = torch.randn(shape)
     assert layout_of(x) is first
@@ -22,8 +31,9 @@ def test_ambiguous_shapes_get_real_channels_last_strides(shape):
     x = torch.randn(shape)
     assert layout_of(x) is Layout.AMBIGUOUS
     # .contiguous() keeps the channels-first strides: that is the trap this module avoids.
-    assert not has_channels_last_strides(x.contiguous(memory_format=torch.channels_last if len(shape) == 4
-                                                      else torch.channels_last_3d))
+    assert not has_channels_last_strides(
+        x.contiguous(memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
+    )
     y = to_channels_last(x)
     fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
     assert y.stride() == torch.empty(shape).to(memory_format=fmt).stride()
@@ -41,7 +51,7 @@ def test_to_channels_last_returns_the_same_tensor_when_nothing_to_do():
 def test_permuted_view_is_other_and_is_restrided():
     x = torch.randn(2, 8, 8, 3).permute(0, 3, 1, 2)  # NHWC bytes: a channels-last view
     assert layout_of(x) is Layout.NHWC
-    y = torch.randn(2, 3, 8, 8)[:, :, ::2, :]        # strided slice: dense in neither order
+    y = torch.randn(2, 3, 8, 8)[:, :, ::2, :]  # strided slice: dense in neither order
     assert layout_of(y) is Layout.OTHER
     assert layout_of(to_channels_last(y)) is Layout.NHWC
     assert layout_of(torch.randn(3, 4)) is Layout.OTHER

@@ -17,8 +17,10 @@ LAYERS = ('core', 'integrations', 'app')  # lowest first: a layer may import onl
 
 
 def test_import_needs_no_trainer():
-    code = ('import sys, channels_last_algo; '
-            'print(sorted(m for m in ("composer", "lightning", "accelerate", "timm") if m in sys.modules))')
+    code = (
+        'import sys, channels_last_algo; '
+        'print(sorted(m for m in ("composer", "lightning", "accelerate", "timm") if m in sys.modules))'
+    )
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == '[]'
 
@@ -27,8 +29,11 @@ def test_import_needs_no_trainer():
 def test_integration_loads_on_first_use_or_names_the_install_command(name):
     module, package, extra = INTEGRATIONS[name]
     if importlib.util.find_spec(package) is None:
-        with pytest.raises(ImportError, match=rf"channels_last_algo.{name}: this needs the {package} package.*"
-                                              rf"pip install 'channels-last-algo\[{extra}\]'"):
+        with pytest.raises(
+            ImportError,
+            match=rf'channels_last_algo.{name}: this needs the {package} package.*'
+            rf"pip install 'channels-last-algo\[{extra}\]'",
+        ):
             getattr(channels_last_algo, name)
     else:
         assert getattr(channels_last_algo, name) is getattr(importlib.import_module(module), name)
@@ -42,8 +47,13 @@ def test_unknown_attribute_is_an_attribute_error():
 def _imported_layers(path: Path) -> set[str]:
     layers = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ''] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+        names = (
+            [alias.name for alias in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or '']
+            if isinstance(node, ast.ImportFrom) and node.level == 0
+            else []
+        )
         for name in names:
             parts = name.split('.')
             if parts[0] == 'channels_last_algo' and len(parts) > 1 and parts[1] in LAYERS:
@@ -53,7 +63,10 @@ def _imported_layers(path: Path) -> set[str]:
 
 @pytest.mark.parametrize('layer', LAYERS)
 def test_imports_point_down_only(layer):
-    allowed = set(LAYERS[:LAYERS.index(layer) + 1])
-    upward = {str(path.relative_to(PACKAGE)): sorted(_imported_layers(path) - allowed)
-              for path in (PACKAGE / layer).rglob('*.py') if _imported_layers(path) - allowed}
+    allowed = set(LAYERS[: LAYERS.index(layer) + 1])
+    upward = {
+        str(path.relative_to(PACKAGE)): sorted(_imported_layers(path) - allowed)
+        for path in (PACKAGE / layer).rglob('*.py')
+        if _imported_layers(path) - allowed
+    }
     assert upward == {}

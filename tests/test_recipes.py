@@ -25,14 +25,16 @@ def test_recipe_loads_and_every_algorithm_resolves():
     algorithms = build_algorithms(recipe)
     assert [type(a) for a in algorithms] == [algorithm_registry()[n] for n in names]
     assert isinstance(algorithms[-1], ChannelsLast) and algorithms[-1].guard.audit_steps == 1
-    assert algorithms[-1].guard.mode == 'on'   # `mode: on` is a YAML bool; the recipe layer reads it as 'on'
+    assert algorithms[-1].guard.mode == 'on'  # `mode: on` is a YAML bool; the recipe layer reads it as 'on'
     auto = build_algorithms(load_recipe(RECIPE, ['algorithms.channels_last.mode=auto']))[-1]
     assert repr(auto) == "ChannelsLast(mode='auto', audit_steps=1, strict=False)"
 
 
 def test_overrides_set_values_and_turn_channels_last_off():
-    recipe = load_recipe(RECIPE, ['optimizer.lr=0.1', 'algorithms.channels_last=false', 'data.path=null',
-                                  'algorithms.cutout={num_holes: 2}'])
+    recipe = load_recipe(
+        RECIPE,
+        ['optimizer.lr=0.1', 'algorithms.channels_last=false', 'data.path=null', 'algorithms.cutout={num_holes: 2}'],
+    )
     assert recipe.optimizer.lr == 0.1
     assert 'channels_last' not in recipe.enabled_algorithms()
     assert recipe.enabled_algorithms()['cutout'] == {'num_holes': 2}

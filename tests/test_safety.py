@@ -56,40 +56,58 @@ def test_table_rows_are_well_formed():
 
 
 def test_a_row_whose_safe_path_cannot_keep_the_state_is_refused():
-    fields = dict(name='x', op='op', layer=nn.Conv2d, condition=lambda m, r: True, shape_condition='-',
-                  devices=('cpu',), torch_versions=(None, None), cpu_isa=None, failures=('crash',), repro='',
-                  safe_path=NCHWAvgPool2d, references=(), observed='-')
+    fields = dict(
+        name='x',
+        op='op',
+        layer=nn.Conv2d,
+        condition=lambda m, r: True,
+        shape_condition='-',
+        devices=('cpu',),
+        torch_versions=(None, None),
+        cpu_isa=None,
+        failures=('crash',),
+        repro='',
+        safe_path=NCHWAvgPool2d,
+        references=(),
+        observed='-',
+    )
     with pytest.raises(TypeError, match='must subclass Conv2d'):
         KernelBug(**fields)
     with pytest.raises(ValueError, match='failures'):
         KernelBug(**{**fields, 'safe_path': SubsampledConv2d, 'failures': ('segfault',)})
 
 
-@pytest.mark.parametrize('conv, runtime, expected', [
-    (nn.Conv2d(3, 48, 1, stride=2, bias=False), XEON, True),                      # the RepVGG stem
-    (nn.Conv2d(3, 48, 1, stride=2), Runtime((2, 14, 1), 'cpu', 'AVX512'), True),  # not fixed in 2.14
-    (nn.Conv2d(15, 48, 1, stride=(2, 1)), XEON, True),
-    (nn.Conv2d(16, 48, 1, stride=2), XEON, False),                                # a full channel block
-    (nn.Conv2d(7, 48, 1, stride=2), Runtime((2, 7, 0), 'cpu', 'AVX2'), True),     # AVX2 blocks 8 channels
-    (nn.Conv2d(8, 48, 1, stride=2), Runtime((2, 7, 0), 'cpu', 'AVX2'), False),
-    (nn.Conv2d(3, 48, 1, stride=2), Runtime((2, 7, 0), 'cpu', None), False),      # other CPUs, other kernels
-    (nn.Conv2d(3, 48, 1, stride=2), Runtime((2, 7, 0), 'cuda'), False),
-    (nn.Conv2d(3, 48, 1, stride=1), XEON, False),
-    (nn.Conv2d(3, 48, 3, stride=2), XEON, False),
-    (nn.Conv2d(3, 48, 1, stride=2, padding=1), XEON, False),
-    (nn.Conv2d(3, 48, 1, stride=2, groups=3), XEON, False),
-])
+@pytest.mark.parametrize(
+    'conv, runtime, expected',
+    [
+        (nn.Conv2d(3, 48, 1, stride=2, bias=False), XEON, True),  # the RepVGG stem
+        (nn.Conv2d(3, 48, 1, stride=2), Runtime((2, 14, 1), 'cpu', 'AVX512'), True),  # not fixed in 2.14
+        (nn.Conv2d(15, 48, 1, stride=(2, 1)), XEON, True),
+        (nn.Conv2d(16, 48, 1, stride=2), XEON, False),  # a full channel block
+        (nn.Conv2d(7, 48, 1, stride=2), Runtime((2, 7, 0), 'cpu', 'AVX2'), True),  # AVX2 blocks 8 channels
+        (nn.Conv2d(8, 48, 1, stride=2), Runtime((2, 7, 0), 'cpu', 'AVX2'), False),
+        (nn.Conv2d(3, 48, 1, stride=2), Runtime((2, 7, 0), 'cpu', None), False),  # other CPUs, other kernels
+        (nn.Conv2d(3, 48, 1, stride=2), Runtime((2, 7, 0), 'cuda'), False),
+        (nn.Conv2d(3, 48, 1, stride=1), XEON, False),
+        (nn.Conv2d(3, 48, 3, stride=2), XEON, False),
+        (nn.Conv2d(3, 48, 1, stride=2, padding=1), XEON, False),
+        (nn.Conv2d(3, 48, 1, stride=2, groups=3), XEON, False),
+    ],
+)
 def test_onednn_condition(conv, runtime, expected):
     assert ONEDNN.matches(conv, runtime) is expected
 
 
-@pytest.mark.parametrize('pool, runtime, expected', [
-    (nn.AvgPool2d(3, 2, padding=1), Runtime((2, 13, 0), 'cuda'), True),
-    (nn.AvgPool2d(3, 2, padding=(0, 1)), Runtime((2, 7, 0), 'cuda'), True),
-    (nn.AvgPool2d(3, 2, padding=1), Runtime((2, 14, 0), 'cuda'), False),          # fixed in 2.14
-    (nn.AvgPool2d(3, 2, padding=1), XEON, False),
-    (nn.AvgPool2d(2, 2), Runtime((2, 13, 0), 'cuda'), False),
-])
+@pytest.mark.parametrize(
+    'pool, runtime, expected',
+    [
+        (nn.AvgPool2d(3, 2, padding=1), Runtime((2, 13, 0), 'cuda'), True),
+        (nn.AvgPool2d(3, 2, padding=(0, 1)), Runtime((2, 7, 0), 'cuda'), True),
+        (nn.AvgPool2d(3, 2, padding=1), Runtime((2, 14, 0), 'cuda'), False),  # fixed in 2.14
+        (nn.AvgPool2d(3, 2, padding=1), XEON, False),
+        (nn.AvgPool2d(2, 2), Runtime((2, 13, 0), 'cuda'), False),
+    ],
+)
 def test_avg_pool_condition(pool, runtime, expected):
     assert AVG_POOL.matches(pool, runtime) is expected
 
@@ -102,8 +120,7 @@ def test_subclasses_reach_the_kernel_but_are_not_replaced():
     assert ONEDNN.reaches(conv, XEON) and not ONEDNN.matches(conv, XEON)
     model = nn.Sequential(conv)
     assert matching_bugs(model, [XEON]) == []
-    assert [(path, bug.name) for path, _, bug in matching_bugs(model, [XEON], subclasses=True)] == [
-        ('0', ONEDNN.name)]
+    assert [(path, bug.name) for path, _, bug in matching_bugs(model, [XEON], subclasses=True)] == [('0', ONEDNN.name)]
 
 
 def test_runtime_reads_version_and_onednn_isa_cap(monkeypatch):
@@ -120,8 +137,12 @@ def test_runtime_reads_version_and_onednn_isa_cap(monkeypatch):
 
 
 def repvgg_stem() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 48, 3, 2, 1, bias=False), nn.Conv2d(3, 48, 1, 2, bias=False),
-                         nn.BatchNorm2d(48), nn.AvgPool2d(3, 2, padding=1))
+    return nn.Sequential(
+        nn.Conv2d(3, 48, 3, 2, 1, bias=False),
+        nn.Conv2d(3, 48, 1, 2, bias=False),
+        nn.BatchNorm2d(48),
+        nn.AvgPool2d(3, 2, padding=1),
+    )
 
 
 def test_make_safe_keeps_parameters_state_dict_and_reports(caplog):
@@ -130,7 +151,9 @@ def test_make_safe_keeps_parameters_state_dict_and_reports(caplog):
     keys = list(model.state_dict())
     records = make_safe(model, runtimes=[XEON, Runtime((2, 13, 0), 'cuda')])
     assert [(r.path, r.bug, r.safe_path) for r in records] == [
-        ('1', ONEDNN.name, 'SubsampledConv2d'), ('3', AVG_POOL.name, 'NCHWAvgPool2d')]
+        ('1', ONEDNN.name, 'SubsampledConv2d'),
+        ('3', AVG_POOL.name, 'NCHWAvgPool2d'),
+    ]
     assert records[0].original == 'torch.nn.modules.conv.Conv2d'
     assert [id(p) for p in model.parameters()] == params and list(model.state_dict()) == keys
     assert type(model[0]) is nn.Conv2d  # a 3x3 kernel is not affected
@@ -169,11 +192,14 @@ def test_subsampled_conv_equals_conv_in_float64(stride, bias, double_precision):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize('settings', [
-    dict(kernel_size=3, stride=2, padding=1),
-    dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
-    dict(kernel_size=(3, 2), stride=1, padding=(1, 0), divisor_override=5),
-])
+@pytest.mark.parametrize(
+    'settings',
+    [
+        dict(kernel_size=3, stride=2, padding=1),
+        dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, count_include_pad=False),
+        dict(kernel_size=(3, 2), stride=1, padding=(1, 0), divisor_override=5),
+    ],
+)
 def test_nchw_avg_pool_equals_avg_pool_in_float64(settings, double_precision):
     pool, safe = nn.AvgPool2d(**settings), nn.AvgPool2d(**settings)
     safe.__class__ = NCHWAvgPool2d

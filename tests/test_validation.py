@@ -14,17 +14,26 @@ from channels_last_algo.app.cli import main
 from channels_last_algo.app.recipes import RecipeError, load_recipe
 
 BAD_VALUES = [
-    ('algorithms.channels_last.mode=sideways',
-     "algorithms.channels_last.mode: expected one of 'on', 'off', 'auto', got str 'sideways'"),
-    ('algorithms.channels_last.audit_steps="1"',
-     "algorithms.channels_last.audit_steps: expected an int >= 0 (0 turns the audit off), got str '1'"),
+    (
+        'algorithms.channels_last.mode=sideways',
+        "algorithms.channels_last.mode: expected one of 'on', 'off', 'auto', got str 'sideways'",
+    ),
+    (
+        'algorithms.channels_last.audit_steps="1"',
+        "algorithms.channels_last.audit_steps: expected an int >= 0 (0 turns the audit off), got str '1'",
+    ),
     ('algorithms.channels_last.audit_steps=-2', 'algorithms.channels_last.audit_steps: expected an int >= 0'),
     ("algorithms.channels_last.strict='no'", "algorithms.channels_last.strict: expected True or False, got str 'no'"),
     ('algorithms.channels_last.repair=1', 'algorithms.channels_last.repair: expected True or False, got int 1'),
-    ('algorithms.channels_last.strcit=true', "algorithms.channels_last.strcit: unknown option of ChannelsLast; did "
-                                             "you mean 'strict'?"),
-    ('train.max_duration=lots', "train.max_duration: 'lots' is not a time string; expected a positive time in "
-                                "epochs, batches, samples, such as '36ep' or '100ba' or '50000sp'"),
+    (
+        'algorithms.channels_last.strcit=true',
+        "algorithms.channels_last.strcit: unknown option of ChannelsLast; did you mean 'strict'?",
+    ),
+    (
+        'train.max_duration=lots',
+        "train.max_duration: 'lots' is not a time string; expected a positive time in "
+        "epochs, batches, samples, such as '36ep' or '100ba' or '50000sp'",
+    ),
     ('train.max_duration=0ba', "train.max_duration: '0ba' is out of range; expected a positive time"),
     ('train.max_duration=1.5ba', "train.max_duration: '1.5ba' needs a whole number of ba"),
     ('train.max_duration=0.5dur', "train.max_duration: '0.5dur' is in a unit this key does not take"),
@@ -45,8 +54,10 @@ BAD_VALUES = [
     ('scheduler.alpha_f=2', 'scheduler.alpha_f: 2.0 is out of range; expected a finite number >= 0 and <= 1'),
     ('model.num_classes=0', 'model.num_classes: 0 is out of range; expected an integer >= 1'),
     ('model.name=resnet5O', "model.name: 'resnet5O' is no torchvision model name"),
-    ('train.save_folder=runs/{nme}', "train.save_folder: 'runs/{nme}' has the unknown placeholder {nme}; the only "
-                                     'placeholder is {name}'),
+    (
+        'train.save_folder=runs/{nme}',
+        "train.save_folder: 'runs/{nme}' has the unknown placeholder {nme}; the only placeholder is {name}",
+    ),
     ('train.save_folder=runs/{name', "train.save_folder: 'runs/{name' is not a valid format string"),
     ('name=a/b', "name: 'a/b' cannot name a run folder"),
     ('data.workers=-1', 'data.workers: -1 is out of range; expected an integer >= 0 and <= 256'),
@@ -58,8 +69,10 @@ BAD_VALUES = [
     ('data.eval_resize=200', 'data.eval_resize: 200 is smaller than data.eval_crop 224'),
     ('data.eval_resize=-1', 'data.eval_resize: -1 is out of range'),
     ('data.synthetic_train_samples=0', 'data.synthetic_train_samples: 0 is out of range'),
-    ('data.synthetic_train_samples=100', 'train.global_batch_size: 2048 is more than the 100 samples of '
-                                         'data.synthetic_train_samples'),
+    (
+        'data.synthetic_train_samples=100',
+        'train.global_batch_size: 2048 is more than the 100 samples of data.synthetic_train_samples',
+    ),
     ('data.on_corrupt=ignore', "data.on_corrupt: 'ignore' is not one of raise, skip"),
     ('train.seed=-1', 'train.seed: -1 is out of range; expected an integer >= 0 and <= 4.29497e+09'),
     ('train.seed=99999999999', 'train.seed: 99999999999 is out of range'),
@@ -101,14 +114,17 @@ def test_overrides_that_do_not_fit_the_recipe_are_named():
         load_recipe(RECIPE, ['train.seed.x=1'])
 
 
-@pytest.mark.parametrize('options,message', [
-    ({'strict': 'no'}, "strict must be True or False, got 'no'"),
-    ({'repair': 'yes'}, "repair must be True or False, got 'yes'"),
-    ({'mode': True}, "mode must be one of 'on', 'off', 'auto', got True"),
-    ({'mode': 'sideways'}, "mode must be one of 'on', 'off', 'auto', got 'sideways'"),
-    ({'audit_steps': '1'}, "audit_steps must be an int >= 0 (0 turns the audit off), got '1'"),
-    ({'audit_steps': -1}, 'audit_steps must be an int >= 0'),
-])
+@pytest.mark.parametrize(
+    'options,message',
+    [
+        ({'strict': 'no'}, "strict must be True or False, got 'no'"),
+        ({'repair': 'yes'}, "repair must be True or False, got 'yes'"),
+        ({'mode': True}, "mode must be one of 'on', 'off', 'auto', got True"),
+        ({'mode': 'sideways'}, "mode must be one of 'on', 'off', 'auto', got 'sideways'"),
+        ({'audit_steps': '1'}, "audit_steps must be an int >= 0 (0 turns the audit off), got '1'"),
+        ({'audit_steps': -1}, 'audit_steps must be an int >= 0'),
+    ],
+)
 def test_the_python_api_refuses_what_the_recipe_refuses(options, message):
     with pytest.raises(ValueError, match=message.replace('(', r'\(').replace(')', r'\)')):
         LayoutGuard(**options)
@@ -124,14 +140,19 @@ def test_composer_algorithm_validates_its_options_in_the_same_place():
         ChannelsLast(fuse_eval='yes')
 
 
-@pytest.mark.parametrize('override,message', [
-    ('algorithms.ema.half_life=soon', "algorithms.ema.half_life: 'soon' is not a time string; expected a time string "
-                                      "such as '1000ba'"),
-    ("algorithms.blurpool.replace_convs='yes'", "algorithms.blurpool.replace_convs: expected bool, got str 'yes'"),
-    ('algorithms.ema.update_interval=sometimes', 'algorithms.ema.update_interval: EMA refuses it: '),
-    ('algorithms.blurpol=true', "algorithms.blurpol: unknown algorithm; did you mean 'blurpool'?"),
-    ('algorithms.ema.halflife=10ba', "algorithms.ema.halflife: unknown option of EMA; did you mean 'half_life'?"),
-])
+@pytest.mark.parametrize(
+    'override,message',
+    [
+        (
+            'algorithms.ema.half_life=soon',
+            "algorithms.ema.half_life: 'soon' is not a time string; expected a time string such as '1000ba'",
+        ),
+        ("algorithms.blurpool.replace_convs='yes'", "algorithms.blurpool.replace_convs: expected bool, got str 'yes'"),
+        ('algorithms.ema.update_interval=sometimes', 'algorithms.ema.update_interval: EMA refuses it: '),
+        ('algorithms.blurpol=true', "algorithms.blurpol: unknown algorithm; did you mean 'blurpool'?"),
+        ('algorithms.ema.halflife=10ba', "algorithms.ema.halflife: unknown option of EMA; did you mean 'half_life'?"),
+    ],
+)
 def test_composer_algorithm_options_are_checked_by_key(capsys, override, message):
     pytest.importorskip('composer')
     assert main(['train', RECIPE, *sets([override])]) == 2
@@ -145,8 +166,9 @@ def test_audit_says_when_nothing_was_channels_last():
     assert not report.ok and len(report.notes) == 2
     text = str(report)
     assert 'not a channels-last run: the input of shape (2, 3, 8, 8) is NCHW' in text
-    assert ('none of the 1 4D/5D weights of Sequential is channels last; convert the model with '
-            'apply_channels_last') in text
+    assert (
+        'none of the 1 4D/5D weights of Sequential is channels last; convert the model with apply_channels_last'
+    ) in text
     apply_channels_last(model)
     nhwc = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
     assert audit_model(model, nhwc).ok and audit_model(model, nhwc).notes == []

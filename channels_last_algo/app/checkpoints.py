@@ -44,14 +44,23 @@ def check_same_model(path: Union[str, os.PathLike], model: torch.nn.Module, save
     saved = read_state(Path(path))['model'] if saved is None else saved
     current = model.state_dict()
     difference = next((f'{key!r} is missing from it' for key in current if key not in saved), None)
-    difference = difference or next((f'it has {key!r}, which this model lacks' for key in saved if key not in current),
-                                    None)
-    difference = difference or next((f'{key!r} is {list(saved[key].shape)} there and {list(value.shape)} here'
-                                     for key, value in current.items() if saved[key].shape != value.shape), None)
+    difference = difference or next(
+        (f'it has {key!r}, which this model lacks' for key in saved if key not in current), None
+    )
+    difference = difference or next(
+        (
+            f'{key!r} is {list(saved[key].shape)} there and {list(value.shape)} here'
+            for key, value in current.items()
+            if saved[key].shape != value.shape
+        ),
+        None,
+    )
     if difference:
-        raise RunFolderError(f'{path} holds another model ({difference}); resume it with the recipe (model and '
-                             'algorithms) that wrote it, or train this recipe in a new folder '
-                             '(--set train.save_folder=PATH)')
+        raise RunFolderError(
+            f'{path} holds another model ({difference}); resume it with the recipe (model and '
+            'algorithms) that wrote it, or train this recipe in a new folder '
+            '(--set train.save_folder=PATH)'
+        )
 
 
 class RunCheckpoints(Callback):
@@ -66,8 +75,9 @@ class RunCheckpoints(Callback):
         write: whether this rank writes (rank 0 does; every rank takes part in gathering the state).
     """
 
-    def __init__(self, run: RunFolder, save_interval: str, keep: int = -1, resume_from: Optional[Path] = None,
-                 write: bool = True) -> None:
+    def __init__(
+        self, run: RunFolder, save_interval: str, keep: int = -1, resume_from: Optional[Path] = None, write: bool = True
+    ) -> None:
         self.run = run
         self.due = create_interval_scheduler(save_interval, checkpoint_events=False, final_events=_SAVE_EVENTS)
         self.keep = keep
@@ -138,8 +148,9 @@ def model_from_checkpoint(recipe: Recipe, path: Union[str, os.PathLike], ema: bo
     path = Path(path)
     check_readable(path)
     saved = read_state(path)
-    model = ComposerClassifier(build_model(recipe.model.name, num_classes=recipe.model.num_classes),
-                               num_classes=recipe.model.num_classes)
+    model = ComposerClassifier(
+        build_model(recipe.model.name, num_classes=recipe.model.num_classes), num_classes=recipe.model.num_classes
+    )
     state = State(model=model, rank_zero_seed=recipe.train.seed, run_name=recipe.name, device=DeviceCPU())
     logger = Logger(state)
     for algorithm in build_algorithms(recipe):

@@ -59,7 +59,8 @@ def _input_shape(text: str) -> tuple[int, ...]:
     if len(shape) not in (4, 5) or min(shape) < 1:
         raise argparse.ArgumentTypeError(
             f'{text!r} is not an input shape; give 4 (N,C,H,W) or 5 (N,C,D,H,W) comma-separated '
-            'positive integers, e.g. 2,3,224,224')
+            'positive integers, e.g. 2,3,224,224'
+        )
     return shape
 
 
@@ -80,15 +81,30 @@ def _add_audit(subparsers: argparse._SubParsersAction) -> None:
         description='Convert MODEL with apply_channels_last, run it on a random NHWC input (forward, '
         'then backward of the sum of its outputs) and print every layout break and exit conversion.',
     )
-    parser.add_argument('model', metavar='MODEL', type=_model_factory,
-                        help='a torchvision model name (e.g. resnet50) or module.path:callable')
-    parser.add_argument('--input', type=_input_shape, default=(2, 3, 224, 224), metavar='N,C,H,W',
-                        help='input shape, N,C,H,W or N,C,D,H,W (default: 2,3,224,224)')
-    parser.add_argument('--eval', action='store_true',
-                        help='audit an eval-mode forward pass only (default: train-mode forward and backward)')
+    parser.add_argument(
+        'model',
+        metavar='MODEL',
+        type=_model_factory,
+        help='a torchvision model name (e.g. resnet50) or module.path:callable',
+    )
+    parser.add_argument(
+        '--input',
+        type=_input_shape,
+        default=(2, 3, 224, 224),
+        metavar='N,C,H,W',
+        help='input shape, N,C,H,W or N,C,D,H,W (default: 2,3,224,224)',
+    )
+    parser.add_argument(
+        '--eval',
+        action='store_true',
+        help='audit an eval-mode forward pass only (default: train-mode forward and backward)',
+    )
     parser.add_argument('--strict', action='store_true', help='exit with code 1 if there is any layout break')
-    parser.add_argument('--no-repair', action='store_true',
-                        help="restride only (plain channels last); by default the layers that drop NHWC are repaired")
+    parser.add_argument(
+        '--no-repair',
+        action='store_true',
+        help='restride only (plain channels last); by default the layers that drop NHWC are repaired',
+    )
     parser.add_argument('--json', action='store_true', help='print the report as JSON (AuditReport.to_dict())')
     parser.set_defaults(run=_run_audit)
 
@@ -104,8 +120,9 @@ def _run_audit(args: argparse.Namespace) -> int:
 
     model = args.model()
     if not isinstance(model, torch.nn.Module):
-        print(f'channels-last audit: error: MODEL built a {type(model).__name__}, not a torch.nn.Module',
-              file=sys.stderr)
+        print(
+            f'channels-last audit: error: MODEL built a {type(model).__name__}, not a torch.nn.Module', file=sys.stderr
+        )
         return 2
     model.train(not args.eval)
     apply_channels_last(model, repair=not args.no_repair)
@@ -126,19 +143,31 @@ def _run_audit(args: argparse.Namespace) -> int:
 
 def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        'doctor', help='check that channels last trains MODEL here without a crash and with NCHW numbers',
+        'doctor',
+        help='check that channels last trains MODEL here without a crash and with NCHW numbers',
         description='On this torch and hardware: list the layers of MODEL that match a known layout kernel bug '
         'and the safe path they get, run a channels-last training step without and with the safe paths (each in '
         'a child process, so a crash is a result), compare one step with NCHW in float32 and float64, and list '
-        'the layout breaks left with their cost. Exit code 0 when channels last is safe and right, 1 otherwise.')
-    parser.add_argument('model', metavar='MODEL', type=_model_factory,
-                        help='a torchvision model name (e.g. resnet50) or module.path:callable')
-    parser.add_argument('--input', type=_input_shape, default=(2, 3, 224, 224), metavar='N,C,H,W',
-                        help='input shape, N,C,H,W or N,C,D,H,W (default: 2,3,224,224)')
-    parser.add_argument('--device', help="where to train (default: cuda when available, else cpu)")
+        'the layout breaks left with their cost. Exit code 0 when channels last is safe and right, 1 otherwise.',
+    )
+    parser.add_argument(
+        'model',
+        metavar='MODEL',
+        type=_model_factory,
+        help='a torchvision model name (e.g. resnet50) or module.path:callable',
+    )
+    parser.add_argument(
+        '--input',
+        type=_input_shape,
+        default=(2, 3, 224, 224),
+        metavar='N,C,H,W',
+        help='input shape, N,C,H,W or N,C,D,H,W (default: 2,3,224,224)',
+    )
+    parser.add_argument('--device', help='where to train (default: cuda when available, else cpu)')
     parser.add_argument('--strict', action='store_true', help='also exit with code 1 if a layout break is left')
-    parser.add_argument('--timeout', type=float, default=600.0, metavar='S',
-                        help='seconds each child process may run (default 600)')
+    parser.add_argument(
+        '--timeout', type=float, default=600.0, metavar='S', help='seconds each child process may run (default 600)'
+    )
     parser.add_argument('--json', action='store_true', help='print the report as JSON (DoctorReport.to_dict())')
     parser.set_defaults(run=_run_doctor)
 
@@ -159,26 +188,51 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
 def _add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument('recipe', metavar='RECIPE', help='a YAML recipe, e.g. recipes/resnet50_imagenet.yaml')
-    parser.add_argument('--data', metavar='PATH', help='an ImageNet folder with train/ and val/ (default: the '
-                        "recipe's data.path, else the embedded synthetic ImageNet)")
-    parser.add_argument('--set', dest='overrides', action='append', default=[], metavar='KEY=VALUE',
-                        help='override a recipe key, e.g. --set optimizer.lr=0.1 (repeatable; VALUE is YAML)')
+    parser.add_argument(
+        '--data',
+        metavar='PATH',
+        help='an ImageNet folder with train/ and val/ (default: the '
+        "recipe's data.path, else the embedded synthetic ImageNet)",
+    )
+    parser.add_argument(
+        '--set',
+        dest='overrides',
+        action='append',
+        default=[],
+        metavar='KEY=VALUE',
+        help='override a recipe key, e.g. --set optimizer.lr=0.1 (repeatable; VALUE is YAML)',
+    )
 
 
 def _add_train(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser('train', help="train a recipe with Composer's Trainer",
-                                   description='Train RECIPE with Composer, saving checkpoints atomically to its '
-                                   'train.save_folder, which the run locks. A folder that holds the checkpoints of an '
-                                   'earlier run is refused unless --resume continues them or --overwrite replaces '
-                                   'them.')
+    parser = subparsers.add_parser(
+        'train',
+        help="train a recipe with Composer's Trainer",
+        description='Train RECIPE with Composer, saving checkpoints atomically to its '
+        'train.save_folder, which the run locks. A folder that holds the checkpoints of an '
+        'earlier run is refused unless --resume continues them or --overwrite replaces '
+        'them.',
+    )
     _add_recipe_arguments(parser)
-    parser.add_argument('--resume', nargs='?', const=True, default=False, metavar='CHECKPOINT',
-                        help='continue from the newest readable checkpoint in the save folder, or from CHECKPOINT')
-    parser.add_argument('--overwrite', action='store_true',
-                        help='delete the checkpoints of an earlier run in the save folder instead of refusing it')
-    parser.add_argument('--check-data', action='store_true',
-                        help='decode every image of train/ and val/ once before training (JPEGs at 1/8 scale) and '
-                        'stop on a corrupt one unless data.on_corrupt is skip')
+    parser.add_argument(
+        '--resume',
+        nargs='?',
+        const=True,
+        default=False,
+        metavar='CHECKPOINT',
+        help='continue from the newest readable checkpoint in the save folder, or from CHECKPOINT',
+    )
+    parser.add_argument(
+        '--overwrite',
+        action='store_true',
+        help='delete the checkpoints of an earlier run in the save folder instead of refusing it',
+    )
+    parser.add_argument(
+        '--check-data',
+        action='store_true',
+        help='decode every image of train/ and val/ once before training (JPEGs at 1/8 scale) and '
+        'stop on a corrupt one unless data.on_corrupt is skip',
+    )
     parser.set_defaults(run=_run_train)
 
 
@@ -194,10 +248,12 @@ def _run_train(args: argparse.Namespace) -> int:
 
 def _add_compare(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        'compare', help="time a recipe's training steps with channels last off, on, and Composer's",
+        'compare',
+        help="time a recipe's training steps with channels last off, on, and Composer's",
         description="Train RECIPE's model on its data with channels last off (NCHW), with Composer's "
         'ChannelsLast and with this project, interleaved step by step after warm-up; print images/s, '
-        'speedups and the layout audit of each.')
+        'speedups and the layout audit of each.',
+    )
     _add_recipe_arguments(parser)
     parser.add_argument('--batches', type=int, default=10, help='timed training steps per variant (default 10)')
     parser.add_argument('--warmup', type=int, default=2, help='untimed steps per variant first (default 2)')
@@ -222,28 +278,57 @@ def _run_compare(args: argparse.Namespace) -> int:
 
 def _add_export(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        'export', help='fuse a model for NHWC inference and save it with torch.export (.pt2)',
+        'export',
+        help='fuse a model for NHWC inference and save it with torch.export (.pt2)',
         description='Build MODEL (with --weights loaded into it), or the network a recipe trained (--recipe, with the '
-        'layers its algorithms swap in, such as BlurPool\'s, and the EMA weights of a --checkpoint it wrote), fold its '
+        "layers its algorithms swap in, such as BlurPool's, and the EMA weights of a --checkpoint it wrote), fold its "
         'BatchNorms and fuse its convolutions with their activations and residual adds (fuse_for_inference), check '
         'the result against the model on a random input of the --input shape, and save it with torch.export to OUT. '
-        'It loads without this package: torch.export.load(OUT).module()(images).')
-    parser.add_argument('model', metavar='MODEL', type=_model_factory, nargs='?',
-                        help='a torchvision model name (e.g. resnet50) or module.path:callable; or give --recipe')
+        'It loads without this package: torch.export.load(OUT).module()(images).',
+    )
+    parser.add_argument(
+        'model',
+        metavar='MODEL',
+        type=_model_factory,
+        nargs='?',
+        help='a torchvision model name (e.g. resnet50) or module.path:callable; or give --recipe',
+    )
     parser.add_argument('out', metavar='OUT', help='the .pt2 file to write')
     parser.add_argument('--recipe', metavar='RECIPE', help='export the network of this YAML recipe (instead of MODEL)')
-    parser.add_argument('--checkpoint', metavar='FILE', help="with --recipe: a checkpoint its run wrote (e.g. "
-                        "runs/NAME/latest-rank0.pt); its EMA weights when the recipe uses EMA")
-    parser.add_argument('--training-weights', action='store_true', help='with --checkpoint: the trained weights, '
-                        "not EMA's moving averages")
-    parser.add_argument('--set', dest='overrides', action='append', default=[], metavar='KEY=VALUE',
-                        help='with --recipe: the overrides the run was trained with (repeatable)')
-    parser.add_argument('--input', type=_input_shape, default=(2, 3, 224, 224), metavar='N,C,H,W',
-                        help='the example input shape (default: 2,3,224,224); the batch size stays dynamic')
+    parser.add_argument(
+        '--checkpoint',
+        metavar='FILE',
+        help='with --recipe: a checkpoint its run wrote (e.g. '
+        'runs/NAME/latest-rank0.pt); its EMA weights when the recipe uses EMA',
+    )
+    parser.add_argument(
+        '--training-weights',
+        action='store_true',
+        help="with --checkpoint: the trained weights, not EMA's moving averages",
+    )
+    parser.add_argument(
+        '--set',
+        dest='overrides',
+        action='append',
+        default=[],
+        metavar='KEY=VALUE',
+        help='with --recipe: the overrides the run was trained with (repeatable)',
+    )
+    parser.add_argument(
+        '--input',
+        type=_input_shape,
+        default=(2, 3, 224, 224),
+        metavar='N,C,H,W',
+        help='the example input shape (default: 2,3,224,224); the batch size stays dynamic',
+    )
     parser.add_argument('--static-batch', action='store_true', help='fix the batch size to N instead')
     parser.add_argument('--num-classes', type=int, metavar='K', help="the model's number of classes")
-    parser.add_argument('--weights', metavar='FILE', help="a state_dict saved with torch.save (a ComposerModel's, "
-                        "with its 'module.' prefix, too); default: the random initial weights")
+    parser.add_argument(
+        '--weights',
+        metavar='FILE',
+        help="a state_dict saved with torch.save (a ComposerModel's, "
+        "with its 'module.' prefix, too); default: the random initial weights",
+    )
     parser.set_defaults(run=_run_export)
 
 
@@ -258,12 +343,15 @@ def _read_weights(path: str) -> dict:
         raise ValueError(
             f'cannot read weights from {path!r}: {str(error).splitlines()[0]}; give a file written with '
             'torch.save(model.state_dict(), FILE) (from a Composer checkpoint you trust: save '
-            "torch.load(CHECKPOINT, weights_only=False)['state']['model'])") from error
+            "torch.load(CHECKPOINT, weights_only=False)['state']['model'])"
+        ) from error
     if not isinstance(state, dict) or not all(isinstance(key, str) for key in state):
-        raise ValueError(f'{path!r} holds a {type(state).__name__}, not a state_dict; give a file written with '
-                         'torch.save(model.state_dict(), FILE)')
+        raise ValueError(
+            f'{path!r} holds a {type(state).__name__}, not a state_dict; give a file written with '
+            'torch.save(model.state_dict(), FILE)'
+        )
     if state and all(key.startswith('module.') for key in state):
-        state = {key[len('module.'):]: value for key, value in state.items()}
+        state = {key[len('module.') :]: value for key, value in state.items()}
     return state
 
 
@@ -272,14 +360,17 @@ def _export_model(args: argparse.Namespace):
     import torch
 
     if (args.model is None) == (args.recipe is None) or (args.recipe is None) != (args.checkpoint is None):
-        raise ValueError('give MODEL (with --weights FILE to load a state_dict), or --recipe RECIPE with --checkpoint '
-                         'FILE (a checkpoint its run wrote), not both')
+        raise ValueError(
+            'give MODEL (with --weights FILE to load a state_dict), or --recipe RECIPE with --checkpoint '
+            'FILE (a checkpoint its run wrote), not both'
+        )
     if args.recipe is not None:
         from channels_last_algo.app.checkpoints import model_from_checkpoint
         from channels_last_algo.app.recipes import load_recipe
 
-        return model_from_checkpoint(load_recipe(args.recipe, args.overrides), args.checkpoint,
-                                     ema=not args.training_weights)
+        return model_from_checkpoint(
+            load_recipe(args.recipe, args.overrides), args.checkpoint, ema=not args.training_weights
+        )
     model = args.model() if args.num_classes is None else args.model(num_classes=args.num_classes)
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f'MODEL built a {type(model).__name__}, not a torch.nn.Module')
@@ -308,8 +399,9 @@ def _run_export(args: argparse.Namespace) -> int:
         return 2
     torch.manual_seed(0)
     try:
-        _, summary = export_for_inference(model.eval(), args.out, torch.randn(args.input),
-                                          dynamic_batch=not args.static_batch)
+        _, summary = export_for_inference(
+            model.eval(), args.out, torch.randn(args.input), dynamic_batch=not args.static_batch
+        )
     except ValueError as error:
         print(f'channels-last export: error: {error}', file=sys.stderr)
         return 2

@@ -45,16 +45,22 @@ __all__ = ['compare_recipe', 'format_comparison']
 _AUTOCAST = {'amp_fp16': torch.float16, 'amp_bf16': torch.bfloat16}
 
 
-def _batches(recipe: Recipe, count: int, device: torch.device,
-             data_path: Optional[str]) -> list[dict[bool, tuple[torch.Tensor, torch.Tensor]]]:
+def _batches(
+    recipe: Recipe, count: int, device: torch.device, data_path: Optional[str]
+) -> list[dict[bool, tuple[torch.Tensor, torch.Tensor]]]:
     """``count`` training batches of the recipe's data path, normalised on the device, each
     both NHWC (as this project's loader gives it) and NCHW (as a ``ToTensor`` loader would),
     keyed by ``nhwc``; made before timing so that no variant pays for the other's layout."""
     from channels_last_algo.app.data import NormalizeBatch, build_loader
 
     train_data, _ = build_datasets(recipe, data_path)
-    loader = build_loader(train_data, batch_size=recipe.train.global_batch_size, train=True,
-                          workers=recipe.data.workers, seed=recipe.train.seed)
+    loader = build_loader(
+        train_data,
+        batch_size=recipe.train.global_batch_size,
+        train=True,
+        workers=recipe.data.workers,
+        seed=recipe.train.seed,
+    )
     normalize = NormalizeBatch()
     batches = []
     for images, labels in itertools.islice(itertools.cycle(loader), count):
@@ -93,8 +99,9 @@ def _variants(base: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, bool, C
     }
 
 
-def compare_recipe(recipe: Recipe, batches: int = 10, warmup: int = 2,
-                   data_path: Optional[str] = None) -> dict[str, Any]:
+def compare_recipe(
+    recipe: Recipe, batches: int = 10, warmup: int = 2, data_path: Optional[str] = None
+) -> dict[str, Any]:
     """Time ``batches`` interleaved training steps of each variant after ``warmup`` untimed ones.
 
     Returns a JSON-ready dict: the machine, settings, and one row per variant with min and
@@ -125,8 +132,12 @@ def compare_recipe(recipe: Recipe, batches: int = 10, warmup: int = 2,
         optimizers[name].zero_grad(set_to_none=True)
 
     feeds = {name: iter(data) for name in variants}  # every variant trains on batch i in round i
-    timings = time_interleaved({name: lambda name=name: step(name, next(feeds[name])) for name in variants},
-                               rounds=batches, warmup=warmup, synchronize=synchronizer(device))
+    timings = time_interleaved(
+        {name: lambda name=name: step(name, next(feeds[name])) for name in variants},
+        rounds=batches,
+        warmup=warmup,
+        synchronize=synchronizer(device),
+    )
     times = timings.seconds
 
     audits = {}
@@ -137,16 +148,19 @@ def compare_recipe(recipe: Recipe, batches: int = 10, warmup: int = 2,
 
     batch_size = recipe.train.global_batch_size
     medians = {name: statistics.median(samples) for name, samples in times.items()}
-    rows = [{
-        'variant': name,
-        'min_s': min(samples),
-        'median_s': medians[name],
-        'images_per_s': batch_size / medians[name],
-        'speedup_vs_nchw': timings.ratio('NCHW', name).median,
-        'speedup_vs_composer': timings.ratio('composer ChannelsLast', name).median,
-        'layout_breaks': len(audits[name].breaks),
-        'break_bytes': audits[name].break_bytes,
-    } for name, samples in times.items()]
+    rows = [
+        {
+            'variant': name,
+            'min_s': min(samples),
+            'median_s': medians[name],
+            'images_per_s': batch_size / medians[name],
+            'speedup_vs_nchw': timings.ratio('NCHW', name).median,
+            'speedup_vs_composer': timings.ratio('composer ChannelsLast', name).median,
+            'layout_breaks': len(audits[name].breaks),
+            'break_bytes': audits[name].break_bytes,
+        }
+        for name, samples in times.items()
+    ]
     return {
         'recipe': recipe.name,
         'model': recipe.model.name,
@@ -163,15 +177,17 @@ def compare_recipe(recipe: Recipe, batches: int = 10, warmup: int = 2,
 def format_comparison(result: dict[str, Any]) -> str:
     """The comparison as a readable table."""
     lines = [
-        f"{result['recipe']}: {result['model']}, batch {result['batch_size']} x {result['image_size']}px, "
-        f"{result['precision']}, {machine_label(result['machine'])}",
-        f"{result['batches']} timed training steps per variant after {result['warmup']} warm-up, interleaved",
+        f'{result["recipe"]}: {result["model"]}, batch {result["batch_size"]} x {result["image_size"]}px, '
+        f'{result["precision"]}, {machine_label(result["machine"])}',
+        f'{result["batches"]} timed training steps per variant after {result["warmup"]} warm-up, interleaved',
         '',
-        f"{'variant':<23} {'min ms':>9} {'median ms':>10} {'images/s':>9} {'vs NCHW':>8} {'vs Composer':>12} "
-        f"{'breaks':>7}",
+        f'{"variant":<23} {"min ms":>9} {"median ms":>10} {"images/s":>9} {"vs NCHW":>8} {"vs Composer":>12} '
+        f'{"breaks":>7}',
     ]
     for row in result['rows']:
-        lines.append(f"{row['variant']:<23} {row['min_s'] * 1e3:9.1f} {row['median_s'] * 1e3:10.1f} "
-                     f"{row['images_per_s']:9.1f} {row['speedup_vs_nchw']:7.2f}x {row['speedup_vs_composer']:11.2f}x "
-                     f"{row['layout_breaks']:7d}")
+        lines.append(
+            f'{row["variant"]:<23} {row["min_s"] * 1e3:9.1f} {row["median_s"] * 1e3:10.1f} '
+            f'{row["images_per_s"]:9.1f} {row["speedup_vs_nchw"]:7.2f}x {row["speedup_vs_composer"]:11.2f}x '
+            f'{row["layout_breaks"]:7d}'
+        )
     return '\n'.join(lines)

@@ -108,16 +108,20 @@ def collate_nhwc(samples: Sequence[tuple[Any, int]]) -> tuple[torch.Tensor, torc
         raise ValueError('collate_nhwc got no samples; a batch needs at least one (image, label) pair')
     first = np.asarray(samples[0][0])
     if first.ndim != 3 or first.dtype != np.uint8:
-        raise TypeError(f'collate_nhwc expects (H, W, C) uint8 images, got {first.dtype} of shape {first.shape} '
-                        'in sample 0; end the transform with ToHWCUint8() instead of ToTensor()')
+        raise TypeError(
+            f'collate_nhwc expects (H, W, C) uint8 images, got {first.dtype} of shape {first.shape} '
+            'in sample 0; end the transform with ToHWCUint8() instead of ToTensor()'
+        )
     height, width, channels = first.shape
     images = _empty_nhwc(len(samples), channels, height, width)
     slots = images.permute(0, 2, 3, 1).numpy()  # (N, H, W, C): the same bytes, in their order
     for index, (image, _) in enumerate(samples):
         image = np.asarray(image)
         if image.shape != first.shape or image.dtype != np.uint8:
-            raise ValueError(f'sample {index} is {image.dtype} of shape {image.shape}, but sample 0 is uint8 of '
-                             f'shape {first.shape}; a batch needs one size: crop every image to it in the transform')
+            raise ValueError(
+                f'sample {index} is {image.dtype} of shape {image.shape}, but sample 0 is uint8 of '
+                f'shape {first.shape}; a batch needs one size: crop every image to it in the transform'
+            )
         slots[index] = image
     labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
     return images, labels
@@ -167,8 +171,10 @@ class NormalizeBatch:
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         """The normalised ``images`` (N, C, H, W), channels-last, on ``images.device``."""
         if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[1] != len(self.mean):
-            raise TypeError(f'NormalizeBatch expects a uint8 (N, {len(self.mean)}, H, W) image batch as made by '
-                            f'collate_nhwc, got {images.dtype} of shape {tuple(images.shape)}')
+            raise TypeError(
+                f'NormalizeBatch expects a uint8 (N, {len(self.mean)}, H, W) image batch as made by '
+                f'collate_nhwc, got {images.dtype} of shape {tuple(images.shape)}'
+            )
         if images.device not in self._on_device:
             self._on_device[images.device] = (self._scale.to(images.device), self._shift.to(images.device))
         scale, shift = self._on_device[images.device]
@@ -180,8 +186,9 @@ class NormalizeBatch:
             return self.normalize(batch)
         if type(batch) in (tuple, list) and len(batch) > 0 and isinstance(batch[0], torch.Tensor):
             return type(batch)([self.normalize(batch[0]), *batch[1:]])
-        raise TypeError(f'NormalizeBatch expects an (images, labels) tuple or list, or an images tensor; '
-                        f'got {type(batch).__name__}')
+        raise TypeError(
+            f'NormalizeBatch expects an (images, labels) tuple or list, or an images tensor; got {type(batch).__name__}'
+        )
 
     def __repr__(self) -> str:
         return f'{type(self).__name__}(mean={self.mean}, std={self.std}, dtype={self.dtype})'
@@ -234,14 +241,17 @@ def build_loader(
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         raise ValueError(f'workers must be a non-negative int, got {workers!r}')
     drop_last = train if drop_last is None else drop_last
-    sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=_world_size(), rank=_global_rank(),
-                                                  shuffle=train, drop_last=drop_last, seed=seed)
+    sampler = torch.utils.data.DistributedSampler(
+        dataset, num_replicas=_world_size(), rank=_global_rank(), shuffle=train, drop_last=drop_last, seed=seed
+    )
     # an evaluation loader draws its workers' base seed from its own generator, so evaluating
     # leaves the global random state (and a checkpoint written before it) as training left it
     generator = None if train else torch.Generator().manual_seed(seed)
     if drop_last and len(sampler) < batch_size:
-        raise ValueError(f'the data set gives {len(sampler)} samples per rank, fewer than batch_size {batch_size}, '
-                         'and drop_last is on: no batch would be made. Lower batch_size or add samples.')
+        raise ValueError(
+            f'the data set gives {len(sampler)} samples per rank, fewer than batch_size {batch_size}, '
+            'and drop_last is on: no batch would be made. Lower batch_size or add samples.'
+        )
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=batch_size,

@@ -77,8 +77,10 @@ def _walk_once(top: str, seen: dict[tuple[int, int], str]) -> Iterator[tuple[str
             link = _link_in(folder, first)
             through = f' through the directory link {link} -> {os.readlink(link)}' if link else ''
             kind = 'a loop' if Path(folder).is_relative_to(first) else 'its images would be counted twice'
-            raise DataPathError(f'{folder} is the folder {first} again{through} ({kind}, under another label); '
-                                'remove the link, or copy the files instead')
+            raise DataPathError(
+                f'{folder} is the folder {first} again{through} ({kind}, under another label); '
+                'remove the link, or copy the files instead'
+            )
         yield folder, files
 
 
@@ -178,8 +180,14 @@ class CheckedImageFolder(ImageFolder):
         data = CheckedImageFolder('/data/imagenet/train', train_transform(224), on_corrupt='skip')
     """
 
-    def __init__(self, root: PathLike, transform: Optional[Any] = None, *, on_corrupt: str = 'raise',
-                 corrupt_hint: str = SKIP_HINT) -> None:
+    def __init__(
+        self,
+        root: PathLike,
+        transform: Optional[Any] = None,
+        *,
+        on_corrupt: str = 'raise',
+        corrupt_hint: str = SKIP_HINT,
+    ) -> None:
         if on_corrupt not in ON_CORRUPT:
             raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
         root = Path(root)
@@ -189,20 +197,28 @@ class CheckedImageFolder(ImageFolder):
         self.corrupt_hint = corrupt_hint
         extensions = ' '.join(IMG_EXTENSIONS)
         if not self.samples:
-            raise DataPathError(f'image folder {root} has class folders but no images in them (extensions: '
-                                f'{extensions}); expected {root}/<class>/<image>')
+            raise DataPathError(
+                f'image folder {root} has class folders but no images in them (extensions: '
+                f'{extensions}); expected {root}/<class>/<image>'
+            )
         counts = np.bincount(self.targets, minlength=len(self.classes))
         empty = [name for name, count in zip(self.classes, counts) if count == 0]
         if empty:
             shown = ', '.join(str(root / name) for name in empty[:5]) + (' ...' if len(empty) > 5 else '')
-            raise DataPathError(f'{len(empty)} class folder(s) under {root} hold no images (extensions: '
-                                f'{extensions}): {shown}. Add images or remove the folders; an empty class '
-                                'would shift the label of every class after it.')
+            raise DataPathError(
+                f'{len(empty)} class folder(s) under {root} hold no images (extensions: '
+                f'{extensions}): {shown}. Add images or remove the folders; an empty class '
+                'would shift the label of every class after it.'
+            )
 
     @staticmethod
-    def make_dataset(directory: PathLike, class_to_idx: dict[str, int], extensions: Optional[tuple[str, ...]] = None,
-                     is_valid_file: Optional[Callable[[str], bool]] = None,
-                     allow_empty: bool = False) -> list[tuple[str, int]]:
+    def make_dataset(
+        directory: PathLike,
+        class_to_idx: dict[str, int],
+        extensions: Optional[tuple[str, ...]] = None,
+        is_valid_file: Optional[Callable[[str], bool]] = None,
+        allow_empty: bool = False,
+    ) -> list[tuple[str, int]]:
         """torchvision's ``(path, class index)`` list in its order, each real folder walked once:
         a directory link that loops or reaches a folder twice raises :class:`DataPathError`."""
         del allow_empty  # empty classes are reported by __init__
@@ -222,8 +238,9 @@ class CheckedImageFolder(ImageFolder):
                 image = self.loader(path)
             except (OSError, SyntaxError) as error:  # what PIL raises for unreadable or truncated files
                 if self.on_corrupt == 'raise':
-                    raise CorruptImageError(f'cannot decode image {path}: {error}. Replace or delete the file, '
-                                            f'{self.corrupt_hint}.') from error
+                    raise CorruptImageError(
+                        f'cannot decode image {path}: {error}. Replace or delete the file, {self.corrupt_hint}.'
+                    ) from error
                 warnings.warn(f'skipping corrupt image {path}: {error}', CorruptImageWarning, stacklevel=2)
                 continue
             return (image if self.transform is None else self.transform(image)), label
@@ -284,12 +301,16 @@ def imagenet_dataset(
     data_path = Path(data_path)
     if not data_path.is_dir():
         state = 'is a file, not a folder' if data_path.exists() else 'does not exist'
-        raise DataPathError(f'ImageNet data path {data_path} {state}; pass the folder that holds train/ and val/ '
-                            'class folders, or no path for the synthetic set')
+        raise DataPathError(
+            f'ImageNet data path {data_path} {state}; pass the folder that holds train/ and val/ '
+            'class folders, or no path for the synthetic set'
+        )
     folder = data_path / split
     if not folder.is_dir():
-        raise DataPathError(f'ImageNet data path {data_path} has no {split}/ folder; expected '
-                            f'{data_path}/train/<class>/<image> and {data_path}/val/<class>/<image>')
+        raise DataPathError(
+            f'ImageNet data path {data_path} has no {split}/ folder; expected '
+            f'{data_path}/train/<class>/<image> and {data_path}/val/<class>/<image>'
+        )
     dataset = CheckedImageFolder(folder, transform, on_corrupt=on_corrupt, corrupt_hint=corrupt_hint)
     other = data_path / SPLITS[1 - SPLITS.index(split)]
     if other.is_dir():
@@ -297,12 +318,16 @@ def imagenet_dataset(
         if other_classes != dataset.classes:
             only_here = sorted(set(dataset.classes) - set(other_classes))[:5]
             only_there = sorted(set(other_classes) - set(dataset.classes))[:5]
-            raise DataPathError(f'{folder} and {other} hold different class folders (only in {folder.name}/: '
-                                f'{only_here}; only in {other.name}/: {only_there}), so the same label would '
-                                'name different classes. Give both splits the same class folders.')
+            raise DataPathError(
+                f'{folder} and {other} hold different class folders (only in {folder.name}/: '
+                f'{only_here}; only in {other.name}/: {only_there}), so the same label would '
+                'name different classes. Give both splits the same class folders.'
+            )
     if num_classes is not None and num_classes != len(dataset.classes):
-        raise DataPathError(f'{folder} holds {len(dataset.classes)} class folders but num_classes is {num_classes}; '
-                            'set num_classes to the folder count')
+        raise DataPathError(
+            f'{folder} holds {len(dataset.classes)} class folders but num_classes is {num_classes}; '
+            'set num_classes to the folder count'
+        )
     return dataset
 
 

@@ -26,7 +26,6 @@ __all__ = ['TinyResNet', 'run_demo']
 
 
 class _Block(nn.Module):
-
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
@@ -64,8 +63,7 @@ class TinyResNet(nn.Module):
         return self.head(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
 
 
-def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor,
-                labels: torch.Tensor) -> None:
+def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor) -> None:
     optimizer.zero_grad(set_to_none=True)
     nn.functional.cross_entropy(model(images), labels).backward()
     optimizer.step()
@@ -93,21 +91,32 @@ def run_demo(steps: int = 20, batch_size: int = 32, image_size: int = 64, seed: 
     }
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for name, (m, _) in variants.items()}
 
-    print(f'torch {torch.__version__}, {torch.get_num_threads()} threads, '
-          f'batch {batch_size} x 3 x {image_size} x {image_size}')
+    print(
+        f'torch {torch.__version__}, {torch.get_num_threads()} threads, '
+        f'batch {batch_size} x 3 x {image_size} x {image_size}'
+    )
     print(f'{"variant":<15} {"weight":<8} {"input":<8} {"activation":<11} {"weight grad":<11}')
     for name, (model, x) in variants.items():
         activation = {}
         handle = model.blocks[0].register_forward_hook(
-            lambda mod, inp, out, seen=activation: seen.setdefault('out', out))
+            lambda mod, inp, out, seen=activation: seen.setdefault('out', out)
+        )
         _train_step(model, optimizers[name], x, labels)  # also the warm-up step
         handle.remove()
         weight = model.blocks[0].conv1.weight
-        print(f'{name:<15} {layout_of(weight).value:<8} {layout_of(x).value:<8} '
-              f'{layout_of(activation["out"]).value:<11} {layout_of(weight.grad).value:<11}')
+        print(
+            f'{name:<15} {layout_of(weight).value:<8} {layout_of(x).value:<8} '
+            f'{layout_of(activation["out"]).value:<11} {layout_of(weight.grad).value:<11}'
+        )
 
-    times = time_interleaved({name: functools.partial(_train_step, model, optimizers[name], x, labels)
-                              for name, (model, x) in variants.items()}, rounds=steps, warmup=0).seconds
+    times = time_interleaved(
+        {
+            name: functools.partial(_train_step, model, optimizers[name], x, labels)
+            for name, (model, x) in variants.items()
+        },
+        rounds=steps,
+        warmup=0,
+    ).seconds
 
     base = statistics.median(times['NCHW'])
     print(f'\n{"variant":<15} {"min ms":>8} {"median ms":>10} {"speedup":>8}   ({steps} interleaved steps)')

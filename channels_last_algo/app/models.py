@@ -33,16 +33,20 @@ def model_builder(spec: str) -> Callable[..., Any]:
         try:
             return functools.reduce(getattr, attr.split('.'), importlib.import_module(module_name))
         except (ImportError, AttributeError) as error:
-            raise ValueError(f'cannot load {spec!r} ({error}); give module.path:callable, importable from '
-                             'here, where the callable returns the model') from error
+            raise ValueError(
+                f'cannot load {spec!r} ({error}); give module.path:callable, importable from '
+                'here, where the callable returns the model'
+            ) from error
     import torchvision
 
     names = torchvision.models.list_models()
     if spec not in names:
         close = difflib.get_close_matches(spec, names, n=3)
         hint = f' Did you mean {", ".join(close)}?' if close else ''
-        raise ValueError(f'{spec!r} is no torchvision model name (see torchvision.models.list_models()) and no '
-                         f'module.path:callable.{hint}')
+        raise ValueError(
+            f'{spec!r} is no torchvision model name (see torchvision.models.list_models()) and no '
+            f'module.path:callable.{hint}'
+        )
     builder = torchvision.models.get_model_builder(spec)
     kwargs: dict[str, Any] = {'weights': None}
     if 'weights_backbone' in inspect.signature(builder).parameters:

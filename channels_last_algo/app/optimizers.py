@@ -32,8 +32,12 @@ def build_optimizer(recipe: Recipe, parameters: Iterable[torch.nn.Parameter]) ->
     from composer.optim import DecoupledSGDW
 
     opt = recipe.optimizer
-    return DecoupledSGDW(parameters, lr=scaled_lr(opt, recipe.train.global_batch_size), momentum=opt.momentum,
-                         weight_decay=opt.weight_decay)
+    return DecoupledSGDW(
+        parameters,
+        lr=scaled_lr(opt, recipe.train.global_batch_size),
+        momentum=opt.momentum,
+        weight_decay=opt.weight_decay,
+    )
 
 
 def build_scheduler(recipe: Recipe) -> Any:

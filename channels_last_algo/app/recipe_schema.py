@@ -81,6 +81,7 @@ def _between(low: float, high: float = math.inf, *, open_low: bool = False, open
             return None
         kind = 'a finite number' if isinstance(value, float) else 'an integer'
         return f'{value!r} is out of range; expected {kind} {above}{below}'
+
     return rule
 
 
@@ -93,9 +94,11 @@ def _time(units: str, allow_zero: bool = False) -> Rule:
     ``dur`` fraction is at most 1."""
     allowed = units.split()
     examples = {'ep': '36ep', 'ba': '100ba', 'sp': '50000sp', 'dur': '0.1dur'}
-    expected = (f"expected a {'non-negative' if allow_zero else 'positive'} time in "
-                f"{', '.join(TIME_UNITS[u] for u in allowed)}, "
-                f"such as {' or '.join(repr(examples[u]) for u in allowed)}")
+    expected = (
+        f'expected a {"non-negative" if allow_zero else "positive"} time in '
+        f'{", ".join(TIME_UNITS[u] for u in allowed)}, '
+        f'such as {" or ".join(repr(examples[u]) for u in allowed)}'
+    )
 
     def rule(value: str) -> Optional[str]:
         try:
@@ -107,6 +110,7 @@ def _time(units: str, allow_zero: bool = False) -> Rule:
         if amount < 0 or (amount == 0 and not allow_zero) or (unit == 'dur' and amount > 1):
             return f'{value!r} is out of range; {expected}'
         return None
+
     return rule
 
 
@@ -123,6 +127,7 @@ def _placeholders(*names: str) -> Rule:
         if unknown:
             return f'{value!r} has the unknown placeholder {{{unknown[0]}}}; the only placeholder is {allowed}'
         return None
+
     return rule
 
 
@@ -213,8 +218,9 @@ class TrainConfig:
     seed: int = _key(17, _between(0, 2**32 - 1))
     save_folder: str = _key('runs/{name}', _placeholders('name'))
     save_interval: str = _key('1ep', _time('ep ba dur'))
-    save_num_checkpoints_to_keep: int = _key(-1, lambda n: None if n == -1 or n >= 1 else
-                                             f'{n!r} is out of range; expected -1 (keep all) or a count >= 1')
+    save_num_checkpoints_to_keep: int = _key(
+        -1, lambda n: None if n == -1 or n >= 1 else f'{n!r} is out of range; expected -1 (keep all) or a count >= 1'
+    )
 
 
 @dataclasses.dataclass
@@ -232,8 +238,11 @@ class Recipe:
 
     def enabled_algorithms(self) -> dict[str, dict[str, Any]]:
         """The algorithms that are on, each with its options, ``channels_last`` last."""
-        enabled = {name: ({} if options is True else options)
-                   for name, options in self.algorithms.items() if options not in (False, None)}
+        enabled = {
+            name: ({} if options is True else options)
+            for name, options in self.algorithms.items()
+            if options not in (False, None)
+        }
         return dict(sorted(enabled.items(), key=lambda item: item[0] == 'channels_last'))
 
     def save_folder(self) -> Path:
@@ -265,8 +274,9 @@ def _check_value(value: Any, annotation: Any, rule: Optional[Rule], where: str, 
         (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
-            raise error(f'{where}: expected a mapping of {annotation.__name__} keys, '
-                        f'got {type(value).__name__} {value!r}')
+            raise error(
+                f'{where}: expected a mapping of {annotation.__name__} keys, got {type(value).__name__} {value!r}'
+            )
         return _from_dict(annotation, value, where, error)
     if typing.get_origin(annotation) is dict:
         if not isinstance(value, dict):
@@ -290,8 +300,11 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str, error) -> Any:
         if key not in fields:
             raise error(f'{where}: unknown key{closest(str(key), list(fields))}')
         values[key] = _check_value(value, hints[key], fields[key].metadata.get('rule'), where, error)
-    missing = [name for name, f in fields.items()
-               if name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in values and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     if missing:
         raise error(f'{prefix + "." if prefix else ""}{missing[0]}: required key is missing')
     return cls(**values)
@@ -301,21 +314,29 @@ def _check_together(recipe: Recipe, error) -> None:
     """The rules that tie two keys together."""
     data, train = recipe.data, recipe.train
     if data.eval_resize is not None and data.eval_resize < data.eval_crop:
-        raise error(f'data.eval_resize: {data.eval_resize} is smaller than data.eval_crop {data.eval_crop}; '
-                    'the centre crop would pad the image: use eval_resize >= eval_crop')
+        raise error(
+            f'data.eval_resize: {data.eval_resize} is smaller than data.eval_crop {data.eval_crop}; '
+            'the centre crop would pad the image: use eval_resize >= eval_crop'
+        )
     if data.synthetic_train_samples is not None and data.synthetic_train_samples < train.global_batch_size:
-        raise error(f'train.global_batch_size: {train.global_batch_size} is more than the '
-                    f'{data.synthetic_train_samples} samples of data.synthetic_train_samples, so no full batch '
-                    'would be trained; lower the batch size or raise the sample count')
+        raise error(
+            f'train.global_batch_size: {train.global_batch_size} is more than the '
+            f'{data.synthetic_train_samples} samples of data.synthetic_train_samples, so no full batch '
+            'would be trained; lower the batch size or raise the sample count'
+        )
     warmup, warmup_unit = parse_time(recipe.scheduler.t_warmup)
     length, unit = parse_time(train.max_duration)
     in_batches = {'ep', 'ba'}  # the scheduler counts epochs in batches
     if warmup_unit != 'dur' and (warmup_unit in in_batches) != (unit in in_batches):
-        raise error(f'scheduler.t_warmup: {recipe.scheduler.t_warmup!r} cannot be compared with train.max_duration '
-                    f'{train.max_duration!r}; give both in samples, or both in epochs or batches (or t_warmup in dur)')
+        raise error(
+            f'scheduler.t_warmup: {recipe.scheduler.t_warmup!r} cannot be compared with train.max_duration '
+            f'{train.max_duration!r}; give both in samples, or both in epochs or batches (or t_warmup in dur)'
+        )
     if (warmup_unit == unit and warmup >= length) or (warmup_unit == 'dur' and warmup >= 1):
-        raise error(f'scheduler.t_warmup: {recipe.scheduler.t_warmup!r} is not shorter than train.max_duration '
-                    f'{train.max_duration!r}; the cosine decay would never start')
+        raise error(
+            f'scheduler.t_warmup: {recipe.scheduler.t_warmup!r} is not shorter than train.max_duration '
+            f'{train.max_duration!r}; the cosine decay would never start'
+        )
 
 
 def recipe_from_dict(data: Any, source: str) -> Recipe:

@@ -88,7 +88,7 @@ def _apply_override(data: dict[str, Any], override: str, error) -> None:
         if child is None or child is True:
             child = node[key] = {}
         if not isinstance(child, dict):
-            raise error(f'--set {override!r}: {".".join(keys[:depth + 1])} is {child!r}, not a mapping')
+            raise error(f'--set {override!r}: {".".join(keys[: depth + 1])} is {child!r}, not a mapping')
         node = child
     node[keys[-1]] = value
 
@@ -143,6 +143,7 @@ def _check_composer_options(cls: type, options: dict[str, Any], where: str, erro
     try:
         cls(**options)
     except _ERRORS as exc:
+
         def fails_alone(key: str) -> bool:
             try:
                 cls(**{key: options[key]})
@@ -165,8 +166,9 @@ def _check_algorithms(recipe: Recipe, error) -> None:
         if isinstance(options, bool) or options is None:
             continue
         if not isinstance(options, dict):
-            raise error(f'{where}: expected a mapping of options, true or false, '
-                        f'got {type(options).__name__} {options!r}')
+            raise error(
+                f'{where}: expected a mapping of options, true or false, got {type(options).__name__} {options!r}'
+            )
         if name == 'channels_last':
             _check_channels_last(options, where, error, signature_known=registry is not None)
         if registry is not None:
@@ -248,8 +250,10 @@ def device_and_precision(recipe: Recipe) -> tuple[str, str]:
     if device == 'auto':
         device = 'gpu' if torch.cuda.is_available() else 'cpu'
     if device == 'gpu' and not torch.cuda.is_available():
-        raise RecipeError(f'{recipe.source}: train.device: gpu was asked for but no CUDA device is visible; '
-                          'set train.device=auto or cpu')
+        raise RecipeError(
+            f'{recipe.source}: train.device: gpu was asked for but no CUDA device is visible; '
+            'set train.device=auto or cpu'
+        )
     return device, ('fp32' if device == 'cpu' else recipe.train.gpu_precision)
 
 
@@ -273,21 +277,42 @@ def build_datasets(recipe: Recipe, data_path: Optional[str] = None):
     path = data_path if data_path is not None else data.path
     image_size = max(data.train_crop, data.eval_resize or data.eval_crop)
     hint = f'or set data.on_corrupt: skip in {recipe.source} (--set data.on_corrupt=skip) to skip corrupt files'
-    common = dict(data_path=path, num_classes=recipe.model.num_classes, seed=recipe.train.seed,
-                  on_corrupt=data.on_corrupt, corrupt_hint=hint)
+    common = dict(
+        data_path=path,
+        num_classes=recipe.model.num_classes,
+        seed=recipe.train.seed,
+        on_corrupt=data.on_corrupt,
+        corrupt_hint=hint,
+    )
     try:
-        train = imagenet_dataset('train', crop_size=data.train_crop, synthetic_samples=data.synthetic_train_samples,
-                                 synthetic_image_size=image_size, **common)
-        val = imagenet_dataset('val', crop_size=data.eval_crop, resize_size=data.eval_resize,
-                               synthetic_samples=data.synthetic_eval_samples, synthetic_image_size=image_size, **common)
+        train = imagenet_dataset(
+            'train',
+            crop_size=data.train_crop,
+            synthetic_samples=data.synthetic_train_samples,
+            synthetic_image_size=image_size,
+            **common,
+        )
+        val = imagenet_dataset(
+            'val',
+            crop_size=data.eval_crop,
+            resize_size=data.eval_resize,
+            synthetic_samples=data.synthetic_eval_samples,
+            synthetic_image_size=image_size,
+            **common,
+        )
     except DataPathError as exc:
         key = 'data.path' if data_path is None else '--data'
         raise RecipeError(f'{recipe.source}: {key}: {exc}') from exc
     return train, val
 
 
-def build_trainer(recipe: Recipe, data_path: Optional[str] = None, resume: Union[bool, str, os.PathLike] = False,
-                  overwrite: bool = False, **trainer_options: Any):
+def build_trainer(
+    recipe: Recipe,
+    data_path: Optional[str] = None,
+    resume: Union[bool, str, os.PathLike] = False,
+    overwrite: bool = False,
+    **trainer_options: Any,
+):
     """A Composer ``Trainer`` for ``recipe``: the model, NHWC loaders, the optimizer and schedule of
     :mod:`~channels_last_algo.app.optimizers`, the algorithms, fp32 on CPU and
     ``train.gpu_precision`` on a GPU, and atomic checkpoints in the recipe's save folder.
@@ -314,8 +339,11 @@ def build_trainer(recipe: Recipe, data_path: Optional[str] = None, resume: Union
     if writer:
         run.lock()
     try:
-        start = (run.prepare(resume, overwrite, recipe.train.max_duration) if writer
-                 else run.resume_point(resume, recipe.train.max_duration))
+        start = (
+            run.prepare(resume, overwrite, recipe.train.max_duration)
+            if writer
+            else run.resume_point(resume, recipe.train.max_duration)
+        )
         train_data, eval_data = build_datasets(recipe, data_path)
         loader_options = dict(workers=recipe.data.workers, seed=recipe.train.seed)
         try:
@@ -324,10 +352,16 @@ def build_trainer(recipe: Recipe, data_path: Optional[str] = None, resume: Union
             raise RecipeError(f'{recipe.source}: train.global_batch_size: {exc}') from exc
         eval_loader = build_data_spec(eval_data, batch_size=eval_batch, train=False, **loader_options)
         reproducibility.seed_all(recipe.train.seed)
-        model = ComposerClassifier(build_model(recipe.model.name, num_classes=recipe.model.num_classes),
-                                   num_classes=recipe.model.num_classes)
-        checkpoints = RunCheckpoints(run, recipe.train.save_interval, keep=recipe.train.save_num_checkpoints_to_keep,
-                                     resume_from=start, write=writer)
+        model = ComposerClassifier(
+            build_model(recipe.model.name, num_classes=recipe.model.num_classes), num_classes=recipe.model.num_classes
+        )
+        checkpoints = RunCheckpoints(
+            run,
+            recipe.train.save_interval,
+            keep=recipe.train.save_num_checkpoints_to_keep,
+            resume_from=start,
+            write=writer,
+        )
         return Trainer(
             model=model,
             train_dataloader=train_loader,

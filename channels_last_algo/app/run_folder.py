@@ -85,8 +85,10 @@ def check_readable(path: Path) -> None:
     """RunFolderError naming ``path`` unless it is a whole checkpoint: a zip archive (``torch.save``'s
     format) whose every member matches its CRC. Reads the file once; unpickles nothing."""
     if path.is_symlink() and not path.exists():
-        raise RunFolderError(f'{path} is a link to {os.readlink(path)}, which does not exist; resume from an '
-                             'existing checkpoint with --resume (the newest readable one) or --resume PATH')
+        raise RunFolderError(
+            f'{path} is a link to {os.readlink(path)}, which does not exist; resume from an '
+            'existing checkpoint with --resume (the newest readable one) or --resume PATH'
+        )
     if not path.is_file():
         state = 'is a folder' if path.is_dir() else 'does not exist'
         raise RunFolderError(f'{path} {state}; give --resume a checkpoint file, or --resume alone for the newest one')
@@ -98,8 +100,10 @@ def check_readable(path: Path) -> None:
     else:
         damaged = None if damaged is None else f'member {damaged} fails its checksum'
     if damaged is not None:
-        raise RunFolderError(f'{path} is truncated or corrupt: {damaged}; resume from an earlier checkpoint with '
-                             '--resume PATH, or delete the file and use --resume for the newest readable one')
+        raise RunFolderError(
+            f'{path} is truncated or corrupt: {damaged}; resume from an earlier checkpoint with '
+            '--resume PATH, or delete the file and use --resume for the newest readable one'
+        )
 
 
 def read_state(path: Path) -> dict[str, Any]:
@@ -110,12 +114,16 @@ def read_state(path: Path) -> dict[str, Any]:
     try:
         checkpoint = torch.load(path, map_location='cpu', mmap=True, weights_only=False)
     except Exception as error:  # a file torch cannot unpickle: say which, whatever the cause
-        raise RunFolderError(f'{path} cannot be read as a checkpoint ({str(error).splitlines()[0]}); resume from '
-                             'another checkpoint with --resume PATH') from error
+        raise RunFolderError(
+            f'{path} cannot be read as a checkpoint ({str(error).splitlines()[0]}); resume from '
+            'another checkpoint with --resume PATH'
+        ) from error
     state = checkpoint.get('state') if isinstance(checkpoint, dict) else None
     if not isinstance(state, dict) or 'timestamp' not in state or 'model' not in state:
-        raise RunFolderError(f'{path} is not a Composer training checkpoint (no state.model and state.timestamp); '
-                             'resume from a checkpoint that channels-last train wrote')
+        raise RunFolderError(
+            f'{path} is not a Composer training checkpoint (no state.model and state.timestamp); '
+            'resume from a checkpoint that channels-last train wrote'
+        )
     return state
 
 
@@ -159,8 +167,10 @@ class RunFolder:
                 os.close(descriptor)
                 if error.errno not in (errno.EAGAIN, errno.EACCES):
                     raise
-                raise RunFolderError(f'{self.folder} is in use by another run ({self._holder()}); wait for it to '
-                                     'finish, or give this run another folder (--set train.save_folder=PATH)') from None
+                raise RunFolderError(
+                    f'{self.folder} is in use by another run ({self._holder()}); wait for it to '
+                    'finish, or give this run another folder (--set train.save_folder=PATH)'
+                ) from None
             with contextlib.suppress(FileNotFoundError):
                 if os.stat(self.lock_path).st_ino == os.fstat(descriptor).st_ino:
                     break  # locked the file that is there, not one its last holder just removed
@@ -169,11 +179,14 @@ class RunFolder:
         if owner and owner[0].isdigit() and int(owner[0]) != os.getpid():
             if owner[1:2] == [socket.gethostname()] and _pid_alive(int(owner[0])):
                 os.close(descriptor)  # the file system does not lock across processes: trust the pid
-                raise RunFolderError(f'{self.folder} is in use by another run ({self._holder()}); wait for it to '
-                                     f'finish, or give this run another folder (--set train.save_folder=PATH). If no '
-                                     f'run uses it, delete {self.lock_path}')
-            log.warning('%s: taking over the lock of pid %s, which is gone (a run that was stopped)',
-                        self.folder, owner[0])
+                raise RunFolderError(
+                    f'{self.folder} is in use by another run ({self._holder()}); wait for it to '
+                    f'finish, or give this run another folder (--set train.save_folder=PATH). If no '
+                    f'run uses it, delete {self.lock_path}'
+                )
+            log.warning(
+                '%s: taking over the lock of pid %s, which is gone (a run that was stopped)', self.folder, owner[0]
+            )
         os.ftruncate(descriptor, 0)
         os.pwrite(descriptor, f'{os.getpid()} {socket.gethostname()}\n'.encode(), 0)
         os.fsync(descriptor)
@@ -196,8 +209,9 @@ class RunFolder:
         self._lock = None
 
     @contextlib.contextmanager
-    def open(self, resume: Union[bool, str, os.PathLike] = False, overwrite: bool = False,
-             max_duration: Optional[str] = None) -> Iterator[Optional[Path]]:
+    def open(
+        self, resume: Union[bool, str, os.PathLike] = False, overwrite: bool = False, max_duration: Optional[str] = None
+    ) -> Iterator[Optional[Path]]:
         """Lock the folder for a run, make it ready and yield the checkpoint to resume from
         (:meth:`prepare`); unlock at the end."""
         self.lock()
@@ -206,8 +220,9 @@ class RunFolder:
         finally:
             self.unlock()
 
-    def prepare(self, resume: Union[bool, str, os.PathLike] = False, overwrite: bool = False,
-                max_duration: Optional[str] = None) -> Optional[Path]:
+    def prepare(
+        self, resume: Union[bool, str, os.PathLike] = False, overwrite: bool = False, max_duration: Optional[str] = None
+    ) -> Optional[Path]:
         """With the lock held: remove what interrupted writes left, pick the checkpoint to resume
         from (:meth:`resume_point`), and refuse checkpoints this run would overwrite (another
         run's, or later ones than the resumed one) unless ``overwrite``, which deletes them."""
@@ -227,14 +242,20 @@ class RunFolder:
         elif clashing:
             shown = ', '.join(c.path.name for c in clashing[-3:]) + (', ...' if len(clashing) > 3 else '')
             if start is None:
-                raise RunFolderError(f'{self.folder} holds the checkpoints of an earlier run ({shown}); continue it '
-                                     'with --resume, give this run a new folder (--set train.save_folder=PATH), or '
-                                     'replace them with --overwrite')
+                raise RunFolderError(
+                    f'{self.folder} holds the checkpoints of an earlier run ({shown}); continue it '
+                    'with --resume, give this run a new folder (--set train.save_folder=PATH), or '
+                    'replace them with --overwrite'
+                )
             if ours:
-                raise RunFolderError(f'{start} is older than {shown} in the same folder, which this run would '
-                                     'overwrite; resume the newest with --resume, or replace them with --overwrite')
-            raise RunFolderError(f'{self.folder} holds the checkpoints of another run ({shown}); resume {start} into '
-                                 'a new folder (--set train.save_folder=PATH), or replace them with --overwrite')
+                raise RunFolderError(
+                    f'{start} is older than {shown} in the same folder, which this run would '
+                    'overwrite; resume the newest with --resume, or replace them with --overwrite'
+                )
+            raise RunFolderError(
+                f'{self.folder} holds the checkpoints of another run ({shown}); resume {start} into '
+                'a new folder (--set train.save_folder=PATH), or replace them with --overwrite'
+            )
         return start
 
     # --- checkpoint files ------------------------------------------------------------------------
@@ -290,8 +311,9 @@ class RunFolder:
         when the file is truncated or unreadable, or when its run already reached ``max_duration``."""
         return self._resume_point(resume, max_duration)[0]
 
-    def _resume_point(self, resume: Union[bool, str, os.PathLike],
-                      max_duration: Optional[str]) -> tuple[Optional[Path], int]:
+    def _resume_point(
+        self, resume: Union[bool, str, os.PathLike], max_duration: Optional[str]
+    ) -> tuple[Optional[Path], int]:
         """:meth:`resume_point` and the batches trained up to it."""
         from channels_last_algo.app.recipe_schema import parse_time
 
@@ -306,9 +328,11 @@ class RunFolder:
         if max_duration is not None:
             length, unit = parse_time(max_duration)
             if unit in done and done[unit] >= length:
-                raise RunFolderError(f'{path} is the end of a finished run ({done[unit]}{unit} of train.max_duration '
-                                     f'{max_duration}); to train on, raise it (--set train.max_duration=...) and '
-                                     'resume, or start afresh in a new folder (--set train.save_folder=PATH)')
+                raise RunFolderError(
+                    f'{path} is the end of a finished run ({done[unit]}{unit} of train.max_duration '
+                    f'{max_duration}); to train on, raise it (--set train.max_duration=...) and '
+                    'resume, or start afresh in a new folder (--set train.save_folder=PATH)'
+                )
         return path, done['ba']
 
     def _newest_readable(self) -> Path:
@@ -318,8 +342,10 @@ class RunFolder:
             if link.is_symlink() or link.exists():
                 check_readable(link)  # names a dangling link or a broken file
                 return link  # a checkpoint copied in under the name `latest`
-            raise RunFolderError(f'--resume: {self.folder} holds no checkpoint to resume from; train once without '
-                                 '--resume first, or set train.save_folder to the run to resume')
+            raise RunFolderError(
+                f'--resume: {self.folder} holds no checkpoint to resume from; train once without '
+                '--resume first, or set train.save_folder to the run to resume'
+            )
         problems = []
         for checkpoint in reversed(candidates):
             try:

@@ -37,7 +37,7 @@ def _one_line(error: BaseException) -> str:
     """The error's own message, also when a DataLoader worker re-raised it with its traceback."""
     last = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
     name = f'{type(error).__module__}.{type(error).__qualname__}: '
-    return last[len(name):] if last.startswith(name) else last
+    return last[len(name) :] if last.startswith(name) else last
 
 
 def check_data_set(recipe: Recipe, data_path: Optional[str] = None) -> int:
@@ -51,15 +51,25 @@ def check_data_set(recipe: Recipe, data_path: Optional[str] = None) -> int:
     if bad:
         shown = ', '.join(f'{path} ({problem})' for path, problem in bad[:3]) + (' ...' if len(bad) > 3 else '')
         if recipe.data.on_corrupt == 'raise':
-            raise RunError(f'--check-data: {len(bad)} of {images} images cannot be decoded: {shown}; replace or '
-                           f'delete them, or set data.on_corrupt: skip in {recipe.source} (--set data.on_corrupt=skip)')
-        print(f'channels-last train: --check-data: skipping {len(bad)} of {images} images that cannot be decoded '
-              f'(data.on_corrupt: skip): {shown}', file=sys.stderr)
+            raise RunError(
+                f'--check-data: {len(bad)} of {images} images cannot be decoded: {shown}; replace or '
+                f'delete them, or set data.on_corrupt: skip in {recipe.source} (--set data.on_corrupt=skip)'
+            )
+        print(
+            f'channels-last train: --check-data: skipping {len(bad)} of {images} images that cannot be decoded '
+            f'(data.on_corrupt: skip): {shown}',
+            file=sys.stderr,
+        )
     return images
 
 
-def train_recipe(recipe: Recipe, data_path: Optional[str] = None, resume: Union[bool, str, os.PathLike] = False,
-                 overwrite: bool = False, check_data: bool = False) -> Optional[Path]:
+def train_recipe(
+    recipe: Recipe,
+    data_path: Optional[str] = None,
+    resume: Union[bool, str, os.PathLike] = False,
+    overwrite: bool = False,
+    check_data: bool = False,
+) -> Optional[Path]:
     """Train ``recipe`` to ``train.max_duration``; return the last checkpoint written (None if none).
 
     ``resume``: True for the newest readable checkpoint in the save folder, a path for that one.

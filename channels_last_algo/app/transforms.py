@@ -58,11 +58,13 @@ def train_transform(crop_size: int) -> transforms.Compose:
         (176, 176, 3)
     """
     check_size('crop_size', crop_size)
-    return transforms.Compose([
-        transforms.RandomResizedCrop(crop_size),
-        transforms.RandomHorizontalFlip(),
-        ToHWCUint8(),
-    ])
+    return transforms.Compose(
+        [
+            transforms.RandomResizedCrop(crop_size),
+            transforms.RandomHorizontalFlip(),
+            ToHWCUint8(),
+        ]
+    )
 
 
 def eval_transform(crop_size: int, resize_size: Optional[int] = None) -> transforms.Compose:
@@ -76,10 +78,14 @@ def eval_transform(crop_size: int, resize_size: Optional[int] = None) -> transfo
     check_size('crop_size', crop_size)
     resize_size = default_resize_size(crop_size) if resize_size is None else check_size('resize_size', resize_size)
     if resize_size < crop_size:
-        raise ValueError(f'resize_size {resize_size} is smaller than crop_size {crop_size}; the centre crop would '
-                         f'pad the image. Use resize_size >= crop_size (e.g. {default_resize_size(crop_size)}).')
-    return transforms.Compose([
-        transforms.Resize(resize_size),
-        transforms.CenterCrop(crop_size),
-        ToHWCUint8(),
-    ])
+        raise ValueError(
+            f'resize_size {resize_size} is smaller than crop_size {crop_size}; the centre crop would '
+            f'pad the image. Use resize_size >= crop_size (e.g. {default_resize_size(crop_size)}).'
+        )
+    return transforms.Compose(
+        [
+            transforms.Resize(resize_size),
+            transforms.CenterCrop(crop_size),
+            ToHWCUint8(),
+        ]
+    )

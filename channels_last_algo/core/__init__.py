@@ -20,7 +20,13 @@ from channels_last_algo.core.fuse import (
 )
 from channels_last_algo.core.guard import LayoutGuard, batch_to_channels_last
 from channels_last_algo.core.layers import RULES, RepairRecord, RepairRule, repair_model
-from channels_last_algo.core.layout import Layout, has_channels_last_strides, is_channels_last, layout_of, to_channels_last
+from channels_last_algo.core.layout import (
+    Layout,
+    has_channels_last_strides,
+    is_channels_last,
+    layout_of,
+    to_channels_last,
+)
 from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
 from channels_last_algo.core.safety import KNOWN_BUGS
 from channels_last_algo.core.safety.doctor import DoctorReport, doctor

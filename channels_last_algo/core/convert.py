@@ -2,7 +2,8 @@
 
 Restrides every 4D parameter and buffer of a model to ``torch.channels_last`` and every 5D
 one to ``torch.channels_last_3d``, in place, and (``repair=True``) swaps the layers that would
-drop NHWC for their NHWC-preserving equivalents (see :mod:`channels_last_algo.core.layers`). The ``Parameter`` objects stay the same (an
+drop NHWC for their NHWC-preserving equivalents (see :mod:`channels_last_algo.core.layers`).
+The ``Parameter`` objects stay the same (an
 optimizer built before stays valid), their gradients and any optimizer state shaped like
 them are restrided too, and the ``state_dict`` keys do not change. Ambiguous shapes (1x1 and
 depthwise kernels, ``in_channels=1``) get real channels-last strides.
@@ -26,7 +27,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
-from typing import Callable, Iterable, Optional, Sequence, Union
+from collections.abc import Callable, Iterable, Sequence
+from typing import Optional, Union
 
 import torch
 from torch.nn.parameter import is_lazy
@@ -69,10 +71,12 @@ class ConversionSummary:
         return len(self.converted) + len(self.unchanged)
 
     def __str__(self) -> str:
-        return (f'{self.layout}: {len(self.converted)} tensors restrided, '
-                f'{len(self.unchanged)} already {self.layout}, '
-                f'{self.optimizer_states} optimizer state tensors restrided, {len(self.repaired)} layers repaired, '
-                f'{len(self.made_safe)} layers on a kernel safe path')
+        return (
+            f'{self.layout}: {len(self.converted)} tensors restrided, '
+            f'{len(self.unchanged)} already {self.layout}, '
+            f'{self.optimizer_states} optimizer state tensors restrided, {len(self.repaired)} layers repaired, '
+            f'{len(self.made_safe)} layers on a kernel safe path'
+        )
 
 
 Restride = Callable[[torch.Tensor], torch.Tensor]
@@ -103,8 +107,12 @@ def _restride_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], param
     return count
 
 
-def _restride_model(model: torch.nn.Module, restride: Restride, layout: str,
-                    optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]) -> ConversionSummary:
+def _restride_model(
+    model: torch.nn.Module,
+    restride: Restride,
+    layout: str,
+    optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]],
+) -> ConversionSummary:
     summary = ConversionSummary(layout=layout)
     named = list(model.named_parameters()) + list(model.named_buffers())
     for name, tensor in named:

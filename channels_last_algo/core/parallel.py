@@ -97,21 +97,26 @@ def weight_layout_for(
                 f'{type(model).__name__} is already wrapped in DistributedDataParallel ({_module_label(path)}): '
                 'its gradient buckets keep the strides the parameters had when it was built, so restriding now '
                 'would copy every gradient every step. Convert the bare model first (LayoutGuard.on_init or '
-                'apply_channels_last), then wrap it; the Composer Trainer does this in this order.')
+                'apply_channels_last), then wrap it; the Composer Trainer does this in this order.'
+            )
         if isinstance(module, FullyShardedDataParallel):
-            return WeightLayoutPlan(True, f'FSDP1 FullyShardedDataParallel {_module_label(path)} flattens the '
-                                    'parameters', sharded=True)
+            return WeightLayoutPlan(
+                True, f'FSDP1 FullyShardedDataParallel {_module_label(path)} flattens the parameters', sharded=True
+            )
         if isinstance(module, FSDPModule):
-            return WeightLayoutPlan(True, f'FSDP2 fully_shard {_module_label(path)} needs contiguous parameters',
-                                    sharded=True)
+            return WeightLayoutPlan(
+                True, f'FSDP2 fully_shard {_module_label(path)} needs contiguous parameters', sharded=True
+            )
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):
             return WeightLayoutPlan(True, f'parameter {name!r} is a sharded DTensor', sharded=True)
     if fsdp_config is not None:
-        return WeightLayoutPlan(True, f'{type(fsdp_config).__name__}: FSDP will shard the parameters, which needs '
-                                'them contiguous')
+        return WeightLayoutPlan(
+            True, f'{type(fsdp_config).__name__}: FSDP will shard the parameters, which needs them contiguous'
+        )
     if tp_config is not None:
-        return WeightLayoutPlan(True, f'{type(tp_config).__name__}: tensor parallelism will shard the parameters, '
-                                'which needs them contiguous')
+        return WeightLayoutPlan(
+            True,
+            f'{type(tp_config).__name__}: tensor parallelism will shard the parameters, which needs them contiguous',
+        )
     return WeightLayoutPlan(False, 'no sharding: one process, or DDP wrapped after the conversion')
-

@@ -6,10 +6,10 @@ what to install.
 
 Example:
     >>> require('torch', 'core')
-    >>> require('no_such_trainer', 'no-such-extra')
+    >>> require('no_such_trainer', 'extra')
     Traceback (most recent call last):
     ...
-    ImportError: this needs the no_such_trainer package, which is not installed: pip install 'channels-last-algo[no-such-extra]'
+    ImportError: this needs the no_such_trainer package, which is not installed: pip install 'channels-last-algo[extra]'
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def require(package: str, extra: str) -> None:
     """Raise an ``ImportError`` naming the install command unless ``package`` is importable."""
     if importlib.util.find_spec(package) is None:
         raise ImportError(
-            f"this needs the {package} package, which is not installed: pip install 'channels-last-algo[{extra}]'")
+            f"this needs the {package} package, which is not installed: pip install 'channels-last-algo[{extra}]'"
+        )
 
 
 def integration_attribute(name: str, owner: str) -> Any:

@@ -57,7 +57,9 @@ def _total_loss(loss: Any) -> torch.Tensor:
 def _float_images(batch: Any) -> Any:
     """Integer 4D/5D tensors (uint8 images waiting for a device-side normalisation) as float32,
     so a trial step can run on a raw batch; timing does not depend on the pixel values."""
-    return tree_map_only(torch.Tensor, lambda t: t.float() if t.dim() in (4, 5) and not t.is_floating_point() else t, batch)
+    return tree_map_only(
+        torch.Tensor, lambda t: t.float() if t.dim() in (4, 5) and not t.is_floating_point() else t, batch
+    )
 
 
 class ChannelsLast(Algorithm):
@@ -125,8 +127,9 @@ class ChannelsLast(Algorithm):
             )
     """
 
-    def __init__(self, mode: str = 'on', audit_steps: int = 0, strict: bool = False, fuse_eval: bool = False,
-                 repair: bool = True) -> None:
+    def __init__(
+        self, mode: str = 'on', audit_steps: int = 0, strict: bool = False, fuse_eval: bool = False, repair: bool = True
+    ) -> None:
         check_options(fuse_eval=fuse_eval)
         self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair)
         self._resumed_decision: Optional[LayoutDecision] = None
@@ -145,9 +148,11 @@ class ChannelsLast(Algorithm):
         return self.guard.decision
 
     def __repr__(self) -> str:
-        return (f'{type(self).__name__}(mode={self.guard.mode!r}, audit_steps={self.guard.audit_steps}, '
-                f'strict={self.guard.strict}{", fuse_eval=True" if self.fuse_eval else ""}'
-                f'{"" if self.guard.repair else ", repair=False"})')
+        return (
+            f'{type(self).__name__}(mode={self.guard.mode!r}, audit_steps={self.guard.audit_steps}, '
+            f'strict={self.guard.strict}{", fuse_eval=True" if self.fuse_eval else ""}'
+            f'{"" if self.guard.repair else ", repair=False"})'
+        )
 
     def state_dict(self) -> dict[str, Any]:
         decision = self.guard.decision
@@ -162,20 +167,25 @@ class ChannelsLast(Algorithm):
         mode = self.guard.mode
         if mode == 'off':
             return False
-        return (event == Event.INIT or event in _BATCH_EVENTS
-                or (self.fuse_eval and (event in _FUSE_START_EVENTS or event in _FUSE_END_EVENTS))
-                or (self.guard.audit_steps > 0 and event in _AUDIT_EVENTS)
-                or (mode == 'auto' and event in _AUTO_EVENTS and self.guard.decision is None))
+        return (
+            event == Event.INIT
+            or event in _BATCH_EVENTS
+            or (self.fuse_eval and (event in _FUSE_START_EVENTS or event in _FUSE_END_EVENTS))
+            or (self.guard.audit_steps > 0 and event in _AUDIT_EVENTS)
+            or (mode == 'auto' and event in _AUTO_EVENTS and self.guard.decision is None)
+        )
 
     def apply(self, event: Event, state: State, logger: Logger) -> Optional[int]:
         if event == Event.INIT:
             weight_layout = weight_layout_for(state.model, fsdp_config=state.fsdp_config, tp_config=state.tp_config)
             summary = self.guard.on_init(state.model, state.optimizers, weight_layout=weight_layout)
-            logger.log_hyperparameters({
-                'channels_last/weight_layout': weight_layout.memory_format.value,
-                'channels_last/restrided_tensors': len(summary.converted),
-                'channels_last/channels_last_tensors': 0 if weight_layout.contiguous else summary.tensors,
-            })
+            logger.log_hyperparameters(
+                {
+                    'channels_last/weight_layout': weight_layout.memory_format.value,
+                    'channels_last/restrided_tensors': len(summary.converted),
+                    'channels_last/channels_last_tensors': 0 if weight_layout.contiguous else summary.tensors,
+                }
+            )
             log.info('%s: %s', type(state.model).__name__, summary)
         elif event in _AUTO_EVENTS:
             self._settle_layout(event, state, logger)
@@ -194,11 +204,13 @@ class ChannelsLast(Algorithm):
         elif event == Event.AFTER_BACKWARD:
             step_report = self.guard.on_step_end()
             if step_report is not None:
-                logger.log_metrics({
-                    'channels_last/layout_breaks': len(step_report.breaks),
-                    'channels_last/break_bytes': step_report.break_bytes,
-                    'channels_last/exit_bytes': step_report.exit_bytes,
-                })
+                logger.log_metrics(
+                    {
+                        'channels_last/layout_breaks': len(step_report.breaks),
+                        'channels_last/break_bytes': step_report.break_bytes,
+                        'channels_last/exit_bytes': step_report.exit_bytes,
+                    }
+                )
         else:  # FIT_END
             self.guard.close()
         return None
@@ -212,9 +224,13 @@ class ChannelsLast(Algorithm):
         if state.dataloader is None:
             return  # the train dataloader comes with fit(): decide at FIT_START
         if event == Event.FIT_START and dist.get_world_size() > 1:
-            log.warning('auto layout: deciding after DDP wrapping (the train dataloader was passed to fit()); '
-                        "pass it to the Trainer's constructor so the layout is settled before wrapping")
-        model = state.model.module if isinstance(state.model, torch.nn.parallel.DistributedDataParallel) else state.model
+            log.warning(
+                'auto layout: deciding after DDP wrapping (the train dataloader was passed to fit()); '
+                "pass it to the Trainer's constructor so the layout is settled before wrapping"
+            )
+        model = (
+            state.model.module if isinstance(state.model, torch.nn.parallel.DistributedDataParallel) else state.model
+        )
         batch = _float_images(state.device.batch_to_device(next(iter(state.dataloader))))
 
         def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
@@ -227,20 +243,26 @@ class ChannelsLast(Algorithm):
             dist.broadcast_object_list(shared, src=0)
             decision = LayoutDecision.from_dict(shared[0])
             self.guard.apply_decision(model, decision, state.optimizers)
-        logger.log_hyperparameters({
-            'channels_last/auto_layout': decision.layout,
-            'channels_last/auto_speedup': decision.speedup,
-            'channels_last/auto_cost_s': decision.cost_seconds,
-        })
+        logger.log_hyperparameters(
+            {
+                'channels_last/auto_layout': decision.layout,
+                'channels_last/auto_speedup': decision.speedup,
+                'channels_last/auto_cost_s': decision.cost_seconds,
+            }
+        )
 
     def _start_fused_evaluation(self, state: State) -> None:
         """Swap a fused copy of the ComposerModel's ``.module`` in for this evaluation pass."""
-        model = state.model.module if isinstance(state.model, torch.nn.parallel.DistributedDataParallel) else state.model
+        model = (
+            state.model.module if isinstance(state.model, torch.nn.parallel.DistributedDataParallel) else state.model
+        )
         network = getattr(model, 'module', None)
         if not isinstance(network, torch.nn.Module):
-            raise ValueError(f'ChannelsLast(fuse_eval=True) fuses the network a ComposerModel keeps in .module (as '
-                             f'ComposerClassifier does); {type(model).__name__} has none. Keep the network there, or '
-                             'leave fuse_eval off.')
+            raise ValueError(
+                f'ChannelsLast(fuse_eval=True) fuses the network a ComposerModel keeps in .module (as '
+                f'ComposerClassifier does); {type(model).__name__} has none. Keep the network there, or '
+                'leave fuse_eval off.'
+            )
         plan = weight_layout_for(network)
         if plan.sharded:
             log.warning('fuse_eval: evaluating unfused, since %s', plan.reason)

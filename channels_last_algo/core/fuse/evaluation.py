@@ -54,8 +54,10 @@ class FusedEvaluation:
             return
         network = getattr(owner, attribute, None)
         if not isinstance(network, torch.nn.Module):
-            raise ValueError(f'{type(owner).__name__}.{attribute} is {type(network).__name__}, not the nn.Module to '
-                             'fuse; name the attribute that holds the network')
+            raise ValueError(
+                f'{type(owner).__name__}.{attribute} is {type(network).__name__}, not the nn.Module to '
+                'fuse; name the attribute that holds the network'
+            )
         setattr(owner, attribute, fuse_for_inference(network, example_input))
         self._swapped = (owner, attribute, network)
 

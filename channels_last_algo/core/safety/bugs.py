@@ -85,9 +85,11 @@ class KernelBug:
 
     def __post_init__(self) -> None:
         if not issubclass(self.safe_path, self.layer):
-            raise TypeError(f'kernel bug {self.name!r}: safe path {self.safe_path.__name__} must subclass '
-                            f'{self.layer.__name__} so that a swapped module keeps its state; derive it from the '
-                            'layer and override forward only')
+            raise TypeError(
+                f'kernel bug {self.name!r}: safe path {self.safe_path.__name__} must subclass '
+                f'{self.layer.__name__} so that a swapped module keeps its state; derive it from the '
+                'layer and override forward only'
+            )
         unknown = [f for f in self.failures if f not in FAILURES]
         if not self.failures or unknown:
             raise ValueError(f'kernel bug {self.name!r}: failures {self.failures} must be one or more of {FAILURES}')
@@ -105,8 +107,12 @@ class KernelBug:
     def reaches(self, module: nn.Module, runtime: Runtime) -> bool:
         """True when ``module``, a ``layer`` or a subclass not on the safe path yet, reaches the
         failing kernel on ``runtime``."""
-        return (isinstance(module, self.layer) and not isinstance(module, self.safe_path) and self.affects(runtime)
-                and self.condition(module, runtime))
+        return (
+            isinstance(module, self.layer)
+            and not isinstance(module, self.safe_path)
+            and self.affects(runtime)
+            and self.condition(module, runtime)
+        )
 
     def matches(self, module: nn.Module, runtime: Runtime) -> bool:
         """True when ``module`` reaches the failing kernel on ``runtime`` and is exactly a ``layer``,
@@ -120,8 +126,13 @@ _ONEDNN_IC_BLOCK = {'AVX512': 16, 'AVX2': 8}
 
 def _few_channel_strided_1x1(conv: nn.Conv2d, runtime: Runtime) -> bool:
     block = _ONEDNN_IC_BLOCK.get(runtime.cpu_isa or '', 0)
-    return (conv.kernel_size == (1, 1) and conv.stride != (1, 1) and conv.padding in ('valid', (0, 0))
-            and conv.groups == 1 and conv.in_channels < block)
+    return (
+        conv.kernel_size == (1, 1)
+        and conv.stride != (1, 1)
+        and conv.padding in ('valid', (0, 0))
+        and conv.groups == 1
+        and conv.in_channels < block
+    )
 
 
 def _padded(pool: nn.AvgPool2d, runtime: Runtime) -> bool:
@@ -129,7 +140,7 @@ def _padded(pool: nn.AvgPool2d, runtime: Runtime) -> bool:
     return any(p > 0 for p in padding)
 
 
-_ONEDNN_1X1_REPRO = '''\
+_ONEDNN_1X1_REPRO = """\
 import torch
 torch.manual_seed(0)
 conv = torch.nn.Conv2d(3, 48, kernel_size=1, stride=2, bias=False)
@@ -138,9 +149,9 @@ reference = torch.autograd.grad(conv(x).sum(), conv.weight)[0]
 for step in range(3):   # the write past the workspace crashes on the first step or a later one
     nhwc = torch.autograd.grad(conv(x.to(memory_format=torch.channels_last)).sum(), conv.weight)[0]
     assert torch.allclose(nhwc, reference, rtol=1e-4, atol=1e-4), 'NHWC weight gradient differs from NCHW'
-'''
+"""
 
-_CUDA_AVG_POOL_REPRO = '''\
+_CUDA_AVG_POOL_REPRO = """\
 import torch
 import torch.nn.functional as F
 def input_grad(device, memory_format):
@@ -152,7 +163,7 @@ def input_grad(device, memory_format):
 reference = input_grad('cpu', torch.contiguous_format)
 nhwc = input_grad('cuda', torch.channels_last)
 assert torch.allclose(nhwc, reference), 'NHWC avg_pool2d input gradient on CUDA differs from NCHW'
-'''
+"""
 
 KNOWN_BUGS: tuple[KernelBug, ...] = (
     KernelBug(
@@ -174,8 +185,10 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
         failures=('crash', 'hang', 'wrong numbers'),
         repro=_ONEDNN_1X1_REPRO,
         safe_path=SubsampledConv2d,
-        references=('https://github.com/uxlfoundation/oneDNN/issues/6035 (open: rtus workspace overrun, nhwc, '
-                    'IC < ic_block; SIGSEGV with AVX-512, hang or wrong weight gradients with AVX2)',),
+        references=(
+            'https://github.com/uxlfoundation/oneDNN/issues/6035 (open: rtus workspace overrun, nhwc, '
+            'IC < ic_block; SIGSEGV with AVX-512, hang or wrong weight gradients with AVX2)',
+        ),
         observed='AMD EPYC with AVX-512 and BF16, 2 threads, torch 2.7.0 (oneDNN 3.7.1) and 2.14.1 (oneDNN 3.12.0), '
         'the same in both: SIGSEGV (or SIGABRT/SIGBUS from glibc heap checks) for 1, 2, 3, 4, 8, 12, 15 input '
         'channels -> 48 (and 3 -> 8, 16, 32, 64, 96), batch 2, 4, 8, 96 to 224 px, stride 2, (2, 1) or (1, 2), input '
@@ -199,8 +212,10 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
         failures=('wrong numbers',),
         repro=_CUDA_AVG_POOL_REPRO,
         safe_path=NCHWAvgPool2d,
-        references=('https://github.com/pytorch/pytorch/issues/188344',
-                    'https://github.com/pytorch/pytorch/pull/188345 (the fix, in torch 2.14)'),
+        references=(
+            'https://github.com/pytorch/pytorch/issues/188344',
+            'https://github.com/pytorch/pytorch/pull/188345 (the fix, in torch 2.14)',
+        ),
         observed='not probed here (no GPU); from the tracker: wrong input gradients up to torch 2.13, right in 2.14',
     ),
 )
@@ -233,23 +248,26 @@ def default_runtimes(model: nn.Module) -> list[Runtime]:
     return runtimes
 
 
-def matching_bugs(model: nn.Module, runtimes: Sequence[Runtime], bugs: Sequence[KernelBug] = KNOWN_BUGS,
-                  subclasses: bool = False) -> list[tuple[str, nn.Module, KernelBug]]:
+def matching_bugs(
+    model: nn.Module, runtimes: Sequence[Runtime], bugs: Sequence[KernelBug] = KNOWN_BUGS, subclasses: bool = False
+) -> list[tuple[str, nn.Module, KernelBug]]:
     """(path, module, bug) for every module of ``model`` that matches a bug on any of ``runtimes``
     (:meth:`KernelBug.matches`; with ``subclasses``, :meth:`KernelBug.reaches`: also the
     subclasses that no safe path can replace), the first such row per module, in
     ``named_modules`` order."""
     found = []
     for path, module in model.named_modules():
-        bug = next((b for b in bugs if any((b.reaches if subclasses else b.matches)(module, r) for r in runtimes)),
-                   None)
+        bug = next(
+            (b for b in bugs if any((b.reaches if subclasses else b.matches)(module, r) for r in runtimes)), None
+        )
         if bug is not None:
             found.append((path, module, bug))
     return found
 
 
-def make_safe(model: nn.Module, runtimes: Optional[Sequence[Runtime]] = None,
-              bugs: Sequence[KernelBug] = KNOWN_BUGS) -> list[SafePathRecord]:
+def make_safe(
+    model: nn.Module, runtimes: Optional[Sequence[Runtime]] = None, bugs: Sequence[KernelBug] = KNOWN_BUGS
+) -> list[SafePathRecord]:
     """Swap, in place, every layer of ``model`` that a known bug's condition matches for its safe path.
 
     Args:
@@ -266,10 +284,22 @@ def make_safe(model: nn.Module, runtimes: Optional[Sequence[Runtime]] = None,
     for path, module, bug in matching_bugs(model, runtimes, bugs):
         original = type(module)
         module.__class__ = bug.safe_path
-        records.append(SafePathRecord(path=path, bug=bug.name, safe_path=bug.safe_path.__name__,
-                                      original=f'{original.__module__}.{original.__qualname__}'))
+        records.append(
+            SafePathRecord(
+                path=path,
+                bug=bug.name,
+                safe_path=bug.safe_path.__name__,
+                original=f'{original.__module__}.{original.__qualname__}',
+            )
+        )
     for record in records:
-        log.info('%s: layer %s (%s) matches the known layout kernel bug %s on %s; it runs on the safe path %s',
-                 type(model).__name__, record.path or '(root)', record.original, record.bug,
-                 ' / '.join(map(str, runtimes)), record.safe_path)
+        log.info(
+            '%s: layer %s (%s) matches the known layout kernel bug %s on %s; it runs on the safe path %s',
+            type(model).__name__,
+            record.path or '(root)',
+            record.original,
+            record.bug,
+            ' / '.join(map(str, runtimes)),
+            record.safe_path,
+        )
     return records

@@ -99,18 +99,28 @@ class DoctorReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            'ok': self.ok, 'model': self.model, 'input_shape': list(self.input_shape), 'runtime': str(self.runtime),
-            'machine': self.machine, 'known_bug_conditions': self.conditions,
+            'ok': self.ok,
+            'model': self.model,
+            'input_shape': list(self.input_shape),
+            'runtime': str(self.runtime),
+            'machine': self.machine,
+            'known_bug_conditions': self.conditions,
             'checks': [dataclasses.asdict(c) for c in self.checks],
             'layout_audit': None if self.audit is None else self.audit.to_dict(),
         }
 
     def __str__(self) -> str:
-        lines = [f'channels-last doctor: {self.model}, input {tuple(self.input_shape)}, {self.runtime}',
-                 f'machine: {self.machine}', 'known layout kernel bugs matched by this model here:']
+        lines = [
+            f'channels-last doctor: {self.model}, input {tuple(self.input_shape)}, {self.runtime}',
+            f'machine: {self.machine}',
+            'known layout kernel bugs matched by this model here:',
+        ]
         for c in self.conditions:
-            safe = (f'safe path {c["safe_path"]} applied' if c['made_safe']
-                    else 'NO safe path (the class has its own forward)')
+            safe = (
+                f'safe path {c["safe_path"]} applied'
+                if c['made_safe']
+                else 'NO safe path (the class has its own forward)'
+            )
             lines.append(f'  {c["path"] or "(root)"} ({c["layer"]}): {c["bug"]} [{", ".join(c["failures"])}]; {safe}')
         if not self.conditions:
             lines.append('  none')
@@ -138,8 +148,10 @@ def _check_importable(spec: ModelSpec, model: nn.Module) -> None:
     if not isinstance(spec, nn.Module) and getattr(spec, '__module__', None) == '__main__':
         in_main.append(getattr(spec, '__qualname__', repr(spec)))
     if in_main:
-        raise ValueError(f'{", ".join(in_main)} defined in __main__ cannot be rebuilt in the child processes the '
-                         'doctor runs; define the model (or its builder) in an importable module')
+        raise ValueError(
+            f'{", ".join(in_main)} defined in __main__ cannot be rebuilt in the child processes the '
+            'doctor runs; define the model (or its builder) in an importable module'
+        )
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
@@ -157,8 +169,10 @@ def _projection_loss(tensors: list[torch.Tensor]) -> torch.Tensor:
     """sum(t * r) over the output tensors, r fixed random: a loss whose gradient is not uniform
     (the gradient of a plain sum through BatchNorm is near zero)."""
     generator = torch.Generator().manual_seed(1)
-    return sum((t * torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.device, t.dtype)).sum()
-               for t in tensors)
+    return sum(
+        (t * torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.device, t.dtype)).sum()
+        for t in tensors
+    )
 
 
 def _prepare(spec: ModelSpec, device: str, dtype: torch.dtype) -> nn.Module:
@@ -207,8 +221,14 @@ def _compare(spec: ModelSpec, shape: Sequence[int], device: str) -> dict[str, An
     reference = _prepare(spec, device, torch.float32)
     converted_model = copy.deepcopy(reference)
     apply_channels_last(converted_model)
-    layers = check_layers(reference, converted_model, _input(shape, device, torch.float32),
-                          lambda output: _projection_loss(_output_tensors(output)), FLOAT32_FACTOR, FLOAT32_FLOOR)
+    layers = check_layers(
+        reference,
+        converted_model,
+        _input(shape, device, torch.float32),
+        lambda output: _projection_loss(_output_tensors(output)),
+        FLOAT32_FACTOR,
+        FLOAT32_FLOOR,
+    )
     return {'float64': {'worst': worst, 'error': errors[worst]}, 'float32': layers}
 
 
@@ -233,21 +253,32 @@ def _step_check(name: str, result: ProbeResult, counts: bool = True) -> Check:
 
 
 def _float64_check(found: dict[str, Any]) -> Check:
-    return Check('one step matches NCHW in float64', found['error'] <= FLOAT64_TOLERANCE,
-                 f'largest difference {found["error"]:.1e} of the magnitude (in {found["worst"]}), '
-                 f'tolerance {FLOAT64_TOLERANCE:g}')
+    return Check(
+        'one step matches NCHW in float64',
+        found['error'] <= FLOAT64_TOLERANCE,
+        f'largest difference {found["error"]:.1e} of the magnitude (in {found["worst"]}), '
+        f'tolerance {FLOAT64_TOLERANCE:g}',
+    )
 
 
 def _float32_check(found: dict[str, Any]) -> Check:
     failed = f'; channels last off in {", ".join(found["failed"])}' if found['failed'] else ''
-    return Check('float32 kernels of every layer as close to float64 as NCHW', not found['failed'],
-                 f'{found["layers"]} layers; closest to the limit: {found["worst"]}, channels last '
-                 f'{found["error"]:.1e}, NCHW {found["nchw_error"]:.1e} of the magnitude (allowed '
-                 f'{FLOAT32_FACTOR:g} x NCHW + {FLOAT32_FLOOR:g}){failed}')
+    return Check(
+        'float32 kernels of every layer as close to float64 as NCHW',
+        not found['failed'],
+        f'{found["layers"]} layers; closest to the limit: {found["worst"]}, channels last '
+        f'{found["error"]:.1e}, NCHW {found["nchw_error"]:.1e} of the magnitude (allowed '
+        f'{FLOAT32_FACTOR:g} x NCHW + {FLOAT32_FLOOR:g}){failed}',
+    )
 
 
-def doctor(model: ModelSpec, input_shape: Sequence[int], device: Optional[str] = None, strict: bool = False,
-           timeout: float = 600.0) -> DoctorReport:
+def doctor(
+    model: ModelSpec,
+    input_shape: Sequence[int],
+    device: Optional[str] = None,
+    strict: bool = False,
+    timeout: float = 600.0,
+) -> DoctorReport:
     """Check channels last on ``model`` with this torch and hardware (see the module docstring).
 
     Args:
@@ -262,14 +293,26 @@ def doctor(model: ModelSpec, input_shape: Sequence[int], device: Optional[str] =
     runtime = Runtime.current(device)
     built = _build(model)
     _check_importable(model, built)
-    conditions = [{'path': path, 'layer': type(module).__name__, 'bug': bug.name, 'failures': list(bug.failures),
-                   'safe_path': bug.safe_path.__name__, 'made_safe': bug.matches(module, runtime)}
-                  for path, module, bug in matching_bugs(built, [runtime], subclasses=True)]
+    conditions = [
+        {
+            'path': path,
+            'layer': type(module).__name__,
+            'bug': bug.name,
+            'failures': list(bug.failures),
+            'safe_path': bug.safe_path.__name__,
+            'made_safe': bug.matches(module, runtime),
+        }
+        for path, module, bug in matching_bugs(built, [runtime], subclasses=True)
+    ]
     with ThreadPoolExecutor(2) as pool:  # two child processes at once: most of each is importing torch
-        unsafe, safe = pool.map(lambda layout: run_isolated(_train_step, model, tuple(input_shape), device, layout,
-                                                            timeout=timeout), ('unsafe', 'safe'))
-    checks = [_step_check('channels-last training step without the safe paths', unsafe, counts=False),
-              _step_check('channels-last training step with the safe paths', safe)]
+        unsafe, safe = pool.map(
+            lambda layout: run_isolated(_train_step, model, tuple(input_shape), device, layout, timeout=timeout),
+            ('unsafe', 'safe'),
+        )
+    checks = [
+        _step_check('channels-last training step without the safe paths', unsafe, counts=False),
+        _step_check('channels-last training step with the safe paths', safe),
+    ]
     audit = None
     if safe.ok:
         checks += [_float64_check(safe.value['float64']), _float32_check(safe.value['float32'])]
@@ -279,8 +322,20 @@ def doctor(model: ModelSpec, input_shape: Sequence[int], device: Optional[str] =
         checks.append(_step_check('NCHW training step (to tell a layout bug from the model)', nchw, counts=False))
     missing = [c for c in conditions if not c['made_safe']]
     if missing:
-        checks.append(Check('every matched layer on a safe path', False,
-                            'no safe path for ' + ', '.join(c['path'] or '(root)' for c in missing)))
-    return DoctorReport(model=type(built).__name__, input_shape=tuple(input_shape), runtime=runtime,
-                        machine=machine_label(describe_machine()), conditions=conditions, checks=checks,
-                        audit=audit, strict=strict)
+        checks.append(
+            Check(
+                'every matched layer on a safe path',
+                False,
+                'no safe path for ' + ', '.join(c['path'] or '(root)' for c in missing),
+            )
+        )
+    return DoctorReport(
+        model=type(built).__name__,
+        input_shape=tuple(input_shape),
+        runtime=runtime,
+        machine=machine_label(describe_machine()),
+        conditions=conditions,
+        checks=checks,
+        audit=audit,
+        strict=strict,
+    )

@@ -35,8 +35,9 @@ from channels_last_algo.core.layout import channels_last_format, to_channels_las
 __all__ = ['check_layers', 'relative_error']
 
 
-def _record(model: nn.Module, x: torch.Tensor,
-            loss: Callable[[Any], torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _record(
+    model: nn.Module, x: torch.Tensor, loss: Callable[[Any], torch.Tensor]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """(input, output gradient) of every leaf layer called once with one 4D/5D tensor and
     returning one tensor, from one forward and backward of ``model``."""
     inputs: dict[str, torch.Tensor] = {}
@@ -81,8 +82,14 @@ def relative_error(values: torch.Tensor, reference: torch.Tensor) -> float:
     return (values - reference).abs().max().item() / (reference.abs().max().item() or 1.0)
 
 
-def check_layers(reference: nn.Module, converted: nn.Module, x: torch.Tensor, loss: Callable[[Any], torch.Tensor],
-                 factor: float = 10.0, floor: float = 1e-4) -> dict[str, Any]:
+def check_layers(
+    reference: nn.Module,
+    converted: nn.Module,
+    x: torch.Tensor,
+    loss: Callable[[Any], torch.Tensor],
+    factor: float = 10.0,
+    floor: float = 1e-4,
+) -> dict[str, Any]:
     """Check every leaf layer of ``converted`` (channels last) against ``reference`` (NCHW, the
     same weights and module paths) on the float32 input ``x``, ``loss`` turning the model's
     output into the scalar whose backward gives the recorded output gradients.
@@ -98,8 +105,9 @@ def check_layers(reference: nn.Module, converted: nn.Module, x: torch.Tensor, lo
         layer = reference.get_submodule(path)
         truth = _layer_values(copy.deepcopy(layer).double(), inp.double(), grad.double())
         nchw = _layer_values(copy.deepcopy(layer), inp, grad)
-        last = _layer_values(copy.deepcopy(converted.get_submodule(path)), to_channels_last(inp),
-                             to_channels_last(grad))
+        last = _layer_values(
+            copy.deepcopy(converted.get_submodule(path)), to_channels_last(inp), to_channels_last(grad)
+        )
         found['layers'] += 1
         for name, value in truth.items():
             error, nchw_error = relative_error(last[name], value), relative_error(nchw[name], value)

@@ -38,7 +38,7 @@ _DETAIL_LINES = 12
 
 # The child's side of run_isolated, self-contained so that a child imports only what the call needs:
 # load the call, run it, pickle the value or the error (the qualified names of its classes).
-_CHILD = '''
+_CHILD = """
 import pickle, sys, traceback
 call_path, answer_path = sys.argv[1:3]
 with open(call_path, 'rb') as file:
@@ -50,7 +50,7 @@ except Exception as error:
     payload = pickle.dumps({'error': traceback.format_exc(), 'types': types})
 with open(answer_path, 'wb') as file:
     file.write(payload)
-'''
+"""
 
 
 class WrongNumbers(AssertionError):
@@ -83,8 +83,13 @@ class ProbeResult:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (without ``value``, which may be any object)."""
-        return {'status': self.status, 'seconds': round(self.seconds, 2), 'returncode': self.returncode,
-                'signal': self.signal, 'detail': self.detail}
+        return {
+            'status': self.status,
+            'seconds': round(self.seconds, 2),
+            'returncode': self.returncode,
+            'signal': self.signal,
+            'detail': self.detail,
+        }
 
     def __str__(self) -> str:
         what = f'crashed ({self.signal})' if self.signal else self.status
@@ -103,12 +108,14 @@ def _child_env(env: Optional[dict[str, str]]) -> dict[str, str]:
     return {**os.environ, **(env or {}), 'PYTHONPATH': os.pathsep.join(paths)}
 
 
-def _run(command: list[str], timeout: float,
-         env: Optional[dict[str, str]]) -> tuple[float, Optional[subprocess.CompletedProcess]]:
+def _run(
+    command: list[str], timeout: float, env: Optional[dict[str, str]]
+) -> tuple[float, Optional[subprocess.CompletedProcess]]:
     start = time.perf_counter()
     try:
-        completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_child_env(env),
-                                   cwd=os.getcwd())
+        completed = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env=_child_env(env), cwd=os.getcwd()
+        )
     except subprocess.TimeoutExpired:
         return time.perf_counter() - start, None
     return time.perf_counter() - start, completed
@@ -126,8 +133,9 @@ def _outcome(seconds: float, completed: Optional[subprocess.CompletedProcess], t
     if completed is None:
         return ProbeResult('timeout', seconds, detail=f'no result after {timeout:g} s (a hang, or too little time)')
     if completed.returncode < 0:
-        return ProbeResult('crashed', seconds, completed.returncode, _signal_name(completed.returncode),
-                           detail=_tail(completed.stderr))
+        return ProbeResult(
+            'crashed', seconds, completed.returncode, _signal_name(completed.returncode), detail=_tail(completed.stderr)
+        )
     return None
 
 
@@ -150,8 +158,9 @@ def run_code(code: str, timeout: float = 120.0, env: Optional[dict[str, str]] = 
     return ProbeResult(status, seconds, completed.returncode, detail=detail)
 
 
-def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float = 300.0, env: Optional[dict[str, str]] = None,
-                 **kwargs: Any) -> ProbeResult:
+def run_isolated(
+    fn: Callable[..., Any], *args: Any, timeout: float = 300.0, env: Optional[dict[str, str]] = None, **kwargs: Any
+) -> ProbeResult:
     """Call ``fn(*args, **kwargs)`` in a child process and return its fate and return value.
 
     ``fn``, its arguments and its return value travel by pickle: ``fn`` and the classes of
@@ -169,21 +178,25 @@ def run_isolated(fn: Callable[..., Any], *args: Any, timeout: float = 300.0, env
         try:
             call.write_bytes(pickle.dumps((fn, args, kwargs)))
         except (pickle.PicklingError, AttributeError, TypeError) as error:
-            raise ValueError(f'cannot send {getattr(fn, "__name__", fn)!r} and its arguments to a child process '
-                             f'({error}); define the function and the classes of its arguments at module level, '
-                             'where the child can import them by name') from error
+            raise ValueError(
+                f'cannot send {getattr(fn, "__name__", fn)!r} and its arguments to a child process '
+                f'({error}); define the function and the classes of its arguments at module level, '
+                'where the child can import them by name'
+            ) from error
         command = [sys.executable, '-c', _CHILD, str(call), str(answer)]
         seconds, completed = _run(command, timeout, env)
         result = _outcome(seconds, completed, timeout)
         if result is not None:
             return result
         if not answer.exists():
-            return ProbeResult('error', seconds, completed.returncode,
-                               detail=_tail(completed.stderr) or f'the child exited with status {completed.returncode}')
+            return ProbeResult(
+                'error',
+                seconds,
+                completed.returncode,
+                detail=_tail(completed.stderr) or f'the child exited with status {completed.returncode}',
+            )
         reply = pickle.loads(answer.read_bytes())
     if 'value' in reply:
         return ProbeResult('ok', seconds, completed.returncode, value=reply['value'])
     status = 'wrong numbers' if f'{WrongNumbers.__module__}.{WrongNumbers.__qualname__}' in reply['types'] else 'error'
     return ProbeResult(status, seconds, completed.returncode, detail=_tail(reply['error']))
-
-

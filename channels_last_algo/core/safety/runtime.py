@@ -68,8 +68,11 @@ class Runtime:
         """This process's torch, ``device``'s type, and (on the CPU) the instruction set oneDNN
         uses here: PyTorch's CPU capability lowered by ``ONEDNN_MAX_CPU_ISA`` when set."""
         device_type = torch.device(device).type
-        return cls(torch_version=parse_version(torch.__version__), device=device_type,
-                   cpu_isa=_cpu_isa() if device_type == 'cpu' else None)
+        return cls(
+            torch_version=parse_version(torch.__version__),
+            device=device_type,
+            cpu_isa=_cpu_isa() if device_type == 'cpu' else None,
+        )
 
     def __str__(self) -> str:
         version = '.'.join(map(str, self.torch_version))

@@ -38,7 +38,7 @@ class SubsampledConv2d(nn.Conv2d):
     convolution of the strided subsample of its input (the same numbers)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        subsample = input[..., ::self.stride[0], ::self.stride[1]]
+        subsample = input[..., :: self.stride[0], :: self.stride[1]]
         return F.conv2d(subsample, self.weight, self.bias, 1, 0, self.dilation, self.groups)
 
 
@@ -47,6 +47,13 @@ class NCHWAvgPool2d(nn.AvgPool2d):
     last; the NCHW gradient it returns is what the audit then reports as this path's cost."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        output = F.avg_pool2d(input.to(memory_format=torch.contiguous_format), self.kernel_size, self.stride,
-                              self.padding, self.ceil_mode, self.count_include_pad, self.divisor_override)
+        output = F.avg_pool2d(
+            input.to(memory_format=torch.contiguous_format),
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.ceil_mode,
+            self.count_include_pad,
+            self.divisor_override,
+        )
         return output.contiguous(memory_format=torch.channels_last)
