@@ -1,50 +1,31 @@
-"""Repair: every rule removes the break it names, the zoo and the UNet train with zero layout
-breaks after conversion + repair, and repaired models keep their state and their numbers."""
+"""Repair: every rule removes the break it names where its row says the break exists (a probe
+on the installed torch), the torchvision zoo and the UNet train with zero layout breaks after
+conversion + repair, and repaired models keep their state, their numbers, and their use with
+fx, TorchScript, torch.export and ONNX export."""
 
 import copy
 import pickle
-import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
-import torchvision
 from torch import nn
 from torchvision.models.mobilenetv2 import MobileNetV2
-from torchvision.models.shufflenetv2 import InvertedResidual, channel_shuffle
+from torchvision.models.shufflenetv2 import InvertedResidual
 
+from channels_last_algo.app import zoo
 from channels_last_algo.core.audit import audit_model
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.layers import (
     RULES,
-    ChannelsLastBicubicUpsample,
-    ChannelsLastGroupNorm,
     ChannelsLastInstanceNorm2d,
-    ChannelsLastPixelShuffle,
-    ChannelsLastPixelUnshuffle,
-    ChannelsLastReflectionPad2d,
-    ChannelsLastReplicationPad2d,
     RepairRecord,
     RepairRule,
-    bicubic_upsample_nhwc,
-    global_avg_pool_nhwc,
-    interleave_channels,
-    pad_nhwc,
-    pixel_shuffle_nhwc,
-    pixel_unshuffle_nhwc,
     repair_model,
+    version_in,
 )
-from channels_last_algo.core.layers import bicubic as bicubic_module
 from channels_last_algo.core.layout import is_channels_last, to_channels_last
-from unet import UNet
 
-ZOO = [
-    'resnet50', 'resnext50_32x4d', 'wide_resnet50_2', 'densenet121', 'efficientnet_b0', 'mobilenet_v2',
-    'mobilenet_v3_large', 'shufflenet_v2_x1_0', 'squeezenet1_1', 'googlenet', 'vgg11_bn', 'mnasnet1_0',
-    'regnet_y_400mf', 'convnext_tiny',
-]
-ZOO_INPUT = (2, 3, 64, 64)  # GoogLeNet needs >= 64 px; the last stage is 2x2, not ambiguous
-UNET_INPUT = (2, 3, 32, 32)
+UNet = zoo.UNet
 
 
 def _nhwc(*shape, dtype=torch.float32):
@@ -98,15 +79,11 @@ def _repaired(model, device=None):
 
 
 def _build(name):
-    torch.manual_seed(0)
-    if name == 'unet':
-        return UNet(), UNET_INPUT
-    with warnings.catch_warnings():
-        warnings.simplefilter('ignore', FutureWarning)  # googlenet's init_weights notice
-        return getattr(torchvision.models, name)(weights=None), ZOO_INPUT
+    entry = zoo.by_name(name)
+    return zoo.build(entry), entry.input_shape
 
 
-@pytest.fixture(scope='module', params=ZOO + ['unet'])
+@pytest.fixture(scope='module', params=[entry.name for entry in zoo.TORCHVISION_ZOO])
 def case(request):
     """(name, NCHW model, its input shape, repaired channels-last copy, repair records)."""
     reference, shape = _build(request.param)
@@ -179,16 +156,21 @@ def test_records_name_the_swapped_modules(case):
         assert type(model.get_submodule(record.path)) is rule.replacement
         assert type(reference.get_submodule(record.path)) is rule.original
     expected = {
-        'resnet50': {'global_avg_pool'}, 'densenet121': set(), 'efficientnet_b0': {'global_avg_pool'},
-        'mobilenet_v2': {'mobilenet_v2_global_pool'}, 'shufflenet_v2_x1_0': {'shufflenet_channel_shuffle'},
-        'vgg11_bn': set(), 'mnasnet1_0': set(), 'unet': {'instance_norm', 'bicubic_upsample'},
+        'resnet50': {'global_avg_pool'},
+        'densenet121': set(),
+        'efficientnet_b0': {'global_avg_pool'},
+        'mobilenet_v2': {'mobilenet_v2_global_pool'},
+        'shufflenet_v2_x1_0': {'shufflenet_channel_shuffle'},
+        'vgg11_bn': set(),
+        'mnasnet1_0': set(),
+        'unet': {'instance_norm', 'bicubic_upsample'},
     }
     if name in expected:
         assert {r.rule for r in records} == expected[name]
     assert repair_model(model) == []  # idempotent
 
 
-# every CPU rule removes a break that the audit finds without it
+# every rule: a probe of its break on the installed torch, and the break gone after repair
 
 
 def _tiny_mobilenet_v2():
@@ -205,8 +187,9 @@ BREAKING_MODELS = {
         ('aten.hardtanh_backward.default', 'features.3.2', 'backward'),
     ),
     'shufflenet_channel_shuffle': (
-        lambda: nn.Sequential(nn.Conv2d(3, 24, 3), InvertedResidual(24, 48, 2), InvertedResidual(48, 48, 1),
-                              nn.Conv2d(48, 8, 1)),
+        lambda: nn.Sequential(
+            nn.Conv2d(3, 24, 3), InvertedResidual(24, 48, 2), InvertedResidual(48, 48, 1), nn.Conv2d(48, 8, 1)
+        ),
         ('aten.cat.default', '2', 'forward'),
     ),
     'instance_norm': (
@@ -220,28 +203,90 @@ BREAKING_MODELS = {
 }
 
 
-def test_every_rule_that_applies_on_cpu_has_a_breaking_model():
-    assert set(BREAKING_MODELS) == {r.name for r in RULES if not r.cuda_only}
+def _timm(module, name):
+    """A layer class of another library (the test skips without it)."""
+    return getattr(pytest.importorskip(module), name)
+
+
+def _ghost_block(mode):
+    block = _timm('timm.models.ghostnet', 'GhostBottleneck')
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), block(8, 16, 8, mode=mode), nn.Conv2d(8, 4, 1))
+
+
+def _std_conv(layer):
+    return lambda: nn.Sequential(_timm('timm.layers.std_conv', layer)(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 1))
+
+
+BREAKING_MODELS |= {
+    # torch 2.14's slice_backward keeps NHWC, 2.7's does not; the add of the two gradients breaks on both
+    'channel_slice': (lambda: _ghost_block('original'), ('aten.add.Tensor', '1.ghost1.primary_conv.0', 'backward')),
+    'channel_slice_gated': (lambda: _ghost_block('attn'), ('aten.add.Tensor', '1.ghost1.primary_conv.0', 'backward')),
+    'pooled_upsample': (
+        lambda: nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), _timm('torchvision.models.segmentation.deeplabv3', 'ASPP')(8, [2], 8)
+        ),
+        ('aten.cat.default', '1', 'forward'),
+    ),
+    'split_attention': (
+        lambda: nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            _timm('timm.layers.split_attn', 'SplitAttn')(8, 8, radix=2),
+            nn.AvgPool2d(3, 2, 1),
+            nn.Conv2d(8, 4, 1),
+        ),
+        ('aten.avg_pool2d_backward.default', '2', 'backward'),
+    ),
+    **{
+        f'weight_standardization_{i}': (_std_conv(layer), ('aten.clone.default', '0', 'backward'))
+        for i, layer in enumerate(('StdConv2d', 'StdConv2dSame', 'ScaledStdConv2d', 'ScaledStdConv2dSame'))
+    },
+}
+
+
+def test_every_rule_that_applies_on_cpu_has_a_probe():
+    assert set(BREAKING_MODELS) == {r.name for r in RULES if 'cpu' in r.devices}
 
 
 @pytest.mark.parametrize('rule', sorted(BREAKING_MODELS))
-def test_rule_removes_the_break_it_names(rule):
+def test_rule_removes_the_break_it_names_where_its_row_says_it_exists(rule):
+    """The probe: without the rule, the break is there exactly when the row says so for this torch."""
+    row = next(r for r in RULES if r.name == rule)
     build, (op, path, phase) = BREAKING_MODELS[rule]
     torch.manual_seed(0)
     model = build()
     apply_channels_last(model, repair=False)
     x = _nhwc(2, 3, 16, 16)
     before = audit_model(model, x)
-    assert (op, path, phase) in {(b.op, b.module_path, b.phase) for b in before.breaks}, str(before)
+    found = (op, path, phase) in {(b.op, b.module_path, b.phase) for b in before.breaks}
+    where = f'{rule} ({row.torch_versions}) on torch {torch.__version__}'
+    assert found == row.applies(torch.device('cpu')), f'{where}:\n{before}'
     records = repair_model(model)
-    assert rule in {r.rule for r in records}
+    assert (rule in {r.rule for r in records}) == found
     after = audit_model(model, x)
     assert after.breaks == [], str(after)
 
 
+def test_rules_apply_only_to_the_torch_versions_and_devices_in_their_row():
+    row = RepairRule(
+        name='old',
+        breaks='x (forward)',
+        original=nn.Identity,
+        replacement=nn.Identity,
+        removes='x',
+        devices=('cuda',),
+        torch_versions='>=2.7,<2.10',
+    )
+    assert row.applies(torch.device('cuda'), '2.9.1+cu128') and not row.applies(torch.device('cuda'), '2.10.0')
+    assert not row.applies(torch.device('cpu'), '2.9.1')
+    assert not row.matches(nn.Identity(), torch.device('cpu'))
+    assert version_in('2.14.1', '>=2.7') and not version_in('2.6', '>=2.7') and version_in('2.7', '==2.7.0')
+    with pytest.raises(ValueError, match="clause '~2.7' must start with"):
+        version_in('2.7.0', '~2.7')
+
+
 # CUDA-only rules: applied only on CUDA, and the same numbers as the native layers on CPU
 
-CUDA_RULES = {r.name for r in RULES if r.cuda_only}
+CUDA_RULES = {r.name for r in RULES if r.devices == ('cuda',)}
 
 
 def test_cuda_only_rules_apply_only_to_models_on_cuda():
@@ -269,128 +314,14 @@ def test_unet_on_cuda_breaks_where_the_cuda_rules_say_and_not_after_repair():
     cpu_rules_only, _ = _repaired(copy.deepcopy(reference).cuda(), device='cpu')
     before = audit_model(cpu_rules_only, x)
     broken = {type(cpu_rules_only.get_submodule(b.module_path)) for b in before.breaks if b.module_path}
-    assert {r.original for r in RULES if r.cuda_only} <= broken, str(before)
+    assert {r.original for r in RULES if r.devices == ('cuda',)} <= broken, str(before)
     model, records = _repaired(copy.deepcopy(reference).cuda())
     assert CUDA_RULES <= {r.rule for r in records}
     after = audit_model(model, x)
     assert after.breaks == [], str(after)
     x = torch.randn(*shape, device='cuda')
     with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
-        _assert_same_numbers(_step(model, to_channels_last(x)), _step(reference.cuda(), x), rtol=1e-3,
-                             atol_scale=1e-4)
-
-
-# each replacement layer against the layer it replaces
-
-
-def _compare_layers(original, replacement_type, x, rtol=1e-5, atol=1e-5):
-    """Same output and input gradient as ``original`` (NCHW), with NHWC output and gradient."""
-    swapped = copy.deepcopy(original)
-    swapped.__class__ = replacement_type
-    x_ref = x.detach().contiguous().requires_grad_()
-    x_cl = to_channels_last(x.detach()).requires_grad_()
-    expected, actual = original(x_ref), swapped(x_cl)
-    assert is_channels_last(actual)
-    torch.manual_seed(2)
-    grad = to_channels_last(torch.randn(expected.shape, dtype=x.dtype))
-    expected.backward(grad.contiguous())
-    actual.backward(grad)
-    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
-    torch.testing.assert_close(x_cl.grad, x_ref.grad, rtol=rtol, atol=atol)
-    for (name, p), q in zip(swapped.named_parameters(), original.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
-
-
-@pytest.mark.parametrize('padding', [1, (2, 1, 0, 3), (3, 3, 1, 1), (-1, 2, 1, -2)])
-@pytest.mark.parametrize('original,replacement', [
-    (nn.ReflectionPad2d, ChannelsLastReflectionPad2d),
-    (nn.ReplicationPad2d, ChannelsLastReplicationPad2d),
-])
-def test_padding_matches(original, replacement, padding):
-    _compare_layers(original(padding), replacement, torch.randn(2, 5, 6, 7), rtol=0, atol=1e-6)
-
-
-def test_reflection_padding_as_large_as_the_input_is_refused():
-    with pytest.raises(ValueError, match=r'reflection padding \(4, 0\) must be smaller than the padded dimension'):
-        pad_nhwc(torch.randn(1, 2, 4, 4), (0, 0, 4, 0), 'reflect')
-    with pytest.raises(ValueError, match="mode 'reflect' or 'replicate', not 'circular'"):
-        pad_nhwc(torch.randn(1, 2, 4, 4), (1, 1, 1, 1), 'circular')
-
-
-@pytest.mark.parametrize('factor', [2, 3])
-def test_pixel_shuffle_and_unshuffle_match(factor):
-    shuffle_input = torch.randn(2, 4 * factor**2, 3, 5)
-    unshuffle_input = torch.randn(2, 4, 3 * factor, 2 * factor)
-    _compare_layers(nn.PixelShuffle(factor), ChannelsLastPixelShuffle, shuffle_input, rtol=0, atol=0)
-    _compare_layers(nn.PixelUnshuffle(factor), ChannelsLastPixelUnshuffle, unshuffle_input, rtol=0, atol=0)
-
-
-def test_pixel_shuffle_refuses_what_the_native_op_refuses():
-    with pytest.raises(ValueError, match='channels divisible by upscale_factor'):
-        pixel_shuffle_nhwc(torch.randn(1, 6, 2, 2), 2)
-    with pytest.raises(ValueError, match='height and width divisible by downscale_factor'):
-        pixel_unshuffle_nhwc(torch.randn(1, 6, 5, 4), 2)
-
-
-@pytest.mark.parametrize('groups,affine', [(1, True), (4, True), (16, True), (4, False)])
-def test_group_norm_matches(groups, affine):
-    torch.manual_seed(0)
-    norm = nn.GroupNorm(groups, 16, affine=affine, eps=1e-3)
-    if affine:
-        nn.init.normal_(norm.weight)
-        nn.init.normal_(norm.bias)
-    _compare_layers(norm, ChannelsLastGroupNorm, torch.randn(3, 16, 5, 6) * 3 + 1)
-
-
-def test_group_norm_in_bfloat16_matches_within_bfloat16_rounding():
-    norm = nn.GroupNorm(4, 16).to(torch.bfloat16)
-    _compare_layers(norm, ChannelsLastGroupNorm, torch.randn(2, 16, 5, 5, dtype=torch.bfloat16), rtol=2e-2, atol=2e-2)
-
-
-def test_group_norm_refuses_channels_that_groups_do_not_divide():
-    with pytest.raises(ValueError, match='16 channels and 3 groups'):
-        ChannelsLastGroupNorm(3, 15)(torch.randn(1, 16, 2, 2))
-
-
-@pytest.mark.parametrize('affine', [True, False])
-def test_instance_norm_matches(affine):
-    torch.manual_seed(0)
-    norm = nn.InstanceNorm2d(8, affine=affine)
-    if affine:
-        nn.init.normal_(norm.weight)
-        nn.init.normal_(norm.bias)
-    _compare_layers(norm, ChannelsLastInstanceNorm2d, torch.randn(2, 8, 7, 5) * 2 - 1)
-
-
-def test_instance_norm_keeps_native_behaviour_outside_4d_input():
-    norm = nn.InstanceNorm2d(4)
-    swapped = copy.deepcopy(norm)
-    swapped.__class__ = ChannelsLastInstanceNorm2d
-    x = torch.randn(4, 5, 5)  # unbatched
-    torch.testing.assert_close(swapped(x), norm(x))
-
-
-@pytest.mark.parametrize('kwargs', [
-    dict(scale_factor=2), dict(scale_factor=4, align_corners=True), dict(scale_factor=(2, 3)),
-    dict(size=(9, 5)), dict(scale_factor=1.5, recompute_scale_factor=True), dict(scale_factor=0.5),
-])
-def test_bicubic_upsample_matches(kwargs):
-    _compare_layers(nn.Upsample(mode='bicubic', **kwargs), ChannelsLastBicubicUpsample, torch.randn(2, 6, 8, 7))
-
-
-def test_bicubic_upsample_above_the_matrix_size_limit_uses_the_native_kernel(monkeypatch):
-    monkeypatch.setattr(bicubic_module, 'MATMUL_MAX_SIZE', 6)
-    up = ChannelsLastBicubicUpsample(scale_factor=2, mode='bicubic')
-    x = _nhwc(1, 2, 8, 8)
-    assert torch.equal(up(x), F.interpolate(x, scale_factor=2, mode='bicubic'))
-    torch.testing.assert_close(bicubic_upsample_nhwc(x, scale_factor=2), up(x), rtol=1e-5, atol=1e-6)
-
-
-def test_global_pool_and_channel_interleave_match():
-    x = torch.randn(2, 6, 5, 4)
-    torch.testing.assert_close(global_avg_pool_nhwc(to_channels_last(x)), F.adaptive_avg_pool2d(x, 1))
-    a, b = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
-    assert torch.equal(interleave_channels(a, b), channel_shuffle(torch.cat((a, b), dim=1), 2))
+        _assert_same_numbers(_step(model, to_channels_last(x)), _step(reference.cuda(), x), rtol=1e-3, atol_scale=1e-4)
 
 
 # the rule table and repair_model
@@ -422,7 +353,8 @@ def test_repair_keeps_parameter_objects_hooks_and_pickles():
     hook = model.down1[1].register_forward_hook(lambda *args: calls.append(1))
     records = repair_model(model)
     assert [r for r in records if r.path == 'down1.1'] == [
-        RepairRecord('down1.1', 'torch.nn.modules.instancenorm.InstanceNorm2d', 'instance_norm')]
+        RepairRecord('down1.1', 'torch.nn.modules.instancenorm.InstanceNorm2d', 'instance_norm')
+    ]
     assert all(p is q for p, q in zip(params, model.parameters()))
     model(torch.randn(1, 3, 16, 16))
     assert calls == [1]
@@ -433,4 +365,4 @@ def test_repair_keeps_parameter_objects_hooks_and_pickles():
 
 def test_a_replacement_must_subclass_the_original():
     with pytest.raises(TypeError, match="repair rule 'bad'.*must subclass torch.nn.modules.conv.Conv2d"):
-        RepairRule(name='bad', original=nn.Conv2d, replacement=nn.Identity, removes='nothing')
+        RepairRule(name='bad', breaks='none', original=nn.Conv2d, replacement=nn.Identity, removes='nothing')

@@ -26,6 +26,10 @@ that is a view (an N x C x 1 x 1 tensor after global pooling) is free: it is rec
 recorded with the bytes it copies, as is any copy the backward pass of such a reshape runs;
 neither is counted as a break.
 
+*Fallback copies* (``report.fallbacks``): the copies back into NHWC that the boundary
+fallback (:mod:`channels_last_algo.core.boundary`) makes around a module holding a break
+that no rule repairs, with the bytes they copy; they are not breaks either.
+
 Each record names the aten op, the module path that was running (in backward: the module
 whose forward created the autograd node being executed), the phase, the shape of the tensor
 that lost its layout, and the bytes the op wrote. Nothing is installed while no audit is
@@ -51,7 +55,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Optional, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional, Union
 
 import torch
 from torch.nn.modules import module as _module_hooks
@@ -60,7 +65,7 @@ from torch.utils._pytree import tree_flatten
 
 from channels_last_algo.core.layout import Layout, layout_of
 
-__all__ = ['AuditRecord', 'AuditReport', 'LayoutAudit', 'LayoutBreakError', 'audit_model']
+__all__ = ['FALLBACK_OP', 'AuditRecord', 'AuditReport', 'LayoutAudit', 'LayoutBreakError', 'audit_model']
 
 FORWARD = 'forward'
 BACKWARD = 'backward'
@@ -70,6 +75,8 @@ _aten = torch.ops.aten
 _COPY_OPS = frozenset({_aten.clone, _aten._to_copy, _aten.copy_, _aten.copy})
 # Reshapes that can take a 4D/5D tensor to a lower rank without copying.
 _RESHAPE_OPS = frozenset({_aten.view, _aten._unsafe_view, _aten.squeeze})
+# The op of the boundary fallback's copies (channels_last_algo.core.boundary); its second argument names the module.
+FALLBACK_OP = 'channels_last_algo::restore_channels_last'
 # Key under which the audit stores (module path, is_exit) in an autograd node's metadata.
 _NODE_KEY = 'channels_last_algo.core.audit'
 
@@ -124,8 +131,7 @@ def _table(records: Sequence[AuditRecord]) -> list[str]:
         count_bytes[0] += 1
         count_bytes[1] += r.nbytes
     header = ('phase', 'module path', 'op', 'shape', 'layouts', 'count', 'bytes')
-    rows = [header] + [key + (str(count), _format_bytes(nbytes))
-                       for key, (count, nbytes) in groups.items()]
+    rows = [header] + [key + (str(count), _format_bytes(nbytes)) for key, (count, nbytes) in groups.items()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return ['  ' + '  '.join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
@@ -145,11 +151,14 @@ class AuditReport:
     breaks: list[AuditRecord] = dataclasses.field(default_factory=list)
     exits: list[AuditRecord] = dataclasses.field(default_factory=list)
     steps: int = 1
+    fallbacks: list[AuditRecord] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)  # what made the audit unable to see a break
 
     @property
     def ok(self) -> bool:
-        """True when nothing dropped NHWC (exit conversions do not count)."""
-        return not self.breaks
+        """True when nothing dropped NHWC (exit conversions do not count) on a path that was
+        channels last at all (no :attr:`notes`, such as an NCHW input or an unconverted model)."""
+        return not self.breaks and not self.notes
 
     @property
     def break_bytes(self) -> int:
@@ -159,14 +168,20 @@ class AuditReport:
     def exit_bytes(self) -> int:
         return sum(r.nbytes for r in self.exits)
 
+    @property
+    def fallback_bytes(self) -> int:
+        return sum(r.nbytes for r in self.fallbacks)
+
     @classmethod
-    def merge(cls, reports: Iterable['AuditReport']) -> 'AuditReport':
+    def merge(cls, reports: Iterable[AuditReport]) -> AuditReport:
         """One report holding the records and steps of several, e.g. one per training step."""
         merged = cls(steps=0)
         for report in reports:
             merged.breaks.extend(report.breaks)
             merged.exits.extend(report.exits)
+            merged.fallbacks.extend(report.fallbacks)
             merged.steps += report.steps
+            merged.notes.extend(note for note in report.notes if note not in merged.notes)
         return merged
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,37 +190,53 @@ class AuditReport:
             'steps': self.steps,
             'breaks': [dataclasses.asdict(r) | {'shape': list(r.shape)} for r in self.breaks],
             'exits': [dataclasses.asdict(r) | {'shape': list(r.shape)} for r in self.exits],
+            'fallbacks': [dataclasses.asdict(r) | {'shape': list(r.shape)} for r in self.fallbacks],
+            'notes': list(self.notes),
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> 'AuditReport':
+    def from_dict(cls, data: dict[str, Any]) -> AuditReport:
         """The report :meth:`to_dict` wrote; ValueError naming the key at fault otherwise."""
         if not isinstance(data, dict):
             raise ValueError(f'an audit report dict was expected, got {type(data).__name__}')
         missing = [key for key in ('steps', 'breaks', 'exits') if key not in data]
         if missing:
-            raise ValueError(f'audit report dict lacks {missing}; it needs the keys steps, breaks '
-                             'and exits, as AuditReport.to_dict() writes them')
+            raise ValueError(
+                f'audit report dict lacks {missing}; it needs the keys steps, breaks '
+                'and exits, as AuditReport.to_dict() writes them'
+            )
         lists = {}
-        for key in ('breaks', 'exits'):
+        for key in ('breaks', 'exits', 'fallbacks'):
             records = []
-            for i, item in enumerate(data[key]):
+            for i, item in enumerate(data.get(key, [])):
                 fields = set(item) if isinstance(item, dict) else set()
                 if fields != set(_RECORD_FIELDS):
-                    raise ValueError(f'audit report dict: {key}[{i}] must have exactly the keys '
-                                     f'{list(_RECORD_FIELDS)}, got {item!r}')
+                    raise ValueError(
+                        f'audit report dict: {key}[{i}] must have exactly the keys {list(_RECORD_FIELDS)}, got {item!r}'
+                    )
                 records.append(AuditRecord(**{**item, 'shape': tuple(item['shape'])}))
             lists[key] = records
-        return cls(breaks=lists['breaks'], exits=lists['exits'], steps=int(data['steps']))
+        return cls(
+            breaks=lists['breaks'],
+            exits=lists['exits'],
+            steps=int(data['steps']),
+            fallbacks=lists['fallbacks'],
+            notes=list(data.get('notes', [])),
+        )
 
     def __str__(self) -> str:
         steps = f'{self.steps} step' + ('' if self.steps == 1 else 's')
-        lines = [f'layout audit over {steps}: {len(self.breaks)} layout breaks '
-                 f'({_format_bytes(self.break_bytes)} moved), {len(self.exits)} exit conversions '
-                 f'({_format_bytes(self.exit_bytes)} copied)']
+        lines = [
+            f'layout audit over {steps}: {len(self.breaks)} layout breaks '
+            f'({_format_bytes(self.break_bytes)} moved), {len(self.exits)} exit conversions '
+            f'({_format_bytes(self.exit_bytes)} copied)'
+        ]
+        lines += [f'not a channels-last run: {note}' for note in self.notes]
         lines += ['breaks:'] + _table(self.breaks) if self.breaks else ['no layout breaks']
         if self.exits:
             lines += ['exit conversions (the tensor leaves the conv trunk):'] + _table(self.exits)
+        if self.fallbacks:
+            lines += [f'boundary fallback copies ({_format_bytes(self.fallback_bytes)}):'] + _table(self.fallbacks)
         return '\n'.join(lines)
 
 
@@ -221,7 +252,7 @@ class LayoutBreakError(RuntimeError):
             f'layout break in {record.phase} at {where}{kind}: {record.op} turned an {source} '
             f'tensor of shape {tuple(record.shape)} into {target} '
             f'({_format_bytes(record.nbytes)} written). Repair '
-            f'the layer with apply_channels_last\'s repair rules, replace it with an '
+            f"the layer with apply_channels_last's repair rules, replace it with an "
             f'NHWC-preserving equivalent, or report the op and module path so a rule can be '
             f'added; audit with strict=False to list every break.'
         )
@@ -230,7 +261,7 @@ class LayoutBreakError(RuntimeError):
 class _DispatchObserver(_python_dispatch.TorchDispatchMode):
     """Runs every op unchanged and shows it, with its output, to the audit."""
 
-    def __init__(self, audit: 'LayoutAudit'):
+    def __init__(self, audit: LayoutAudit):
         super().__init__()
         self.audit = audit
 
@@ -275,6 +306,7 @@ class LayoutAudit:
         self.strict = strict
         self._breaks: list[AuditRecord] = []
         self._exits: list[AuditRecord] = []
+        self._fallbacks: list[AuditRecord] = []
         self._steps = 0
         self._mode: Optional[_DispatchObserver] = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -284,7 +316,7 @@ class LayoutAudit:
         self._pending: list[tuple[list[torch.Tensor], Optional[str], bool]] = []
         self._held_clone: Optional[tuple[AuditRecord, torch.Tensor]] = None
         self._failure: Optional[LayoutBreakError] = None
-        self._span = (0, 0)  # where the current span's breaks and exits begin
+        self._span = (0, 0, 0)  # where the current span's breaks, exits and fallbacks begin
 
     @property
     def active(self) -> bool:
@@ -293,18 +325,19 @@ class LayoutAudit:
     @property
     def report(self) -> AuditReport:
         """Everything recorded since this audit was created, over every span."""
-        return AuditReport(breaks=list(self._breaks), exits=list(self._exits), steps=self._steps)
+        return AuditReport(
+            breaks=list(self._breaks), exits=list(self._exits), steps=self._steps, fallbacks=list(self._fallbacks)
+        )
 
     def start(self) -> None:
         """Begin recording: install the dispatch mode and the module hooks."""
         if self.active:
             raise RuntimeError('this LayoutAudit is already active; call stop() before start()')
         self._module_paths = {id(m): name for name, m in self.model.named_modules()}
-        self._param_paths = {id(p): name.rpartition('.')[0]
-                             for name, p in self.model.named_parameters()}
+        self._param_paths = {id(p): name.rpartition('.')[0] for name, p in self.model.named_parameters()}
         self._stack.clear()
         self._failure = None
-        self._span = (len(self._breaks), len(self._exits))
+        self._span = (len(self._breaks), len(self._exits), len(self._fallbacks))
         self._steps += 1
         self._hooks = [
             _module_hooks.register_module_forward_pre_hook(self._enter_module),
@@ -324,7 +357,7 @@ class LayoutAudit:
             raise failure
         return self._span_report()
 
-    def __enter__(self) -> 'LayoutAudit':
+    def __enter__(self) -> LayoutAudit:
         self.start()
         return self
 
@@ -337,8 +370,10 @@ class LayoutAudit:
         if not self.active:
             raise RuntimeError('this LayoutAudit is not active; call start() first')
         if _python_dispatch._get_current_dispatch_mode() is not self._mode:
-            raise RuntimeError('another TorchDispatchMode was entered after the layout audit '
-                               'started and is still active; exit it before stopping the audit')
+            raise RuntimeError(
+                'another TorchDispatchMode was entered after the layout audit '
+                'started and is still active; exit it before stopping the audit'
+            )
         try:
             self._flush_held_clone()
             self._label_pending_nodes()
@@ -354,8 +389,13 @@ class LayoutAudit:
         return self._failure
 
     def _span_report(self) -> AuditReport:
-        first_break, first_exit = self._span
-        return AuditReport(breaks=self._breaks[first_break:], exits=self._exits[first_exit:], steps=1)
+        first_break, first_exit, first_fallback = self._span
+        return AuditReport(
+            breaks=self._breaks[first_break:],
+            exits=self._exits[first_exit:],
+            steps=1,
+            fallbacks=self._fallbacks[first_fallback:],
+        )
 
     # module stack (forward attribution)
 
@@ -405,6 +445,18 @@ class LayoutAudit:
         else:
             path, in_exit = self._backward_owner(node)
         outputs = _tensors(out)
+        if func.name() == FALLBACK_OP:
+            self._fallbacks.append(
+                AuditRecord(
+                    str(func),
+                    args[1],
+                    phase,
+                    tuple(args[0].shape),
+                    outputs[0].nbytes,
+                    f'{layout_of(args[0]).value}->{layout_of(outputs[0]).value}',
+                )
+            )
+            return
         is_exit = self._settle_held_clone(func, args, outputs) or in_exit
         if phase == FORWARD and (path is not None or is_exit):
             self._pending.append((outputs, path, is_exit))
@@ -417,14 +469,14 @@ class LayoutAudit:
             return
         if is_exit:
             self._exits.append(record)
-        elif func.overloadpacket is _aten.clone and phase == FORWARD and layout_of(
-                outputs[0]).is_channels_first:
+        elif func.overloadpacket is _aten.clone and phase == FORWARD and layout_of(outputs[0]).is_channels_first:
             self._held_clone = (record, outputs[0])  # an exit if a lower-rank reshape follows
         else:
             self._add_break(record)
 
-    def _layout_change(self, func: Any, args: tuple, kwargs: dict, outputs: list[torch.Tensor],
-                       path: Optional[str], phase: str) -> Optional[AuditRecord]:
+    def _layout_change(
+        self, func: Any, args: tuple, kwargs: dict, outputs: list[torch.Tensor], path: Optional[str], phase: str
+    ) -> Optional[AuditRecord]:
         inputs = _tensors((args, kwargs))
         out_layouts = [layout_of(t) for t in outputs]
         dropped = [t for t, layout in zip(outputs, out_layouts) if layout.is_channels_first]
@@ -432,36 +484,51 @@ class LayoutAudit:
             for tensor in inputs:
                 layout = layout_of(tensor)
                 if layout.is_channels_last:
-                    return AuditRecord(str(func), path, phase, tuple(tensor.shape),
-                                       sum(t.nbytes for t in dropped),
-                                       f'{layout.value}->{layout_of(dropped[0]).value}')
+                    return AuditRecord(
+                        str(func),
+                        path,
+                        phase,
+                        tuple(tensor.shape),
+                        sum(t.nbytes for t in dropped),
+                        f'{layout.value}->{layout_of(dropped[0]).value}',
+                    )
         converted = [t for t, layout in zip(outputs, out_layouts) if layout.is_channels_last]
         if converted and path is not None and func.overloadpacket in _COPY_OPS:
             source = args[1] if func.overloadpacket in (_aten.copy_, _aten.copy) else args[0]
             layout = layout_of(source)
             if layout.is_channels_first:
-                return AuditRecord(str(func), path, phase, tuple(source.shape),
-                                   sum(t.nbytes for t in converted),
-                                   f'{layout.value}->{layout_of(converted[0]).value}')
+                return AuditRecord(
+                    str(func),
+                    path,
+                    phase,
+                    tuple(source.shape),
+                    sum(t.nbytes for t in converted),
+                    f'{layout.value}->{layout_of(converted[0]).value}',
+                )
         return None
 
-    def _check_free_exit(self, func: Any, args: tuple, outputs: list[torch.Tensor],
-                         path: Optional[str]) -> None:
+    def _check_free_exit(self, func: Any, args: tuple, outputs: list[torch.Tensor], path: Optional[str]) -> None:
         source = args[0]
         if source.dim() not in (4, 5) or not outputs or outputs[0].dim() >= source.dim():
             return
         layout = layout_of(source)
         if layout.is_channels_last or layout is Layout.AMBIGUOUS:
-            self._exits.append(AuditRecord(str(func), path, FORWARD, tuple(source.shape), 0,
-                                           f'{layout.value}->{outputs[0].dim()}D'))
+            self._exits.append(
+                AuditRecord(str(func), path, FORWARD, tuple(source.shape), 0, f'{layout.value}->{outputs[0].dim()}D')
+            )
 
     def _settle_held_clone(self, func: Any, args: tuple, outputs: list[torch.Tensor]) -> bool:
         """Decide a held NHWC->NCHW clone: True (an exit) when this op flattens its output."""
         if self._held_clone is None:
             return False
         record, copied = self._held_clone
-        if (func.overloadpacket in _RESHAPE_OPS and args and args[0] is copied
-                and outputs and outputs[0].dim() < copied.dim()):
+        if (
+            func.overloadpacket in _RESHAPE_OPS
+            and args
+            and args[0] is copied
+            and outputs
+            and outputs[0].dim() < copied.dim()
+        ):
             self._held_clone = None
             exit_record = dataclasses.replace(record, layouts=f'{record.layouts}->{outputs[0].dim()}D')
             self._exits.append(exit_record)
@@ -490,9 +557,30 @@ def _scalar_loss(output: Any, model: torch.nn.Module) -> torch.Tensor:
     """Sum of every tensor in ``output`` that requires grad (tuples, namedtuples, dicts too)."""
     tensors = [t for t in _tensors(output) if t.requires_grad]
     if not tensors:
-        raise ValueError(f'{type(model).__name__} returned no tensor that requires grad, so there is '
-                         'no backward pass to audit; call audit_model(..., backward=False)')
+        raise ValueError(
+            f'{type(model).__name__} returned no tensor that requires grad, so there is '
+            'no backward pass to audit; call audit_model(..., backward=False)'
+        )
     return sum(t.sum() for t in tensors)
+
+
+def _not_channels_last(model: torch.nn.Module, inputs: tuple) -> list[str]:
+    """Why an audit of ``model`` on ``inputs`` cannot find a break: no 4D/5D input, or no 4D/5D
+    weight, that is channels last (ambiguous tensors count as either)."""
+    notes = []
+    images = [t for t in _tensors(inputs) if t.dim() in (4, 5)]
+    if images and not any(layout_of(t).is_channels_last or layout_of(t) is Layout.AMBIGUOUS for t in images):
+        notes.append(
+            f'the input of shape {tuple(images[0].shape)} is {layout_of(images[0]).value}; pass '
+            'input.to(memory_format=torch.channels_last) to audit the channels-last path'
+        )
+    weights = [p for p in model.parameters() if p.dim() in (4, 5)]
+    if weights and not any(layout_of(p).is_channels_last or layout_of(p) is Layout.AMBIGUOUS for p in weights):
+        notes.append(
+            f'none of the {len(weights)} 4D/5D weights of {type(model).__name__} is channels last; '
+            'convert the model with apply_channels_last(model) first'
+        )
+    return notes
 
 
 def audit_model(
@@ -505,9 +593,10 @@ def audit_model(
 
     The loss is the sum of every output tensor that requires grad (so auxiliary outputs, as
     GoogLeNet's in train mode, are audited too). The model runs in the mode it is in; pass an
-    NHWC input to audit the channels-last path. The model is left as it was found: its
-    parameters and buffers (BatchNorm running statistics) keep their values and each
-    parameter's ``.grad`` is the tensor it was before.
+    NHWC input to audit the channels-last path. An NCHW input or a model with no channels-last
+    weight is named in ``report.notes`` (and ``report.ok`` is False): nothing could break there.
+    The model is left as it was found: its parameters and buffers (BatchNorm running
+    statistics) keep their values and each parameter's ``.grad`` is the tensor it was before.
 
     Args:
         model: the model, usually after ``apply_channels_last``.
@@ -541,4 +630,6 @@ def audit_model(
         with torch.no_grad():
             for b, value in zip(buffers, buffer_values):
                 b.copy_(value)
-    return audit.report
+    report = audit.report
+    report.notes = _not_channels_last(model, inputs)
+    return report

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional, TypeVar, Union
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -49,9 +50,11 @@ def _is_bool(value: Any) -> bool:
 
 # The options of LayoutGuard and of every trainer integration built on it: name -> (valid, what is expected).
 OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    'mode': (lambda value: isinstance(value, str) and value in MODES, f"one of {', '.join(repr(m) for m in MODES)}"),
-    'audit_steps': (lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0,
-                    'an int >= 0 (0 turns the audit off)'),
+    'mode': (lambda value: isinstance(value, str) and value in MODES, f'one of {", ".join(repr(m) for m in MODES)}'),
+    'audit_steps': (
+        lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+        'an int >= 0 (0 turns the audit off)',
+    ),
     'strict': (_is_bool, 'True or False'),
     'repair': (_is_bool, 'True or False'),
     'fuse_eval': (_is_bool, 'True or False'),
@@ -115,10 +118,10 @@ class LayoutGuard:
             break's module path and op, at the end of an audited step that had a break.
         repair: swap the layers that drop NHWC for NHWC-preserving ones at :meth:`on_init`
             (see :mod:`channels_last_algo.core.layers`); same parameters, keys and numbers. With
-            an audit, also restore NHWC at the boundary of each module where an audited step
-            found a break that no rule removed (:mod:`channels_last_algo.core.boundary`, listed
-            in :attr:`boundaries`), and take it off again where the next audited step shows it
-            copied nothing.
+            an audit, also restore NHWC at the boundary of each module where the first audited
+            step with breaks found one that no rule removed (listed in :attr:`boundaries`; see
+            :mod:`channels_last_algo.core.boundary`), and take it off again where the next
+            audited step shows it copied nothing, or everywhere if the breaks did not go down.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(288, 2))
@@ -141,6 +144,7 @@ class LayoutGuard:
         self.weight_layout: Optional[WeightLayoutPlan] = None
         self._audit: Optional[LayoutAudit] = None
         self.boundaries: list[RepairRecord] = []  # the boundary fallbacks in place
+        self._fallback_found: Optional[AuditReport] = None  # the audit that placed them
 
     @property
     def channels_last(self) -> bool:
@@ -161,8 +165,9 @@ class LayoutGuard:
         """True while a step is being audited."""
         return self._audit is not None and self._audit.active
 
-    def on_init(self, model: torch.nn.Module, optimizers: Optimizers = None,
-                weight_layout: Optional[WeightLayoutPlan] = None) -> Optional[ConversionSummary]:
+    def on_init(
+        self, model: torch.nn.Module, optimizers: Optimizers = None, weight_layout: Optional[WeightLayoutPlan] = None
+    ) -> Optional[ConversionSummary]:
         """Restride the model (and any optimizer state it already has) to channels last;
         nothing in mode ``'off'`` (returns None).
 
@@ -182,13 +187,22 @@ class LayoutGuard:
             if self.mode == 'auto':
                 log.info("auto mode would time channels-last weights, which sharding does not allow: mode 'on'")
                 self.mode = 'on'
-            self.summary = (ConversionSummary(layout='channels first') if self.weight_layout.sharded
-                            else apply_channels_first(model, optimizers=optimizers))
+            self.summary = (
+                ConversionSummary(layout='channels first')
+                if self.weight_layout.sharded
+                else apply_channels_first(model, optimizers=optimizers)
+            )
         self._audit = LayoutAudit(model) if self.audit_steps else None
         return self.summary
 
-    def decide(self, model: torch.nn.Module, batch: Any, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
-               optimizers: Optimizers = None, **options: Any) -> LayoutDecision:
+    def decide(
+        self,
+        model: torch.nn.Module,
+        batch: Any,
+        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+        optimizers: Optimizers = None,
+        **options: Any,
+    ) -> LayoutDecision:
         """Auto mode: time ``loss_fn(model, batch).backward()`` in both layouts and keep channels first
         only on evidence that channels last is slower (docs/auto.md).
 
@@ -245,12 +259,15 @@ class LayoutGuard:
         return step_report
 
     def _fall_back(self, step_report: AuditReport) -> None:
-        pruned = set(prune_boundaries(self._audit.model, step_report)) if self.boundaries else set()
-        self.boundaries = [r for r in self.boundaries if r.path not in pruned]
-        added = repair_breaks(self._audit.model, step_report)
-        self.boundaries += added
-        for record in added:
-            log.info('boundary fallback at %s (%s): %s', record.path, record.original, record.detail)
+        """The first audited step with breaks places the fallback; the next one prunes it."""
+        if self._fallback_found is None:
+            self.boundaries = repair_breaks(self._audit.model, step_report)
+            self._fallback_found = step_report if self.boundaries else None
+            for record in self.boundaries:
+                log.info('boundary fallback at %s (%s): %s', record.path, record.original, record.detail)
+        elif self.boundaries:
+            pruned = set(prune_boundaries(self._audit.model, step_report, self._fallback_found))
+            self.boundaries = [r for r in self.boundaries if r.path not in pruned]
 
     def close(self) -> None:
         """Stop an audit left running by a step that raised; safe to call at any time."""

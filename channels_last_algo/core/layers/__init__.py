@@ -1,5 +1,9 @@
 """NHWC-preserving replacements for the layers that drop channels last, and the rules that apply them.
 
+The replacements of timm's layers (``channel_concat``, ``split_attention``,
+``weight_standardization``) import timm and are loaded by the rules only for models that
+hold those layers, so they are not imported here.
+
 Example:
     >>> import torch
     >>> from channels_last_algo.core.layers import repair_model
@@ -11,7 +15,12 @@ Example:
 from channels_last_algo.core.layers.bicubic import ChannelsLastBicubicUpsample, bicubic_upsample_nhwc
 from channels_last_algo.core.layers.channel_shuffle import ChannelsLastInvertedResidual, interleave_channels
 from channels_last_algo.core.layers.global_avg_pool import ChannelsLastAdaptiveAvgPool2d, global_avg_pool_nhwc
-from channels_last_algo.core.layers.group_norm_nhwc import ChannelsLastGroupNorm, ChannelsLastInstanceNorm2d, group_norm_nhwc
+from channels_last_algo.core.layers.group_norm_nhwc import (
+    ChannelsLastGroupNorm,
+    ChannelsLastInstanceNorm2d,
+    group_norm_nhwc,
+    instance_norm_nhwc,
+)
 from channels_last_algo.core.layers.mobilenet_v2 import ChannelsLastMobileNetV2
 from channels_last_algo.core.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d, pad_nhwc
 from channels_last_algo.core.layers.pixel_shuffle import (
@@ -20,7 +29,7 @@ from channels_last_algo.core.layers.pixel_shuffle import (
     pixel_shuffle_nhwc,
     pixel_unshuffle_nhwc,
 )
-from channels_last_algo.core.layers.rules import RULES, RepairRecord, RepairRule, repair_model
+from channels_last_algo.core.layers.rules import RULES, RepairRecord, RepairRule, repair_model, version_in
 
 __all__ = [
     'RULES',
@@ -39,9 +48,11 @@ __all__ = [
     'bicubic_upsample_nhwc',
     'global_avg_pool_nhwc',
     'group_norm_nhwc',
+    'instance_norm_nhwc',
     'interleave_channels',
     'pad_nhwc',
     'pixel_shuffle_nhwc',
     'pixel_unshuffle_nhwc',
     'repair_model',
+    'version_in',
 ]

@@ -6,8 +6,10 @@ in H and W, so nothing tells the division which order to write: it writes NCHW. 
 that produced ``x`` then gets an NCHW gradient next to its NHWC activation, and activations
 whose backward follows the gradient's layout (``silu_backward``, ``hardswish_backward``,
 ``hardtanh_backward``, ConvNeXt's layer-scale ``mul``) turn NCHW, up to the last convolution.
-Taking the mean over H and W of the (N, H, W, C) view instead makes the backward write
-(N, H, W, C) in order, which is NHWC memory.
+Taking the mean over H and W of the (..., H, W, C) view instead makes the backward write
+(..., H, W, C) in order, which is NHWC memory. The same ops serve any rank (an unbatched
+C x H x W input too), so the layer has no branch: ``torch.fx.symbolic_trace``,
+``torch.jit.script``, ``torch.export`` and ONNX export see plain tensor ops.
 
 Example:
     >>> import torch
@@ -28,8 +30,8 @@ __all__ = ['ChannelsLastAdaptiveAvgPool2d', 'global_avg_pool_nhwc', 'is_global_p
 
 
 def global_avg_pool_nhwc(x: torch.Tensor) -> torch.Tensor:
-    """Mean over H and W of a 4D tensor, kept as N x C x 1 x 1, computed in NHWC order."""
-    return x.permute(0, 2, 3, 1).mean(dim=(1, 2), keepdim=True).permute(0, 3, 1, 2)
+    """Mean over H and W of a (..., C, H, W) tensor, kept as (..., C, 1, 1), computed in NHWC order."""
+    return x.movedim(-3, -1).mean(dim=(-3, -2), keepdim=True).movedim(-1, -3)
 
 
 def is_global_pool(module: nn.AdaptiveAvgPool2d) -> bool:
@@ -40,7 +42,8 @@ def is_global_pool(module: nn.AdaptiveAvgPool2d) -> bool:
 
 
 class ChannelsLastAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
-    """``nn.AdaptiveAvgPool2d`` to 1 x 1 whose backward writes an NHWC gradient.
+    """``nn.AdaptiveAvgPool2d`` to 1 x 1 (the only setting the rule swaps) whose backward writes
+    an NHWC gradient.
 
     Example:
         >>> pool = ChannelsLastAdaptiveAvgPool2d(1)
@@ -49,6 +52,4 @@ class ChannelsLastAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.dim() != 4 or not is_global_pool(self):
-            return super().forward(input)
         return global_avg_pool_nhwc(input)

@@ -1,15 +1,21 @@
-"""Group and instance norm computed over the NHWC view, so that they keep channels last.
+"""Group and instance norm computed over the channels-last view, so that they keep channels last.
 
 ``InstanceNorm2d`` reshapes its input to 1 x (N*C) x H x W for ``batch_norm``, and that
 reshape of an NHWC tensor is an NCHW ``clone``, on every device. On CUDA, ``group_norm``
 also calls ``input.contiguous()`` and returns NCHW (pytorch/pytorch#111824; the CPU kernel
 keeps NHWC). Here the statistics come from the (N, H*W, G, C/G) view of the (N, H, W, C)
-permutation, and the normalisation is one ``addcmul`` with a per-sample, per-channel scale
-and shift (the form the native CPU kernels use, x * scale + shift), so every op reads and
-writes NHWC, forward and backward. Instance norm is the case of one channel per group.
+permutation, and the normalisation is one ``addcmul`` of the input with a per-sample,
+per-channel scale and shift (the form the native CPU kernels use, x * scale + shift), so
+every op reads and writes NHWC, forward and backward, and the result is a new tensor (not a
+view, which an in-place activation after the norm would have to copy whole in backward).
+Instance norm is the case of one channel per group.
 Half and bfloat16 inputs are normalised in float32, as the native kernels do, and the output
 has the dtype the native layer gives (float32 under CUDA autocast, whose policy runs group
 norm in float32).
+
+The functions decide on the input's dtype and device, so they are ``torch.fx.wrap`` leaves:
+``symbolic_trace`` records one call; ``torch.export`` and ONNX export trace through them;
+under ``torch.jit.script`` the layers run the native kernels (the same numbers).
 
 Example:
     >>> import torch
@@ -26,9 +32,16 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-__all__ = ['ChannelsLastGroupNorm', 'ChannelsLastInstanceNorm2d', 'group_norm_nhwc', 'uses_input_statistics']
+__all__ = [
+    'ChannelsLastGroupNorm',
+    'ChannelsLastInstanceNorm2d',
+    'group_norm_nhwc',
+    'instance_norm_nhwc',
+    'uses_input_statistics',
+]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -40,16 +53,18 @@ def group_norm_nhwc(
     bias: Optional[torch.Tensor],
     eps: float,
 ) -> torch.Tensor:
-    """``F.group_norm`` of a 4D tensor, computed over its NHWC view; NHWC out."""
-    n, c, h, w = x.shape
+    """``F.group_norm`` of an (N, C, ...) tensor, computed over its channels-last view; channels last out."""
+    n, c = x.shape[0], x.shape[1]
     if c % groups:
         raise ValueError(f'group norm needs channels divisible by groups; got {c} channels and {groups} groups')
     cuda_autocast = x.device.type == 'cuda' and torch.is_autocast_enabled('cuda')
     out_dtype = torch.float32 if cuda_autocast else x.dtype
     compute_dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
     per_group = (groups, c // groups)
+    per_channel = (n, c) + (1,) * (x.dim() - 2)
     with torch.autocast(x.device.type, enabled=False):
-        grouped = x.permute(0, 2, 3, 1).to(compute_dtype).reshape(n, h * w, *per_group)
+        x = x.to(compute_dtype)
+        grouped = x.movedim(1, -1).reshape(n, -1, *per_group)  # (N, H*W, G, C/G): a view of NHWC
         var, mean = torch.var_mean(grouped, dim=(1, 3), keepdim=True, correction=0)  # (N, 1, G, 1)
         scale = torch.rsqrt(var + eps)
         if weight is not None:
@@ -57,8 +72,32 @@ def group_norm_nhwc(
         shift = -mean * scale
         if bias is not None:
             shift = shift + bias.to(compute_dtype).view(per_group)
-        out = torch.addcmul(shift, grouped, scale).view(n, h, w, c)
-    return out.to(out_dtype).permute(0, 3, 1, 2)
+        scale, shift = (t.expand(n, 1, *per_group).reshape(per_channel) for t in (scale, shift))
+        out = torch.addcmul(shift, x, scale)  # elementwise on x: a new tensor in x's layout
+    return out.to(out_dtype)
+
+
+def instance_norm_nhwc(
+    x: torch.Tensor,
+    num_features: int,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float,
+) -> torch.Tensor:
+    """``nn.InstanceNorm2d`` without running statistics of an (N, C, H, W) or unbatched (C, H, W)
+    tensor, in channels-last order; like the native layer, an affine norm refuses a channel
+    count other than ``num_features`` and a plain one normalises every channel it gets."""
+    if x.dim() == 3:
+        return instance_norm_nhwc(x.unsqueeze(0), num_features, weight, bias, eps).squeeze(0)
+    if x.shape[1] != num_features and weight is not None:
+        raise ValueError(
+            f"expected input's size at dim=1 to match num_features ({num_features}), but got: {x.shape[1]}."
+        )
+    return group_norm_nhwc(x, x.shape[1], weight, bias, eps)
+
+
+torch.fx.wrap('group_norm_nhwc')
+torch.fx.wrap('instance_norm_nhwc')
 
 
 def uses_input_statistics(module: nn.InstanceNorm2d) -> bool:
@@ -67,22 +106,21 @@ def uses_input_statistics(module: nn.InstanceNorm2d) -> bool:
 
 
 class ChannelsLastGroupNorm(nn.GroupNorm):
-    """``nn.GroupNorm`` computed in NHWC order (same parameters and numbers)."""
+    """``nn.GroupNorm`` computed in channels-last order (same parameters and numbers)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.dim() != 4:
-            return super().forward(input)
+        if torch.jit.is_scripting():
+            return F.group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
         return group_norm_nhwc(input, self.num_groups, self.weight, self.bias, self.eps)
 
 
 class ChannelsLastInstanceNorm2d(nn.InstanceNorm2d):
-    """``nn.InstanceNorm2d`` without running statistics, computed in NHWC order.
-
-    Other inputs (unbatched, a channel count other than ``num_features``) and instance norms
-    with running statistics take the native path.
-    """
+    """``nn.InstanceNorm2d`` without running statistics (the only kind the rule swaps),
+    computed in channels-last order."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.dim() != 4 or input.size(1) != self.num_features or self.track_running_stats:
-            return super().forward(input)
-        return group_norm_nhwc(input, self.num_features, self.weight, self.bias, self.eps)
+        if torch.jit.is_scripting():
+            batched = input if input.dim() == 4 else input.unsqueeze(0)
+            out = F.instance_norm(batched, None, None, self.weight, self.bias, True, 0.0, self.eps)
+            return out if input.dim() == 4 else out.squeeze(0)
+        return instance_norm_nhwc(input, self.num_features, self.weight, self.bias, self.eps)

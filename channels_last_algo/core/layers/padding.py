@@ -6,7 +6,9 @@ keep NHWC. Both paddings pick, along H and then W, the source row or column for 
 position (reflect: mirror without repeating the edge; replicate: clamp to the edge), so they
 are two ``index_select`` calls on the (N, H, W, C) view, which write NHWC; their backward is
 ``index_add`` into an NHWC zero tensor. Negative padding crops, as in the native layers.
-Like the native layers, the result is always a new tensor.
+Like the native layers, the result is always a new tensor. The function checks the
+padding against the input's size, so it is a ``torch.fx.wrap`` leaf; under
+``torch.jit.script`` the layers run the native kernels (the same numbers).
 
 Example:
     >>> import torch
@@ -19,9 +21,10 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 __all__ = ['ChannelsLastReflectionPad2d', 'ChannelsLastReplicationPad2d', 'pad_nhwc']
@@ -51,19 +54,27 @@ def pad_nhwc(x: torch.Tensor, padding: Sequence[int], mode: str) -> torch.Tensor
     return out.permute(0, 3, 1, 2)
 
 
+def pad(x: torch.Tensor, padding: Sequence[int], mode: str) -> torch.Tensor:
+    """``F.pad(x, padding, mode)``: :func:`pad_nhwc` for 4D inputs, the native op otherwise."""
+    return pad_nhwc(x, padding, mode) if x.dim() == 4 else F.pad(x, padding, mode)
+
+
+torch.fx.wrap('pad')
+
+
 class ChannelsLastReflectionPad2d(nn.ReflectionPad2d):
     """``nn.ReflectionPad2d`` that returns NHWC on every device."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.dim() != 4:
-            return super().forward(input)
-        return pad_nhwc(input, self.padding, 'reflect')
+        if torch.jit.is_scripting():
+            return F.pad(input, self.padding, 'reflect')
+        return pad(input, self.padding, 'reflect')
 
 
 class ChannelsLastReplicationPad2d(nn.ReplicationPad2d):
     """``nn.ReplicationPad2d`` that returns NHWC on every device."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.dim() != 4:
-            return super().forward(input)
-        return pad_nhwc(input, self.padding, 'replicate')
+        if torch.jit.is_scripting():
+            return F.pad(input, self.padding, 'replicate')
+        return pad(input, self.padding, 'replicate')

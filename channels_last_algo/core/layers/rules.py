@@ -1,23 +1,26 @@
 """The repair rules: which layer that drops NHWC is replaced by which NHWC-preserving layer.
 
-Each :class:`RepairRule` names one module type (matched exactly, so subclasses with their own
-forward are left alone), an optional condition on the module's settings, and a replacement
-that subclasses the original and only overrides ``forward``. Applying a rule reassigns the
-module's class in place: the module keeps its ``Parameter`` and buffer objects (an optimizer
-built before stays valid), its hooks, and its ``state_dict`` keys and values, so checkpoints
-load into the repaired and the unrepaired model alike. Adding a rule is adding a row to
-:data:`RULES` and a small layer in this package.
+Each :class:`RepairRule` is a row of data: the op that breaks (what the audit shows without
+the rule), the layer type that holds it (matched exactly, so subclasses with their own
+forward are left alone), an optional condition on the layer's settings, the replacement (a
+subclass that only overrides ``forward``), and where the break exists: the devices and the
+torch versions. A rule applies only where its break exists, so a rule that a newer torch
+makes unnecessary is not applied there; ``tests/test_repair.py`` probes every rule's break
+on the installed torch, so a row whose versions are wrong fails there.
 
-Rules marked ``cuda_only`` remove breaks that only CUDA kernels have; they are applied only to
-models on CUDA (their layers compute the same numbers on any device). When several rules match
-a module, the first applicable row wins.
+Applying a rule reassigns the module's class in place: the module keeps its ``Parameter``
+and buffer objects (an optimizer built before stays valid), its hooks, and its
+``state_dict`` keys and values, so checkpoints load into the repaired and the unrepaired
+model alike. Layers of other libraries (timm's) are named by their qualified class name,
+and their replacements are imported only when a model holds them, so the table costs no
+import. Adding a rule is adding a row to :data:`RULES` and a small layer in this package.
+When several rules match a module, the first applicable row wins. Where no rule applies, the
+boundary fallback (:mod:`channels_last_algo.core.boundary`) keeps the rest of the network NHWC.
 
 Some breaks need no rule of their own because they follow from one that has a rule: the
 layer-scale ``mul``/``add`` of ConvNeXt's last blocks and the activation backward before a
 classifier come from the global pool's NCHW gradient, and the ``add`` and ``threshold_backward``
-around a UNet's ``ConvTranspose2d`` from the instance norm and bicubic breaks before them
-(ConvTranspose2d's own weight gradient keeps NHWC on torch 2.7 CPU). ConvNeXt's
-``LayerNorm2d`` already normalises the (N, H, W, C) permutation, which is NHWC-natural.
+around a UNet's ``ConvTranspose2d`` from the instance norm and bicubic breaks before them.
 
 Example:
     >>> import torch
@@ -33,9 +36,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import logging
-from typing import Callable, Optional, Sequence, Union
+import re
+from collections.abc import Callable, Sequence
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -54,13 +60,62 @@ from channels_last_algo.core.layers.mobilenet_v2 import ChannelsLastMobileNetV2
 from channels_last_algo.core.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d
 from channels_last_algo.core.layers.pixel_shuffle import ChannelsLastPixelShuffle, ChannelsLastPixelUnshuffle
 
-__all__ = ['RULES', 'RepairRecord', 'RepairRule', 'repair_model']
+__all__ = ['RULES', 'RepairRecord', 'RepairRule', 'qualified_name', 'repair_model', 'version_in']
 
 log = logging.getLogger(__name__)
 
+_LAYERS = 'channels_last_algo.core.layers'
 
-def _qualified_name(cls: type) -> str:
+
+def qualified_name(cls: type) -> str:
     return f'{cls.__module__}.{cls.__qualname__}'
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(2, 7, 0) for '2.7.0+cu126', (2, 15) for '2.15'."""
+    match = re.match(r'\d+(\.\d+)*', version)
+    if match is None:
+        raise ValueError(f'{version!r} is not a version number such as 2.7 or 2.14.1')
+    return tuple(int(part) for part in match.group(0).split('.'))
+
+
+_COMPARE = {
+    '>=': lambda a, b: a >= b,
+    '<=': lambda a, b: a <= b,
+    '==': lambda a, b: a == b,
+    '>': lambda a, b: a > b,
+    '<': lambda a, b: a < b,
+}
+
+
+def version_in(version: str, spec: str) -> bool:
+    """True when ``version`` satisfies every clause of ``spec`` ('>=2.7,<2.15'; '' is any).
+
+    Example:
+        >>> version_in('2.14.1+cu130', '>=2.7,<2.15'), version_in('2.15.0', '>=2.7,<2.15')
+        (True, False)
+    """
+    release = _release(version)
+    for clause in filter(None, (c.strip() for c in spec.split(','))):
+        operator = next((op for op in ('>=', '<=', '==', '>', '<') if clause.startswith(op)), None)
+        if operator is None:
+            raise ValueError(f'torch version clause {clause!r} must start with >=, <=, ==, > or <')
+        bound = _release(clause[len(operator) :].strip())
+        width = max(len(release), len(bound))
+        pad = (0,) * width
+        if not _COMPARE[operator]((release + pad)[:width], (bound + pad)[:width]):
+            return False
+    return True
+
+
+LayerType = Union[type, str]  # a class, or a qualified class name imported only when needed
+
+
+def _resolve(layer: LayerType) -> type:
+    if isinstance(layer, type):
+        return layer
+    module, _, name = layer.rpartition('.')
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,31 +124,51 @@ class RepairRule:
 
     Attributes:
         name: short identifier, reported in :class:`RepairRecord`.
-        original: the module type this rule replaces (exact type, not subclasses).
-        replacement: a subclass of ``original`` that adds no state and keeps NHWC.
-        removes: the layout break the replacement removes (op, pass, where it shows).
-        cuda_only: apply only to models on CUDA (the break is in a CUDA kernel only).
+        breaks: the op that drops NHWC without the rule, and in which pass ('aten.cat (forward)').
+        original: the layer type holding it (exact type, not subclasses), or its qualified name.
+        replacement: a subclass of ``original`` that adds no state and keeps NHWC, or its
+            qualified name (imported when a model holds ``original``).
+        removes: how the break shows and why the replacement removes it.
+        devices: the device types whose kernels have the break.
+        torch_versions: the torch versions that have it ('>=2.7'; see :func:`version_in`).
         condition: further test on the module's settings; None matches every instance.
     """
 
     name: str
-    original: type
-    replacement: type
+    breaks: str
+    original: LayerType
+    replacement: LayerType
     removes: str
-    cuda_only: bool = False
+    devices: tuple[str, ...] = ('cpu', 'cuda')
+    torch_versions: str = '>=2.7'
     condition: Optional[Callable[[nn.Module], bool]] = None
 
     def __post_init__(self) -> None:
-        if not issubclass(self.replacement, self.original):
+        if isinstance(self.original, type) and isinstance(self.replacement, type):
+            self.replacement_type()
+
+    @property
+    def original_name(self) -> str:
+        return self.original if isinstance(self.original, str) else qualified_name(self.original)
+
+    def replacement_type(self) -> type:
+        """The replacement class (imported now if named by a string), checked to subclass the original."""
+        replacement, original = _resolve(self.replacement), _resolve(self.original)
+        if not issubclass(replacement, original):
             raise TypeError(
-                f'repair rule {self.name!r}: replacement {_qualified_name(self.replacement)} must subclass '
-                f'{_qualified_name(self.original)} so that the swapped module keeps its state; '
+                f'repair rule {self.name!r}: replacement {qualified_name(replacement)} must subclass '
+                f'{qualified_name(original)} so that the swapped module keeps its state; '
                 'derive the replacement from the original and override forward only'
             )
+        return replacement
+
+    def applies(self, device: torch.device, version: str = torch.__version__) -> bool:
+        """True when the break this rule removes exists on ``device`` with torch ``version``."""
+        return device.type in self.devices and version_in(version, self.torch_versions)
 
     def matches(self, module: nn.Module, device: torch.device) -> bool:
         """True when this rule applies to ``module`` in a model on ``device``."""
-        if type(module) is not self.original or (self.cuda_only and device.type != 'cuda'):
+        if qualified_name(type(module)) != self.original_name or not self.applies(device):
             return False
         return self.condition is None or self.condition(module)
 
@@ -105,87 +180,147 @@ class RepairRecord:
     Attributes:
         path: the module's name in ``model.named_modules()`` ('' for the model itself).
         original: qualified name of the module's type before the repair.
-        rule: name of the :class:`RepairRule` applied.
+        rule: name of the :class:`RepairRule` applied (``'boundary_fallback'`` for the fallback
+            of :mod:`channels_last_algo.core.boundary`).
+        detail: what the repair does there, where the rule name does not say it.
     """
 
     path: str
     original: str
     rule: str
+    detail: str = ''
 
+
+_TIMM_GHOST = 'timm.models.ghostnet'
+_TIMM_STD_CONV = 'timm.layers.std_conv'
 
 RULES: tuple[RepairRule, ...] = (
     RepairRule(
         name='global_avg_pool',
+        breaks='silu_backward, hardswish_backward, mul, add (backward)',
         original=nn.AdaptiveAvgPool2d,
         replacement=ChannelsLastAdaptiveAvgPool2d,
         condition=is_global_pool,
-        removes='backward: the gradient of a 1x1 adaptive average pool is written NCHW, so the activation '
-        'before it turns NCHW (silu_backward in EfficientNet, hardswish_backward in MobileNetV3, the '
-        'layer-scale mul/add of the last ConvNeXt blocks)',
+        removes='the gradient of a 1x1 adaptive average pool is written NCHW, so the activation before it '
+        'turns NCHW (silu_backward in EfficientNet, hardswish_backward in MobileNetV3, the layer-scale mul/add '
+        'of the last ConvNeXt blocks)',
     ),
     RepairRule(
         name='mobilenet_v2_global_pool',
+        breaks='hardtanh_backward (backward)',
         original=MobileNetV2,
         replacement=ChannelsLastMobileNetV2,
-        removes="backward: hardtanh_backward of MobileNetV2's last ReLU6 returns NCHW after the functional "
-        'global pool in its forward',
+        removes="hardtanh_backward of MobileNetV2's last ReLU6 returns NCHW after the functional global pool "
+        'in its forward',
     ),
     RepairRule(
         name='shufflenet_channel_shuffle',
+        breaks='cat (forward and backward)',
         original=InvertedResidual,
         replacement=ChannelsLastInvertedResidual,
-        removes="forward and backward: aten.cat returns NCHW after channel_shuffle's channels-first "
-        'contiguous copy, in every ShuffleNetV2 block',
+        removes="aten.cat returns NCHW after channel_shuffle's channels-first contiguous copy, in every "
+        'ShuffleNetV2 block',
     ),
     RepairRule(
         name='group_norm_cuda',
+        breaks='native_group_norm (forward and backward)',
         original=nn.GroupNorm,
         replacement=ChannelsLastGroupNorm,
-        cuda_only=True,
-        removes='forward and backward on CUDA: native_group_norm makes its input contiguous and returns NCHW',
+        devices=('cuda',),
+        removes='native_group_norm makes its input contiguous and returns NCHW on CUDA (pytorch#111824)',
     ),
     RepairRule(
         name='instance_norm',
+        breaks='clone (forward)',
         original=nn.InstanceNorm2d,
         replacement=ChannelsLastInstanceNorm2d,
         condition=uses_input_statistics,
-        removes='forward: instance norm reshapes its input to 1 x N*C x H x W for batch_norm, an NCHW clone '
-        '(and the NCHW tensors after it, in forward and backward)',
+        removes='instance norm reshapes its input to 1 x N*C x H x W for batch_norm, an NCHW clone (and the '
+        'NCHW tensors after it, in forward and backward)',
     ),
     RepairRule(
         name='bicubic_upsample',
+        breaks='upsample_bicubic2d_backward (backward)',
         original=nn.Upsample,
         replacement=ChannelsLastBicubicUpsample,
         condition=is_bicubic,
-        removes='backward: upsample_bicubic2d_backward returns NCHW (and is slow on NHWC input on CPU)',
+        removes='upsample_bicubic2d_backward returns NCHW (and is slow on NHWC input on CPU)',
     ),
     RepairRule(
         name='pixel_shuffle_cuda',
+        breaks='pixel_shuffle (forward)',
         original=nn.PixelShuffle,
         replacement=ChannelsLastPixelShuffle,
-        cuda_only=True,
-        removes='forward on CUDA: pixel_shuffle (math_pixel_shuffle) clones to contiguous NCHW',
+        devices=('cuda',),
+        removes='pixel_shuffle (math_pixel_shuffle) clones to contiguous NCHW on CUDA',
     ),
     RepairRule(
         name='pixel_unshuffle_cuda',
+        breaks='pixel_unshuffle (forward)',
         original=nn.PixelUnshuffle,
         replacement=ChannelsLastPixelUnshuffle,
-        cuda_only=True,
-        removes='forward on CUDA: pixel_unshuffle (math_pixel_unshuffle) clones to contiguous NCHW',
+        devices=('cuda',),
+        removes='pixel_unshuffle (math_pixel_unshuffle) clones to contiguous NCHW on CUDA',
     ),
     RepairRule(
         name='reflection_pad_cuda',
+        breaks='reflection_pad2d (forward and backward)',
         original=nn.ReflectionPad2d,
         replacement=ChannelsLastReflectionPad2d,
-        cuda_only=True,
-        removes='forward and backward on CUDA: reflection_pad2d allocates NCHW output and gradient',
+        devices=('cuda',),
+        removes='reflection_pad2d allocates NCHW output and gradient on CUDA',
     ),
     RepairRule(
         name='replication_pad_cuda',
+        breaks='replication_pad2d (forward and backward)',
         original=nn.ReplicationPad2d,
         replacement=ChannelsLastReplicationPad2d,
-        cuda_only=True,
-        removes='forward and backward on CUDA: replication_pad2d allocates NCHW output and gradient',
+        devices=('cuda',),
+        removes='replication_pad2d allocates NCHW output and gradient on CUDA',
+    ),
+    RepairRule(
+        name='pooled_upsample',
+        breaks='cat (forward)',
+        original='torchvision.models.segmentation.deeplabv3.ASPPPooling',
+        replacement=f'{_LAYERS}.pooled_upsample.ChannelsLastASPPPooling',
+        removes="the upsampled 1x1 pooled map of DeepLabV3's ASPP comes out NCHW (the map's strides are NCHW), "
+        'and the cat with the NHWC branches turns NCHW; the map gets channels-last strides first',
+    ),
+    RepairRule(
+        name='channel_slice',
+        breaks='add, clone; slice_backward before torch 2.14 (backward)',
+        original=f'{_TIMM_GHOST}.GhostModule',
+        replacement=f'{_LAYERS}.channel_concat.ChannelsLastGhostModule',
+        removes='slicing channels off a concatenation allocates its gradient NCHW (slice_backward, up to torch '
+        '2.13), the residual add into that slice (a view) copies the whole concatenation NCHW in backward, and '
+        'the add that accumulates the gradients turns NCHW; sliced on the channels-last view before the '
+        'concatenation instead',
+    ),
+    RepairRule(
+        name='channel_slice_gated',
+        breaks='add, clone; slice_backward before torch 2.14 (backward)',
+        original=f'{_TIMM_GHOST}.GhostModuleV2',
+        replacement=f'{_LAYERS}.channel_concat.ChannelsLastGhostModuleV2',
+        removes='as channel_slice, in the attention-gated ghost module',
+    ),
+    RepairRule(
+        name='split_attention',
+        breaks='avg_pool2d_backward (backward, in the layer after it)',
+        original='timm.layers.split_attn.SplitAttn',
+        replacement=f'{_LAYERS}.split_attention.ChannelsLastSplitAttn',
+        removes='the radix sum over an N x R x C x H x W view of an NHWC activation comes out NCHW and '
+        '.contiguous() keeps it so; summed over the N x H x W x R x C view instead',
+    ),
+    *(
+        RepairRule(
+            name=f'weight_standardization_{index}',
+            breaks='clone, copy_ of the weight (backward)',
+            original=f'{_TIMM_STD_CONV}.{layer}',
+            replacement=f'{_LAYERS}.weight_standardization.ChannelsLast{layer}',
+            removes='reshape(1, out_channels, -1) of an NHWC weight copies it to NCHW every step (and its '
+            'gradient back); standardised over the channels-last view instead',
+        )
+        for index, layer in enumerate(('StdConv2d', 'StdConv2dSame', 'ScaledStdConv2d', 'ScaledStdConv2dSame'))
     ),
 )
 
@@ -205,8 +340,9 @@ def repair_model(
 
     Args:
         model: the model to repair; its modules change class, nothing else changes.
-        device: the device the model trains on, which decides whether CUDA-only rules apply;
-            by default the device of the model's first parameter or buffer (CPU if none).
+        device: the device the model trains on, which decides which rules apply (see
+            :meth:`RepairRule.applies`); by default the device of the model's first parameter or
+            buffer (CPU if none).
         rules: the rule table, :data:`RULES` unless given.
 
     Returns:
@@ -219,9 +355,13 @@ def repair_model(
         rule = next((r for r in rules if r.matches(module, device)), None)
         if rule is None:
             continue
-        records.append(RepairRecord(path=path, original=_qualified_name(type(module)), rule=rule.name))
-        module.__class__ = rule.replacement
+        records.append(RepairRecord(path=path, original=qualified_name(type(module)), rule=rule.name))
+        module.__class__ = rule.replacement_type()
     if records:
-        log.info('%s: repaired %d modules for channels last: %s', type(model).__name__, len(records),
-                 ', '.join(sorted({r.rule for r in records})))
+        log.info(
+            '%s: repaired %d modules for channels last: %s',
+            type(model).__name__,
+            len(records),
+            ', '.join(sorted({r.rule for r in records})),
+        )
     return records

@@ -1,0 +1,205 @@
+"""The NHWC layers of the repair rules: each computes what the layer it replaces computes, keeps NHWC
+in forward and backward, and leaves a repaired model usable with fx, TorchScript, torch.export
+and ONNX export."""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchvision.models.shufflenetv2 import channel_shuffle
+
+from channels_last_algo.app.zoo import UNet
+from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.layers import (
+    ChannelsLastBicubicUpsample,
+    ChannelsLastGroupNorm,
+    ChannelsLastInstanceNorm2d,
+    ChannelsLastPixelShuffle,
+    ChannelsLastPixelUnshuffle,
+    ChannelsLastReflectionPad2d,
+    ChannelsLastReplicationPad2d,
+    bicubic_upsample_nhwc,
+    global_avg_pool_nhwc,
+    interleave_channels,
+    pad_nhwc,
+    pixel_shuffle_nhwc,
+    pixel_unshuffle_nhwc,
+    repair_model,
+)
+from channels_last_algo.core.layers import bicubic as bicubic_module
+from channels_last_algo.core.layout import is_channels_last, to_channels_last
+
+
+def _nhwc(*shape, dtype=torch.float32):
+    return to_channels_last(torch.randn(*shape, dtype=dtype))
+
+
+# each replacement layer against the layer it replaces
+
+
+def _compare_layers(original, replacement_type, x, rtol=1e-5, atol=1e-5):
+    """Same output and input gradient as ``original`` (NCHW), with NHWC output and gradient."""
+    swapped = copy.deepcopy(original)
+    swapped.__class__ = replacement_type
+    x_ref = x.detach().contiguous().requires_grad_()
+    x_cl = to_channels_last(x.detach()).requires_grad_()
+    expected, actual = original(x_ref), swapped(x_cl)
+    assert is_channels_last(actual)
+    torch.manual_seed(2)
+    grad = to_channels_last(torch.randn(expected.shape, dtype=x.dtype))
+    expected.backward(grad.contiguous())
+    actual.backward(grad)
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol)
+    torch.testing.assert_close(x_cl.grad, x_ref.grad, rtol=rtol, atol=atol)
+    for (name, p), q in zip(swapped.named_parameters(), original.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize('padding', [1, (2, 1, 0, 3), (3, 3, 1, 1), (-1, 2, 1, -2)])
+@pytest.mark.parametrize(
+    'original,replacement',
+    [
+        (nn.ReflectionPad2d, ChannelsLastReflectionPad2d),
+        (nn.ReplicationPad2d, ChannelsLastReplicationPad2d),
+    ],
+)
+def test_padding_matches(original, replacement, padding):
+    _compare_layers(original(padding), replacement, torch.randn(2, 5, 6, 7), rtol=0, atol=1e-6)
+
+
+def test_reflection_padding_as_large_as_the_input_is_refused():
+    with pytest.raises(ValueError, match=r'reflection padding \(4, 0\) must be smaller than the padded dimension'):
+        pad_nhwc(torch.randn(1, 2, 4, 4), (0, 0, 4, 0), 'reflect')
+    with pytest.raises(ValueError, match="mode 'reflect' or 'replicate', not 'circular'"):
+        pad_nhwc(torch.randn(1, 2, 4, 4), (1, 1, 1, 1), 'circular')
+
+
+@pytest.mark.parametrize('factor', [2, 3])
+def test_pixel_shuffle_and_unshuffle_match(factor):
+    shuffle_input = torch.randn(2, 4 * factor**2, 3, 5)
+    unshuffle_input = torch.randn(2, 4, 3 * factor, 2 * factor)
+    _compare_layers(nn.PixelShuffle(factor), ChannelsLastPixelShuffle, shuffle_input, rtol=0, atol=0)
+    _compare_layers(nn.PixelUnshuffle(factor), ChannelsLastPixelUnshuffle, unshuffle_input, rtol=0, atol=0)
+
+
+def test_pixel_shuffle_refuses_what_the_native_op_refuses():
+    with pytest.raises(ValueError, match='channels divisible by upscale_factor'):
+        pixel_shuffle_nhwc(torch.randn(1, 6, 2, 2), 2)
+    with pytest.raises(ValueError, match='height and width divisible by downscale_factor'):
+        pixel_unshuffle_nhwc(torch.randn(1, 6, 5, 4), 2)
+
+
+@pytest.mark.parametrize('groups,affine', [(1, True), (4, True), (16, True), (4, False)])
+def test_group_norm_matches(groups, affine):
+    torch.manual_seed(0)
+    norm = nn.GroupNorm(groups, 16, affine=affine, eps=1e-3)
+    if affine:
+        nn.init.normal_(norm.weight)
+        nn.init.normal_(norm.bias)
+    _compare_layers(norm, ChannelsLastGroupNorm, torch.randn(3, 16, 5, 6) * 3 + 1)
+
+
+def test_group_norm_in_bfloat16_matches_within_bfloat16_rounding():
+    norm = nn.GroupNorm(4, 16).to(torch.bfloat16)
+    _compare_layers(norm, ChannelsLastGroupNorm, torch.randn(2, 16, 5, 5, dtype=torch.bfloat16), rtol=2e-2, atol=2e-2)
+
+
+def test_group_norm_refuses_channels_that_groups_do_not_divide():
+    with pytest.raises(ValueError, match='16 channels and 3 groups'):
+        ChannelsLastGroupNorm(3, 15)(torch.randn(1, 16, 2, 2))
+
+
+@pytest.mark.parametrize('affine', [True, False])
+def test_instance_norm_matches(affine):
+    torch.manual_seed(0)
+    norm = nn.InstanceNorm2d(8, affine=affine)
+    if affine:
+        nn.init.normal_(norm.weight)
+        nn.init.normal_(norm.bias)
+    _compare_layers(norm, ChannelsLastInstanceNorm2d, torch.randn(2, 8, 7, 5) * 2 - 1)
+
+
+def test_instance_norm_keeps_native_behaviour_outside_4d_input():
+    norm = nn.InstanceNorm2d(4)
+    swapped = copy.deepcopy(norm)
+    swapped.__class__ = ChannelsLastInstanceNorm2d
+    x = torch.randn(4, 5, 5)  # unbatched
+    torch.testing.assert_close(swapped(x), norm(x))
+
+
+@pytest.mark.parametrize(
+    'kwargs',
+    [
+        dict(scale_factor=2),
+        dict(scale_factor=4, align_corners=True),
+        dict(scale_factor=(2, 3)),
+        dict(size=(9, 5)),
+        dict(scale_factor=1.5, recompute_scale_factor=True),
+        dict(scale_factor=0.5),
+    ],
+)
+def test_bicubic_upsample_matches(kwargs):
+    _compare_layers(nn.Upsample(mode='bicubic', **kwargs), ChannelsLastBicubicUpsample, torch.randn(2, 6, 8, 7))
+
+
+def test_bicubic_upsample_above_the_matrix_size_limit_uses_the_native_kernel(monkeypatch):
+    monkeypatch.setattr(bicubic_module, 'MATMUL_MAX_SIZE', 6)
+    up = ChannelsLastBicubicUpsample(scale_factor=2, mode='bicubic')
+    x = _nhwc(1, 2, 8, 8)
+    assert torch.equal(up(x), F.interpolate(x, scale_factor=2, mode='bicubic'))
+    torch.testing.assert_close(bicubic_upsample_nhwc(x, scale_factor=2), up(x), rtol=1e-5, atol=1e-6)
+
+
+def test_global_pool_and_channel_interleave_match():
+    x = torch.randn(2, 6, 5, 4)
+    torch.testing.assert_close(global_avg_pool_nhwc(to_channels_last(x)), F.adaptive_avg_pool2d(x, 1))
+    a, b = torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)
+    assert torch.equal(interleave_channels(a, b), channel_shuffle(torch.cat((a, b), dim=1), 2))
+
+
+# repaired models stay usable with fx, TorchScript, torch.export and ONNX export
+
+TRACED = ['resnet18', 'efficientnet_b0', 'convnext_tiny', 'mobilenet_v3_small', 'shufflenet_v2_x0_5', 'unet']
+
+
+def _traced_case(name):
+    """(NCHW float64 model in eval mode, repaired channels-last copy, NHWC input); the UNet repaired
+    with the CUDA rules too, so that every repaired layer is traced."""
+    torch.manual_seed(0)
+    if name == 'unet':
+        reference, shape = UNet().double(), (2, 3, 16, 16)
+    else:
+        from channels_last_algo.app.models import build_model
+
+        reference, shape = build_model(name, num_classes=10).double(), (2, 3, 32, 32)
+    reference.eval()
+    model = copy.deepcopy(reference)
+    apply_channels_last(model, repair=False)
+    assert repair_model(model, device='cuda' if name == 'unet' else 'cpu')
+    return reference, model, to_channels_last(torch.randn(*shape, dtype=torch.float64))
+
+
+@pytest.mark.parametrize('name', TRACED)
+def test_repaired_model_traces_scripts_and_exports_with_the_same_outputs(name):
+    reference, model, x = _traced_case(name)
+    with torch.no_grad():
+        expected = reference(x.contiguous())
+        torch.testing.assert_close(torch.fx.symbolic_trace(model)(x), expected, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(torch.jit.script(model)(x), expected, rtol=1e-9, atol=1e-12)
+        torch.testing.assert_close(torch.export.export(model, (x,)).module()(x), expected, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize('name', ['resnet18', 'unet'])
+def test_repaired_model_exports_to_onnx(name):
+    """The TorchScript-based exporter (``dynamo=False``), which both torch 2.7 and 2.14 have; the
+    dynamo exporter needs onnxscript, not installed here."""
+    onnx = pytest.importorskip('onnx')
+    _, model, x = _traced_case(name)
+    buffer = io.BytesIO()
+    torch.onnx.export(model, (x,), buffer, dynamo=False)
+    graph = onnx.load_from_string(buffer.getvalue())
+    onnx.checker.check_model(graph)
+    assert len(graph.graph.node) > 10
