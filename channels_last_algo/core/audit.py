@@ -30,10 +30,14 @@ neither is counted as a break.
 fallback (:mod:`channels_last_algo.core.boundary`) makes around a module holding a break
 that no rule repairs, with the bytes they copy; they are not breaks either.
 
-Each record names the aten op, the module path that was running (in backward: the module
-whose forward created the autograd node being executed), the phase, the shape of the tensor
-that lost its layout, and the bytes the op wrote. Nothing is installed while no audit is
-active.
+Each record (:mod:`channels_last_algo.core.audit_report`) names the aten op, the module path
+that was running (in backward: the module whose forward created the autograd node being
+executed), the phase, the shape of the tensor that lost its layout, and the bytes the op
+wrote. Nothing is installed while no audit is active.
+
+This module is over 400 lines because :class:`LayoutAudit` is one state machine: the module
+stack of forward, the autograd-node tags of backward and the held clones of reshapes are
+read together by every observed op; split, each part would reach into the others.
 
 Example:
     >>> import torch
@@ -55,7 +59,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -63,6 +66,7 @@ from torch.nn.modules import module as _module_hooks
 from torch.utils import _python_dispatch
 from torch.utils._pytree import tree_flatten
 
+from channels_last_algo.core.audit_report import AuditRecord, AuditReport, LayoutBreakError
 from channels_last_algo.core.layout import Layout, layout_of
 
 __all__ = ['FALLBACK_OP', 'AuditRecord', 'AuditReport', 'LayoutAudit', 'LayoutBreakError', 'audit_model']
@@ -79,183 +83,6 @@ _RESHAPE_OPS = frozenset({_aten.view, _aten._unsafe_view, _aten.squeeze})
 FALLBACK_OP = 'channels_last_algo::restore_channels_last'
 # Key under which the audit stores (module path, is_exit) in an autograd node's metadata.
 _NODE_KEY = 'channels_last_algo.core.audit'
-
-
-@dataclasses.dataclass(frozen=True)
-class AuditRecord:
-    """One layout break or exit conversion.
-
-    Attributes:
-        op: the aten op, e.g. ``'aten.cat.default'``.
-        module_path: the path of the running module as in ``model.named_modules()`` (``''``
-            is the model itself); None when the op ran outside the model (the loss, say).
-        phase: ``'forward'`` or ``'backward'``. Ops outside both the model and the backward
-            pass (loss, optimizer step) count as ``'forward'``.
-        shape: the shape of the tensor whose layout changed (the op's NHWC input for a break).
-        nbytes: bytes the op wrote in the new layout; 0 for a free exit.
-        layouts: the change, e.g. ``'NHWC->NCHW'``.
-    """
-
-    op: str
-    module_path: Optional[str]
-    phase: str
-    shape: tuple[int, ...]
-    nbytes: int
-    layouts: str
-
-    @property
-    def where(self) -> str:
-        """The module path for people: ``(root)`` for the model, ``(outside model)`` for None."""
-        if self.module_path is None:
-            return '(outside model)'
-        return self.module_path or '(root)'
-
-
-_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(AuditRecord))
-
-
-def _format_bytes(nbytes: int) -> str:
-    if nbytes < 1024:
-        return f'{nbytes} B'
-    if nbytes < 1024**2:
-        return f'{nbytes / 1024:.1f} KiB'
-    return f'{nbytes / 1024**2:.1f} MiB'
-
-
-def _table(records: Sequence[AuditRecord]) -> list[str]:
-    """Rows of identical records merged, with a count, in order of first appearance."""
-    groups: dict[tuple, list[int]] = {}
-    for r in records:
-        key = (r.phase, r.where, r.op, str(r.shape), r.layouts)
-        count_bytes = groups.setdefault(key, [0, 0])
-        count_bytes[0] += 1
-        count_bytes[1] += r.nbytes
-    header = ('phase', 'module path', 'op', 'shape', 'layouts', 'count', 'bytes')
-    rows = [header] + [key + (str(count), _format_bytes(nbytes)) for key, (count, nbytes) in groups.items()]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return ['  ' + '  '.join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-
-
-@dataclasses.dataclass
-class AuditReport:
-    """What a layout audit found over ``steps`` audited passes.
-
-    Example:
-        >>> report = AuditReport.merge([AuditReport(), AuditReport()])
-        >>> report.ok, report.steps
-        (True, 2)
-        >>> AuditReport.from_dict(report.to_dict()) == report
-        True
-    """
-
-    breaks: list[AuditRecord] = dataclasses.field(default_factory=list)
-    exits: list[AuditRecord] = dataclasses.field(default_factory=list)
-    steps: int = 1
-    fallbacks: list[AuditRecord] = dataclasses.field(default_factory=list)
-    notes: list[str] = dataclasses.field(default_factory=list)  # what made the audit unable to see a break
-
-    @property
-    def ok(self) -> bool:
-        """True when nothing dropped NHWC (exit conversions do not count) on a path that was
-        channels last at all (no :attr:`notes`, such as an NCHW input or an unconverted model)."""
-        return not self.breaks and not self.notes
-
-    @property
-    def break_bytes(self) -> int:
-        return sum(r.nbytes for r in self.breaks)
-
-    @property
-    def exit_bytes(self) -> int:
-        return sum(r.nbytes for r in self.exits)
-
-    @property
-    def fallback_bytes(self) -> int:
-        return sum(r.nbytes for r in self.fallbacks)
-
-    @classmethod
-    def merge(cls, reports: Iterable[AuditReport]) -> AuditReport:
-        """One report holding the records and steps of several, e.g. one per training step."""
-        merged = cls(steps=0)
-        for report in reports:
-            merged.breaks.extend(report.breaks)
-            merged.exits.extend(report.exits)
-            merged.fallbacks.extend(report.fallbacks)
-            merged.steps += report.steps
-            merged.notes.extend(note for note in report.notes if note not in merged.notes)
-        return merged
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict; :meth:`from_dict` reads it back."""
-        return {
-            'steps': self.steps,
-            'breaks': [dataclasses.asdict(r) | {'shape': list(r.shape)} for r in self.breaks],
-            'exits': [dataclasses.asdict(r) | {'shape': list(r.shape)} for r in self.exits],
-            'fallbacks': [dataclasses.asdict(r) | {'shape': list(r.shape)} for r in self.fallbacks],
-            'notes': list(self.notes),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> AuditReport:
-        """The report :meth:`to_dict` wrote; ValueError naming the key at fault otherwise."""
-        if not isinstance(data, dict):
-            raise ValueError(f'an audit report dict was expected, got {type(data).__name__}')
-        missing = [key for key in ('steps', 'breaks', 'exits') if key not in data]
-        if missing:
-            raise ValueError(
-                f'audit report dict lacks {missing}; it needs the keys steps, breaks '
-                'and exits, as AuditReport.to_dict() writes them'
-            )
-        lists = {}
-        for key in ('breaks', 'exits', 'fallbacks'):
-            records = []
-            for i, item in enumerate(data.get(key, [])):
-                fields = set(item) if isinstance(item, dict) else set()
-                if fields != set(_RECORD_FIELDS):
-                    raise ValueError(
-                        f'audit report dict: {key}[{i}] must have exactly the keys {list(_RECORD_FIELDS)}, got {item!r}'
-                    )
-                records.append(AuditRecord(**{**item, 'shape': tuple(item['shape'])}))
-            lists[key] = records
-        return cls(
-            breaks=lists['breaks'],
-            exits=lists['exits'],
-            steps=int(data['steps']),
-            fallbacks=lists['fallbacks'],
-            notes=list(data.get('notes', [])),
-        )
-
-    def __str__(self) -> str:
-        steps = f'{self.steps} step' + ('' if self.steps == 1 else 's')
-        lines = [
-            f'layout audit over {steps}: {len(self.breaks)} layout breaks '
-            f'({_format_bytes(self.break_bytes)} moved), {len(self.exits)} exit conversions '
-            f'({_format_bytes(self.exit_bytes)} copied)'
-        ]
-        lines += [f'not a channels-last run: {note}' for note in self.notes]
-        lines += ['breaks:'] + _table(self.breaks) if self.breaks else ['no layout breaks']
-        if self.exits:
-            lines += ['exit conversions (the tensor leaves the conv trunk):'] + _table(self.exits)
-        if self.fallbacks:
-            lines += [f'boundary fallback copies ({_format_bytes(self.fallback_bytes)}):'] + _table(self.fallbacks)
-        return '\n'.join(lines)
-
-
-class LayoutBreakError(RuntimeError):
-    """Raised by a strict audit at the first layout break; ``.record`` is the break."""
-
-    def __init__(self, record: AuditRecord, module_type: Optional[str] = None):
-        self.record = record
-        where = record.where if record.module_path is None else f"module '{record.module_path}'"
-        kind = f' ({module_type})' if module_type else ''
-        source, target = record.layouts.split('->')[:2]
-        super().__init__(
-            f'layout break in {record.phase} at {where}{kind}: {record.op} turned an {source} '
-            f'tensor of shape {tuple(record.shape)} into {target} '
-            f'({_format_bytes(record.nbytes)} written). Repair '
-            f"the layer with apply_channels_last's repair rules, replace it with an "
-            f'NHWC-preserving equivalent, or report the op and module path so a rule can be '
-            f'added; audit with strict=False to list every break.'
-        )
 
 
 class _DispatchObserver(_python_dispatch.TorchDispatchMode):
