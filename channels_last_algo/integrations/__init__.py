@@ -18,7 +18,7 @@ import importlib
 import importlib.util
 from typing import Any
 
-__all__ = ['INTEGRATIONS', 'integration_attribute', 'require']
+__all__ = ['INTEGRATIONS', 'GuardedIntegration', 'integration_attribute', 'require']
 
 # Public name -> (module that defines it, the package it needs, the extra that installs it).
 INTEGRATIONS: dict[str, tuple[str, str, str]] = {
@@ -45,3 +45,29 @@ def integration_attribute(name: str, owner: str) -> Any:
     except ImportError as error:
         raise ImportError(f'{owner}.{name}: {error}') from None
     return getattr(importlib.import_module(module), name)
+
+
+class GuardedIntegration:
+    """What every trainer adapter shows of the :class:`~channels_last_algo.core.guard.LayoutGuard`
+    it drives (``self.guard``) and its ``fuse_eval`` option: the audit report, auto mode's
+    decision, and a ``repr`` that rebuilds the object."""
+
+    guard: Any
+    fuse_eval: bool
+
+    @property
+    def report(self) -> Any:
+        """The layout audit of the audited steps so far (None before any)."""
+        return self.guard.report
+
+    @property
+    def decision(self) -> Any:
+        """Auto mode's decision, once made (or loaded from a checkpoint)."""
+        return self.guard.decision
+
+    def __repr__(self) -> str:
+        return (
+            f'{type(self).__name__}(mode={self.guard.mode!r}, audit_steps={self.guard.audit_steps}, '
+            f'strict={self.guard.strict}{", fuse_eval=True" if self.fuse_eval else ""}'
+            f'{"" if self.guard.repair else ", repair=False"})'
+        )

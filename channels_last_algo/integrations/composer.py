@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from channels_last_algo.integrations import require
+from channels_last_algo.integrations import GuardedIntegration, require
 
 require('composer', 'composer')
 
@@ -27,7 +27,6 @@ from composer.loggers import Logger
 from composer.utils import dist
 from torch.utils._pytree import tree_map_only
 
-from channels_last_algo.core.audit import AuditReport
 from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.fuse import FusedEvaluation
 from channels_last_algo.core.guard import LayoutGuard, check_options
@@ -62,7 +61,7 @@ def _float_images(batch: Any) -> Any:
     )
 
 
-class ChannelsLast(Algorithm):
+class ChannelsLast(GuardedIntegration, Algorithm):
     """Train, evaluate and predict in channels-last (NHWC) memory format.
 
     At ``Event.INIT`` (before DDP/FSDP wrapping and ``torch.compile``) every 4D parameter and
@@ -136,23 +135,6 @@ class ChannelsLast(Algorithm):
         self.fuse_eval = fuse_eval
         self.fused_evaluation = FusedEvaluation()
         self._fuse_pending = False  # an evaluation or prediction pass began; fuse before its first forward
-
-    @property
-    def report(self) -> Optional[AuditReport]:
-        """The layout audit of the audited steps so far (None before any)."""
-        return self.guard.report
-
-    @property
-    def decision(self) -> Optional[LayoutDecision]:
-        """Auto mode's decision, once made (or loaded from a checkpoint)."""
-        return self.guard.decision
-
-    def __repr__(self) -> str:
-        return (
-            f'{type(self).__name__}(mode={self.guard.mode!r}, audit_steps={self.guard.audit_steps}, '
-            f'strict={self.guard.strict}{", fuse_eval=True" if self.fuse_eval else ""}'
-            f'{"" if self.guard.repair else ", repair=False"})'
-        )
 
     def state_dict(self) -> dict[str, Any]:
         decision = self.guard.decision

@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-from channels_last_algo.integrations import require
+from channels_last_algo.integrations import GuardedIntegration, require
 
 require('lightning', 'lightning')
 
@@ -45,7 +45,6 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 
-from channels_last_algo.core.audit import AuditReport
 from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.fuse import FusedEvaluation
 from channels_last_algo.core.guard import LayoutGuard, check_options
@@ -91,7 +90,7 @@ def _weight_layout(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Weight
     return weight_layout_for(model, fsdp_config=sharding, tp_config=tensor_parallel)
 
 
-class ChannelsLastCallback(pl.Callback):
+class ChannelsLastCallback(GuardedIntegration, pl.Callback):
     """Train, validate, test and predict in channels-last (NHWC) memory format in a Lightning ``Trainer``.
 
     Just before the strategy wraps the model (see the module docstring for why there) every 4D
@@ -155,23 +154,6 @@ class ChannelsLastCallback(pl.Callback):
         self._prepared: Optional[pl.LightningModule] = None  # the module converted, once
         self._undo: list[Callable[[], None]] = []
         self._fuse_pending = False
-
-    @property
-    def report(self) -> Optional[AuditReport]:
-        """The layout audit of the audited steps so far (None before any)."""
-        return self.guard.report
-
-    @property
-    def decision(self) -> Optional[LayoutDecision]:
-        """Auto mode's decision, once made (or loaded from a checkpoint)."""
-        return self.guard.decision
-
-    def __repr__(self) -> str:
-        return (
-            f'{type(self).__name__}(mode={self.guard.mode!r}, audit_steps={self.guard.audit_steps}, '
-            f'strict={self.guard.strict}{", fuse_eval=True" if self.fuse_eval else ""}'
-            f'{"" if self.guard.repair else ", repair=False"})'
-        )
 
     # --- checkpoints ---------------------------------------------------------------------------
 
