@@ -25,6 +25,26 @@ class DropsNHWC(nn.Module):
         return x.contiguous()
 
 
+STRIDE_WARNING = 'Grad strides do not match bucket view strides'
+
+
+def small_net() -> nn.Module:
+    """For distributed tests: 3x3 conv + BN, a depthwise 3x3 (8x1x3x3: ambiguous), a 1x1 (16x8x1x1:
+    ambiguous) + BN, a linear head."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8),
+        nn.Conv2d(8, 16, 1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 4),
+    )
+
+
 def breaking_model() -> nn.Module:
     """Conv, a layer that drops NHWC, conv, pool, linear head: exactly one break, at '1'."""
     return nn.Sequential(

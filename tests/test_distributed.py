@@ -35,6 +35,7 @@ from torch import nn
 
 from channels_last_algo import ChannelsLast, LayoutGuard, apply_channels_last
 from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
+from conftest import STRIDE_WARNING, small_net
 
 pytestmark = pytest.mark.distributed
 
@@ -42,23 +43,6 @@ WORLD = 2
 RANK_BATCH = 4  # samples per rank and step; the global batch is 8
 STEPS = 3  # steps before the checkpoint; the resumed run trains as many again
 IMAGE = 12
-STRIDE_WARNING = 'Grad strides do not match bucket view strides'
-
-
-def small_net() -> nn.Module:
-    """3x3 conv + BN, a depthwise 3x3 (8x1x3x3: ambiguous), a 1x1 (16x8x1x1: ambiguous) + BN, a linear head."""
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1, bias=False),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1, groups=8),
-        nn.Conv2d(8, 16, 1, bias=False),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(16, 4),
-    )
 
 
 def dataset() -> torch.utils.data.TensorDataset:

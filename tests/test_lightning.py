@@ -32,29 +32,12 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import channels_last_algo.core.guard as guard_module
 from channels_last_algo import ChannelsLastCallback, LayoutBreakError, has_channels_last_strides, is_channels_last
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
-from conftest import breaking_model, no_dispatch_mode, random_images
+from conftest import STRIDE_WARNING, breaking_model, no_dispatch_mode, random_images, small_net
 
 WORLD = 2
 RANK_BATCH = 4
 STEPS = 3
 IMAGE = 12
-STRIDE_WARNING = 'Grad strides do not match bucket view strides'
-
-
-def small_net() -> nn.Module:
-    """3x3 conv + BN, a depthwise 3x3 and a 1x1 (both with ambiguous strides), BN, a linear head."""
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1, bias=False),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1, groups=8),
-        nn.Conv2d(8, 16, 1, bias=False),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(16, 4),
-    )
 
 
 class Classifier(L.LightningModule):
