@@ -2,15 +2,18 @@
 
 A usual ImageNet loader turns every image into a float32 CHW tensor on the CPU (``ToTensor``,
 ``Normalize``), stacks them NCHW, copies four bytes per pixel to the device, and leaves the
-first convolution to transpose the batch to NHWC. Here the samples stay ``uint8`` HWC arrays
-(:class:`ToHWCUint8` ends the transforms), :func:`collate_nhwc` copies each one straight into
-its slot of one channels-last ``uint8`` batch, and :class:`NormalizeBatch` turns that batch
-into normalised floats on the device in a single pass, still NHWC.
+first convolution to transpose the batch to NHWC. Here each image is decoded only as far as
+its crop needs and cropped, as ``uint8`` NHWC, straight into its slot of one channels-last
+``uint8`` batch (:class:`RandomResizedCropFlip`, :class:`ResizeCenterCrop`, the data sets'
+``__getitems__``); :func:`collate_nhwc` passes that batch on (or builds it from ``uint8`` HWC
+samples, e.g. torchvision transforms ending in :class:`ToHWCUint8`), and
+:class:`NormalizeBatch` turns it into normalised floats on the device in a single pass, still NHWC.
 
-The transforms live in :mod:`~channels_last_algo.app.transforms` and the sources in
-:mod:`~channels_last_algo.app.datasets` (:class:`CheckedImageFolder`, :class:`SyntheticImageNet`,
-:func:`imagenet_dataset`, :func:`scan_images`); this module holds the batch side and names
-them all. :func:`build_loader` and :func:`build_data_spec` wrap a source for a plain loop or
+The decoding lives in :mod:`~channels_last_algo.app.decode`, the crops in
+:mod:`~channels_last_algo.app.transforms`, the batch buffer in :mod:`~channels_last_algo.app.batch`
+and the sources in :mod:`~channels_last_algo.app.datasets` (:class:`CheckedImageFolder`,
+:class:`SyntheticImageNet`, :func:`imagenet_dataset`, :func:`scan_images`); this module holds the
+batch side and names them all. :func:`build_loader` and :func:`build_data_spec` wrap a source for a plain loop or
 for Composer's Trainer.
 
 Example:
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from channels_last_algo.app.batch import FilledBatch, empty_nhwc
 from channels_last_algo.app.datasets import (
     CheckedImageFolder,
     CorruptImageError,
@@ -48,6 +52,8 @@ from channels_last_algo.app.datasets import (
     scan_images,
 )
 from channels_last_algo.app.transforms import (
+    RandomResizedCropFlip,
+    ResizeCenterCrop,
     ToHWCUint8,
     check_size,
     default_resize_size,
@@ -63,6 +69,8 @@ __all__ = [
     'IMAGENET_MEAN',
     'IMAGENET_STD',
     'NormalizeBatch',
+    'RandomResizedCropFlip',
+    'ResizeCenterCrop',
     'SyntheticImageNet',
     'ToHWCUint8',
     'build_data_spec',
@@ -82,21 +90,14 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # --- collate: uint8 HWC samples -> one NHWC uint8 batch -------------------------------------
 
 
-def _empty_nhwc(n: int, c: int, h: int, w: int) -> torch.Tensor:
-    """An uninitialised (n, c, h, w) uint8 tensor with channels-last strides; in shared memory
-    inside a DataLoader worker, so that handing it to the main process copies nothing."""
-    if torch.utils.data.get_worker_info() is None:
-        return torch.empty((n, c, h, w), dtype=torch.uint8, memory_format=torch.channels_last)
-    storage = torch.UntypedStorage._new_shared(n * c * h * w)
-    return torch.empty(0, dtype=torch.uint8).set_(storage).view(n, h, w, c).permute(0, 3, 1, 2)
-
-
 def collate_nhwc(samples: Sequence[tuple[Any, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(image, label)`` samples with ``(H, W, C)`` uint8 images -> ``(images, labels)``:
     images ``(N, C, H, W)`` uint8 with channels-last strides, labels int64.
 
     Each image is copied once, straight into its slot of the batch; no NCHW tensor exists at
-    any point. Images may be numpy arrays or CPU tensors.
+    any point. Images may be numpy arrays or CPU tensors. A :class:`FilledBatch` (what the
+    data sets' ``__getitems__`` returns for an :class:`NHWCCrop` transform) is already that
+    batch: its images are returned as they are, with no copy.
 
     Example:
         >>> samples = [(np.full((4, 6, 3), i, dtype=np.uint8), i) for i in range(2)]
@@ -106,6 +107,9 @@ def collate_nhwc(samples: Sequence[tuple[Any, int]]) -> tuple[torch.Tensor, torc
     """
     if len(samples) == 0:
         raise ValueError('collate_nhwc got no samples; a batch needs at least one (image, label) pair')
+    labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
+    if isinstance(samples, FilledBatch):
+        return samples.images, labels
     first = np.asarray(samples[0][0])
     if first.ndim != 3 or first.dtype != np.uint8:
         raise TypeError(
@@ -113,7 +117,7 @@ def collate_nhwc(samples: Sequence[tuple[Any, int]]) -> tuple[torch.Tensor, torc
             'in sample 0; end the transform with ToHWCUint8() instead of ToTensor()'
         )
     height, width, channels = first.shape
-    images = _empty_nhwc(len(samples), channels, height, width)
+    images = empty_nhwc(len(samples), channels, height, width)
     slots = images.permute(0, 2, 3, 1).numpy()  # (N, H, W, C): the same bytes, in their order
     for index, (image, _) in enumerate(samples):
         image = np.asarray(image)
@@ -123,7 +127,6 @@ def collate_nhwc(samples: Sequence[tuple[Any, int]]) -> tuple[torch.Tensor, torc
                 f'shape {first.shape}; a batch needs one size: crop every image to it in the transform'
             )
         slots[index] = image
-    labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
     return images, labels
 
 

@@ -30,7 +30,9 @@ from PIL import Image
 from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
-from channels_last_algo.app.transforms import check_size, eval_transform, train_transform
+from channels_last_algo.app.batch import WritesBatches
+from channels_last_algo.app.decode import EncodedImage
+from channels_last_algo.app.transforms import NHWCCrop, check_size, eval_transform, train_transform
 
 __all__ = [
     'CheckedImageFolder',
@@ -84,14 +86,16 @@ def _walk_once(top: str, seen: dict[tuple[int, int], str]) -> Iterator[tuple[str
         yield folder, files
 
 
-class SyntheticImageNet(torch.utils.data.Dataset):
+class SyntheticImageNet(WritesBatches, torch.utils.data.Dataset):
     """ImageNet-shaped RGB images made on the fly: no files, deterministic, and learnable.
 
     Every class has its own base colour, stripe frequencies and per-channel stripe weights
     (drawn from ``seed``); every sample shifts the stripes by a random phase and adds uniform
     noise of up to ``noise`` grey levels (drawn from ``seed``, ``split`` and its index).
     Sample ``i`` has label ``i % num_classes``; the same arguments always give the same
-    images. Like torchvision's folders it yields ``(transform(pil_image), label)``.
+    images. Like torchvision's folders it yields ``(transform(pil_image), label)``; an
+    :class:`NHWCCrop` transform gets the pixel array instead, and fills whole batches in place
+    (:class:`WritesBatches`).
 
     Example:
         >>> data = SyntheticImageNet(8, num_classes=4, image_size=32)
@@ -154,14 +158,17 @@ class SyntheticImageNet(torch.utils.data.Dataset):
         pixels += noise % np.uint8(2 * self.noise + 1)
         return np.clip(pixels, 0, 255, out=pixels).astype(np.uint8)
 
-    def __getitem__(self, index: int) -> tuple[Any, int]:
+    def sample(self, index: int, out: Optional[np.ndarray] = None) -> tuple[Any, int]:
         if not 0 <= index < self.num_samples:
             raise IndexError(f'sample {index} is out of range for a synthetic set of {self.num_samples}')
+        label = index % len(self.classes)
+        if isinstance(self.transform, NHWCCrop):
+            return self.transform(self.image(index), out=out), label
         image = Image.fromarray(self.image(index))
-        return (image if self.transform is None else self.transform(image)), index % len(self.classes)
+        return (image if self.transform is None else self.transform(image)), label
 
 
-class CheckedImageFolder(ImageFolder):
+class CheckedImageFolder(WritesBatches, ImageFolder):
     """torchvision's ``ImageFolder`` (``root/<class>/<image>``) that checks its folder and says
     what is wrong, and handles a file that cannot be decoded as asked:
 
@@ -169,6 +176,10 @@ class CheckedImageFolder(ImageFolder):
       ``corrupt_hint`` (how to skip such files: the recipe layer names its key);
     - ``on_corrupt='skip'``: a :class:`CorruptImageWarning` naming the file, and the next
       decodable image takes its place (with its own label), so batches keep their size.
+
+    An :class:`NHWCCrop` transform reads each file's bytes and decodes only what its crop needs
+    (:class:`EncodedImage`), and fills whole batches in place (:class:`WritesBatches`); any
+    other transform gets the PIL image, as in ``ImageFolder``.
 
     A missing or empty root, a root without class folders, a class folder without images (it
     would shift the label of every class after it), or a directory link that loops or reaches
@@ -231,10 +242,12 @@ class CheckedImageFolder(ImageFolder):
                 samples.extend((path, class_to_idx[name]) for path in paths if valid(path))
         return samples
 
-    def __getitem__(self, index: int) -> tuple[Any, int]:
+    def sample(self, index: int, out: Optional[np.ndarray] = None) -> tuple[Any, int]:
         for offset in range(len(self.samples)):
             path, label = self.samples[(index + offset) % len(self.samples)]
             try:
+                if isinstance(self.transform, NHWCCrop):  # decoding happens in the crop: inside the try
+                    return self.transform(EncodedImage.read(path), out=out), label
                 image = self.loader(path)
             except (OSError, SyntaxError) as error:  # what PIL raises for unreadable or truncated files
                 if self.on_corrupt == 'raise':
