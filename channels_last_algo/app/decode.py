@@ -7,14 +7,18 @@ the way measured fastest (``benchmarks/loader.py``, the decoder table in ``docs/
 
 - ``shrink`` 2, 4 or 8 (a JPEG whose crop keeps at most 1/2, 1/4, 1/8 of its resolution):
   Pillow's ``draft``, which lets libjpeg-turbo's inverse DCT produce the smaller image directly;
-- a full-size JPEG: ``torchvision.io.decode_jpeg`` (libjpeg-turbo, straight into a tensor,
-  no copy through Pillow's ``tobytes``), where torchvision still has it;
-- anything else (PNG, BMP, ...) and any JPEG ``decode_jpeg`` refuses: Pillow with
+- a full-size JPEG: the first of :data:`FULL_SIZE_DECODERS` that is installed and takes its
+  colour components: ``simplejpeg`` (the ``jpeg`` extra) for grey and YCbCr, then
+  ``torchvision.io.decode_jpeg`` (where torchvision still has it), both libjpeg-turbo straight
+  into an array, without Pillow's ``tobytes`` copy;
+- anything else (PNG, BMP, ...) and any JPEG those decoders refuse: Pillow with
   ``convert('RGB')``, as torchvision's ``ImageFolder`` loads it.
 
-Pixels equal Pillow's: both decoders are libjpeg-turbo with the same settings (grayscale and
-CMYK JPEGs included). A file Pillow cannot decode raises Pillow's own error, so a corrupt or
-truncated file is reported exactly as ``ImageFolder`` reports it.
+Pixels equal Pillow's: every decoder is libjpeg-turbo with the same settings, and each is used
+only for the colour spaces where its output equals Pillow's (simplejpeg's CMYK conversion
+differs by a grey level, so CMYK goes to the next). A file a fast decoder refuses goes to
+Pillow, which decodes it or raises its own error, so a corrupt or truncated file is reported
+exactly as ``ImageFolder`` reports it.
 
 :class:`ArrayImage` gives an in-memory ``(H, W, 3)`` array the same interface (the synthetic
 set, a PIL image), and :func:`as_image` takes any of the three.
@@ -41,12 +45,16 @@ import numpy as np
 import torch
 from PIL import Image
 
+try:  # the optional ``jpeg`` extra
+    import simplejpeg
+except ImportError:
+    simplejpeg = None
 try:  # torchvision >= 0.29 deprecates its image decoders in favour of TorchCodec
     from torchvision.io import ImageReadMode, decode_jpeg
-except ImportError:  # pragma: no cover - a torchvision that has removed them
+except ImportError:  # a torchvision that has removed them
     decode_jpeg = None
 
-__all__ = ['ArrayImage', 'EncodedImage', 'as_image']
+__all__ = ['FULL_SIZE_DECODERS', 'ArrayImage', 'EncodedImage', 'as_image']
 
 SHRINKS = (8, 4, 2, 1)  # the scales libjpeg-turbo decodes at through Pillow's draft
 # start-of-frame markers (baseline, extended, progressive, lossless; Huffman and arithmetic)
@@ -54,8 +62,8 @@ _SOF_MARKERS = frozenset((0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 
 _STANDALONE_MARKERS = frozenset((0x01, *range(0xD0, 0xD9)))  # TEM, RSTn, SOI: no length field
 
 
-def _jpeg_size(data: bytes) -> Optional[tuple[int, int]]:
-    """``(height, width)`` from a JPEG's start-of-frame segment, walking the marker segments
+def _jpeg_frame(data: bytes) -> Optional[tuple[int, int, int]]:
+    """``(height, width, components)`` from a JPEG's start-of-frame segment, walking the marker segments
     before it (a few microseconds, a tenth of Pillow's ``open``); None when ``data`` is not a
     JPEG this walk can read, which then goes to Pillow."""
     if data[:2] != b'\xff\xd8':
@@ -70,11 +78,9 @@ def _jpeg_size(data: bytes) -> Optional[tuple[int, int]]:
         elif marker in _STANDALONE_MARKERS:
             position += 2
         elif marker in _SOF_MARKERS:
-            height, width = (
-                int.from_bytes(data[position + 5 : position + 7], 'big'),
-                int.from_bytes(data[position + 7 : position + 9], 'big'),
-            )
-            return (height, width) if height and width else None  # height 0: defined later by a DNL segment
+            height = int.from_bytes(data[position + 5 : position + 7], 'big')
+            width = int.from_bytes(data[position + 7 : position + 9], 'big')
+            return (height, width, data[position + 9]) if height and width else None  # height 0: set by a DNL
         else:
             position += 2 + int.from_bytes(data[position + 2 : position + 4], 'big')
     return None
@@ -83,6 +89,28 @@ def _jpeg_size(data: bytes) -> Optional[tuple[int, int]]:
 def _hwc_to_chw(pixels: np.ndarray) -> torch.Tensor:
     """An ``(H, W, 3)`` uint8 array as a ``(3, H, W)`` tensor over the same memory."""
     return torch.from_numpy(pixels).permute(2, 0, 1)
+
+
+def _decode_simplejpeg(data: bytes) -> torch.Tensor:
+    return _hwc_to_chw(simplejpeg.decode_jpeg(data, colorspace='RGB'))
+
+
+def _decode_torchvision(data: bytes) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', DeprecationWarning)
+        return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+
+
+# (name, decode(bytes) -> (3, H, W) uint8, the component counts it decodes exactly as Pillow),
+# fastest first as measured by benchmarks/decode.py; only those installed here
+FULL_SIZE_DECODERS = tuple(
+    entry
+    for entry, installed in (
+        (('simplejpeg', _decode_simplejpeg, (1, 3)), simplejpeg is not None),
+        (('torchvision', _decode_torchvision, (1, 3, 4)), decode_jpeg is not None),
+    )
+    if installed
+)
 
 
 def _largest_shrink(region: tuple[int, int], target: tuple[int, int]) -> int:
@@ -102,13 +130,12 @@ class EncodedImage:
 
     def __init__(self, data: bytes) -> None:
         self.data = data
-        size = _jpeg_size(data)
-        self.is_jpeg = size is not None
-        if size is None:  # Pillow reads the header only; it raises on a file it cannot identify
+        frame = _jpeg_frame(data)
+        if frame is None:  # Pillow reads the header only; it raises on a file it cannot identify
             with Image.open(io.BytesIO(data)) as header:
-                size = header.size[::-1]
-                self.is_jpeg = header.format == 'JPEG'
-        self.size = size
+                frame = (*header.size[::-1], len(header.getbands()) if header.format == 'JPEG' else 0)
+        self.size = frame[:2]
+        self.components = frame[2]  # of a JPEG (1 grey, 3 YCbCr or RGB, 4 CMYK or YCCK); 0 for other formats
 
     @classmethod
     def read(cls, path: Union[str, os.PathLike]) -> EncodedImage:
@@ -120,21 +147,18 @@ class EncodedImage:
         """The largest decode scale divisor (8, 4, 2 or 1) at which a ``region`` (height, width)
         of this image still has at least ``target`` pixels a side: a JPEG is decoded that much
         smaller at no loss to a crop of ``region`` resized down to ``target``; other formats 1."""
-        return _largest_shrink(region, target) if self.is_jpeg else 1
+        return _largest_shrink(region, target) if self.components else 1
 
     def decode(self, shrink: int = 1) -> torch.Tensor:
         """The pixels, ``(3, ceil(H / shrink), ceil(W / shrink))`` uint8 over HWC memory."""
         if shrink not in SHRINKS:
             raise ValueError(f'shrink must be one of {SHRINKS}, got {shrink!r}')
-        if shrink == 1 and self.is_jpeg and decode_jpeg is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter('ignore', DeprecationWarning)
+        for _, decoder, components in FULL_SIZE_DECODERS if shrink == 1 else ():
+            if self.components in components:
                 try:
-                    return decode_jpeg(
-                        torch.frombuffer(bytearray(self.data), dtype=torch.uint8), mode=ImageReadMode.RGB
-                    )
-                except RuntimeError:
-                    pass  # Pillow decides: it decodes what it can and raises its own error otherwise
+                    return decoder(self.data)
+                except (RuntimeError, ValueError):
+                    continue  # the next one, then Pillow: it decodes what it can and raises its own error otherwise
         image = Image.open(io.BytesIO(self.data))
         if shrink > 1:
             width, height = image.size
