@@ -1,18 +1,25 @@
-"""Loader throughput: the NHWC uint8 data path against torchvision's ToTensor + Normalize.
+"""Loader throughput on ImageNet-like JPEGs: the NHWC data path against torchvision's
+ImageFolder pipeline, the previous NHWC loader and (when installed) NVIDIA DALI's CPU pipeline.
 
-Both pipelines read the same images and run the same geometric transforms on PIL images
-(train: RandomResizedCrop + flip; val: Resize + CenterCrop); they differ from there on:
+Every pipeline reads the same generated JPEGs (``imagenet_jpegs.py``: ImageNet's sizes and
+file sizes) and applies the ImageNet recipe's geometry (train: RandomResizedCrop + flip; val:
+Resize + CenterCrop), then:
 
-    torchvision        ToTensor + Normalize per image -> default_collate -> NCHW float32
-    torchvision+nhwc   the same, then .to(memory_format=channels_last), as a channels-last
-                       model needs it (what Composer's ChannelsLast does to each batch)
-    nhwc               ToHWCUint8 per image -> collate_nhwc -> NHWC uint8 -> NormalizeBatch
-                       -> NHWC float32 (on --device, after the transfer)
+    torchvision   ImageFolder (Pillow decode) -> Pillow crop/resize -> ToTensor + Normalize
+                  -> default_collate -> NCHW float32 to the device
+    nhwc-pil      the previous NHWC loader: the same Pillow geometry -> ToHWCUint8 ->
+                  collate_nhwc -> NHWC uint8 to the device -> NormalizeBatch
+    nhwc          CheckedImageFolder with the NHWC crops: header-planned crop, scaled decode,
+                  uint8 NHWC resize into the batch slot -> NHWC uint8 -> NormalizeBatch
+    dali          DALI's CPU pipeline (loader_dali.py), NHWC uint8, as many threads as workers
+                  (at least one); only when ``nvidia-dali-cuda120`` is installed
 
-Each pass reads the whole set once and moves every batch to --device. Passes are interleaved
-across pipelines, after one warm-up pass each; the table gives images/s of the fastest and
-the median pass, and the bytes of one batch as it crosses to the device. The data: a folder
-of JPEGs written to a temporary directory, and the embedded synthetic set (no decoding).
+Each pass reads the whole set once and moves every batch to --device. The NHWC pipelines end
+there, as uint8 NHWC batches: their normalisation belongs to the device (``NormalizeBatch``, a
+few microseconds a batch on a GPU); on a CUDA device it is included. On the CPU the row
+``nhwc+normalize`` adds it, so the cost of doing it on the CPU is in the table too. Passes are
+interleaved across pipelines round by round, after one warm-up pass each; the table gives
+images/s of the fastest and the median pass, and the paired per-round ratio to torchvision.
 
 Example:
     flock /tmp/channels_last_timing.lock .venv/bin/python benchmarks/loader.py \\
@@ -34,7 +41,11 @@ from pathlib import Path
 
 import numpy as np
 import PIL
+import PIL.features
 import torch
+import torchvision
+from imagenet_jpegs import write_imagenet_like_folder
+from loader_dali import dali_available, dali_pass
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
@@ -43,7 +54,7 @@ from channels_last_algo.app.data import (
     IMAGENET_STD,
     CheckedImageFolder,
     NormalizeBatch,
-    SyntheticImageNet,
+    ToHWCUint8,
     build_loader,
     eval_transform,
     train_transform,
@@ -51,136 +62,173 @@ from channels_last_algo.app.data import (
 from channels_last_algo.core.machine import describe_machine, write_results
 from channels_last_algo.core.timing import synchronizer, time_interleaved
 
-PIPELINES = ('torchvision', 'torchvision+nhwc', 'nhwc')
+
+def torchvision_geometry(split: str, args: argparse.Namespace) -> list:
+    """The ImageNet recipe's PIL transforms, as torchvision's reference scripts write them."""
+    if split == 'train':
+        return [transforms.RandomResizedCrop(args.crop), transforms.RandomHorizontalFlip()]
+    return [transforms.Resize(args.resize), transforms.CenterCrop(args.crop)]
 
 
-def write_jpeg_folder(root: Path, images: int, classes: int, seed: int) -> Path:
-    """``images`` JPEGs (quality 90) of 224 to 320 pixels a side under ``root/<class>/``."""
-    rng = np.random.default_rng(seed)
-    source = SyntheticImageNet(images, num_classes=classes, image_size=320, seed=seed)
-    for index in range(images):
-        height, width = rng.integers(224, 321, size=2)
-        folder = root / f'class_{index % classes:03d}'
-        folder.mkdir(parents=True, exist_ok=True)
-        PIL.Image.fromarray(source.image(index)[:height, :width]).save(folder / f'{index:05d}.jpg', quality=90)
-    return root
-
-
-def make_loaders(source: Callable, split: str, args: argparse.Namespace) -> dict[str, Callable[[], Iterable]]:
-    """For each pipeline, a function that runs one pass and yields device batches.
-
-    ``source(transform, split)`` makes the data set with a given transform.
-    """
+def make_passes(folder: Path, split: str, args: argparse.Namespace) -> dict[str, Callable[[], Iterable]]:
+    """For each pipeline, a function that runs one pass and yields device batches."""
     device = torch.device(args.device)
-    nhwc_transform = train_transform(args.crop) if split == 'train' else eval_transform(args.crop, args.resize)
-    geometry = nhwc_transform.transforms[:-1]  # everything before ToHWCUint8
-    float_transform = transforms.Compose(
-        [*geometry, transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-    )
     pin = device.type == 'cuda'
+    geometry = torchvision_geometry(split, args)
     float_loader = DataLoader(
-        source(float_transform, split),
+        torchvision.datasets.ImageFolder(
+            str(folder),
+            transforms.Compose([*geometry, transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)]),
+        ),
         batch_size=args.batch_size,
         num_workers=args.workers,
         pin_memory=pin,
         persistent_workers=args.workers > 0,
     )
-    nhwc_loader = build_loader(
-        source(nhwc_transform, split), batch_size=args.batch_size, train=False, workers=args.workers, pin_memory=pin
-    )
+    crop = train_transform(args.crop) if split == 'train' else eval_transform(args.crop, args.resize)
+    nhwc_loaders = {
+        'nhwc-pil': CheckedImageFolder(folder, transforms.Compose([*geometry, ToHWCUint8()])),
+        'nhwc': CheckedImageFolder(folder, crop),
+    }
+    nhwc_loaders = {
+        name: build_loader(data, batch_size=args.batch_size, train=False, workers=args.workers, pin_memory=pin)
+        for name, data in nhwc_loaders.items()
+    }
     normalize = NormalizeBatch()
 
     def torchvision_pass():
         for images, labels in float_loader:
             yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
-    def torchvision_nhwc_pass():
-        for images, labels in torchvision_pass():
-            yield images.to(memory_format=torch.channels_last), labels
+    def nhwc_pass(loader, normalized: bool):
+        for images, labels in loader:
+            batch = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+            yield normalize(batch) if normalized else batch
 
-    def nhwc_pass():
-        for images, labels in nhwc_loader:
-            yield normalize((images.to(device, non_blocking=True), labels.to(device, non_blocking=True)))
+    on_gpu = device.type == 'cuda'
+    passes = {
+        'torchvision': torchvision_pass,
+        **{name: functools.partial(nhwc_pass, loader, on_gpu) for name, loader in nhwc_loaders.items()},
+    }
+    if not on_gpu:
+        passes['nhwc+normalize'] = functools.partial(nhwc_pass, nhwc_loaders['nhwc'], True)
+    if args.dali and dali_available():
+        dali = dali_pass(
+            folder,
+            split,
+            batch_size=args.batch_size,
+            crop=args.crop,
+            resize=args.resize,
+            threads=max(1, args.workers),
+            seed=args.seed,
+        )
+        passes['dali'] = lambda: nhwc_pass(dali(), on_gpu)
+    return passes
 
-    return {'torchvision': torchvision_pass, 'torchvision+nhwc': torchvision_nhwc_pass, 'nhwc': nhwc_pass}
 
-
-def measure(source: Callable, data: str, split: str, args: argparse.Namespace) -> list[dict]:
+def measure(folder: Path, split: str, args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
-    runs = make_loaders(source, split, args)
+    passes = make_passes(folder, split, args)
     counts = {}
 
-    def one_pass(name: str, run: Callable[[], Iterable]) -> None:
-        counts[name] = sum(images.shape[0] for images, _ in run())
+    def one_pass(name: str) -> None:
+        counts[name] = sum(images.shape[0] for images, _ in passes[name]())
 
     # one warm-up pass each: worker start, page cache, first allocations
     timings = time_interleaved(
-        {name: functools.partial(one_pass, name, runs[name]) for name in PIPELINES},
+        {name: functools.partial(one_pass, name) for name in passes},
         rounds=args.repeats,
         warmup=1,
         synchronize=synchronizer(device),
     )
-    seconds = timings.seconds
     pixels = args.batch_size * 3 * args.crop**2
-    loaded_bytes = {'torchvision': 4 * pixels, 'torchvision+nhwc': 4 * pixels, 'nhwc': pixels}  # float32, uint8
     rows = []
-    for name in PIPELINES:
-        best, median = min(seconds[name]), statistics.median(seconds[name])
+    for name in passes:
+        seconds = timings.seconds[name]
+        ratio = timings.ratio('torchvision', name)
         rows.append(
             {
-                'data': data,
                 'split': split,
                 'workers': args.workers,
                 'pipeline': name,
                 'images': counts[name],
-                'seconds': seconds[name],
-                'best_images_per_s': counts[name] / best,
-                'median_images_per_s': counts[name] / median,
-                'batch_bytes_to_device': loaded_bytes[name],
+                'seconds': seconds,
+                'best_images_per_s': counts[name] / min(seconds),
+                'median_images_per_s': counts[name] / statistics.median(seconds),
+                'speedup_vs_torchvision': ratio.median,
+                'speedup_interval': ratio.interval,
+                'batch_bytes_to_device': pixels * (4 if name == 'torchvision' else 1),  # float32 or uint8
             }
         )
-    for row in rows:  # paired: each pass against the torchvision pass of the same round
-        row['speedup_vs_torchvision'] = timings.ratio('torchvision', row['pipeline']).median
-    del runs
+    passes.clear()
     gc.collect()  # ends the persistent workers before the next group starts its own
     return rows
 
 
 def markdown(result: dict) -> str:
-    m = result['machine']
-    s = result['settings']
+    m, s, d = result['machine'], result['settings'], result['data']
     lines = [
-        '# Loader throughput: NHWC uint8 path vs torchvision ToTensor + Normalize',
+        '# Loader throughput on ImageNet-like JPEGs: NHWC data path vs torchvision ImageFolder',
         '',
         f'Machine: {m["cpu"]}, {m["cores_usable"]} usable cores ({m["cores"]} online), '
         f'{m["torch_threads"]} torch thread(s) in the main process, 1 per worker, '
         f'GPU: {m["gpu"] or "none"}; device `{s["device"]}`.',
-        f'torch {m["torch"]}, torchvision {m["torchvision"]}, Pillow {m["pillow"]}, numpy {m["numpy"]}, '
-        f'Python {m["python"]}.',
+        f'torch {m["torch"]}, torchvision {m["torchvision"]}, Pillow {m["pillow"]} (libjpeg-turbo '
+        f'{m["libjpeg_turbo"]}), DALI {m["dali"] or "not installed"}, numpy {m["numpy"]}, Python {m["python"]}.',
         '',
         f'Command: `{result["command"]}`',
         '',
         f'1-minute load average {result["load_average_1min"]["before"]:.1f} before and '
         f'{result["load_average_1min"]["after"]:.1f} after the run (other work on the machine makes passes vary).',
         '',
-        f'{s["images"]} images per pass, batch {s["batch_size"]}, crop {s["crop"]} (val resize '
-        f'{s["resize"]}), {s["repeats"]} timed passes per pipeline after one warm-up, interleaved. '
-        'JPEG folder: 224-320 px JPEGs (quality 90); synthetic: the embedded set at '
-        f'{s["synthetic_image_size"]} px. Images/s from the fastest and the median pass; '
-        '"vs torchvision" is the median over rounds of the torchvision pass time over this '
-        'pipeline\'s pass time in the same round (above 1: faster); "to device" is one batch of images '
-        'as it leaves the loader.',
+        f'{d["images"]} generated JPEGs in {d["classes"]} classes (quality {d["quality"]}, mean '
+        f'{d["mean_width"]:.0f} x {d["mean_height"]:.0f} px, mean {d["mean_kib"]:.0f} KiB), batch '
+        f'{s["batch_size"]}, crop {s["crop"]} (val resize {s["resize"]}), {s["repeats"]} timed passes per '
+        'pipeline after one warm-up, interleaved. Images/s from the fastest and the median pass; '
+        '"vs torchvision" is the median over rounds of the torchvision pass time over this pipeline\'s '
+        'pass time in the same round (above 1: faster), with its 95% interval; "to device" is one '
+        'batch as it leaves the loader.',
         '',
-        '| data | split | workers | pipeline | best img/s | median img/s | vs torchvision | to device |',
-        '|---|---|---:|---|---:|---:|---:|---:|',
+        '| split | workers | pipeline | best img/s | median img/s | vs torchvision | 95% interval | to device |',
+        '|---|---:|---|---:|---:|---:|---|---:|',
+        *table_rows(result['rows']),
+        '',
+        'Each pipeline at its best worker count on these cores (highest median images/s over the '
+        'worker counts above), against torchvision at its best:',
+        '',
+        '| split | pipeline | workers | median img/s | vs torchvision at its best |',
+        '|---|---|---:|---:|---:|',
     ]
-    for row in result['rows']:
-        lines.append(
-            f'| {row["data"]} | {row["split"]} | {row["workers"]} | {row["pipeline"]} | '
-            f'{row["best_images_per_s"]:.0f} | {row["median_images_per_s"]:.0f} | '
-            f'{row["speedup_vs_torchvision"]:.2f}x | {row["batch_bytes_to_device"] / 2**20:.1f} MiB |'
-        )
+    for split, pipeline, best, ratio in best_configurations(result['rows']):
+        lines.append(f'| {split} | {pipeline} | {best["workers"]} | {best["median_images_per_s"]:.0f} | {ratio:.2f}x |')
     return '\n'.join(lines) + '\n'
+
+
+def best_configurations(rows: list[dict]) -> list[tuple[str, str, dict, float]]:
+    """``(split, pipeline, its row at the best worker count, images/s over torchvision's best)``."""
+    out = []
+    for split in dict.fromkeys(row['split'] for row in rows):
+        best = {}
+        for row in (row for row in rows if row['split'] == split):
+            if row['pipeline'] not in best or row['median_images_per_s'] > best[row['pipeline']]['median_images_per_s']:
+                best[row['pipeline']] = row
+        reference = best['torchvision']['median_images_per_s']
+        out += [(split, name, row, row['median_images_per_s'] / reference) for name, row in best.items()]
+    return out
+
+
+def table_rows(rows: list[dict]) -> list[str]:
+    """One markdown row per measured group and pipeline."""
+    lines = []
+    for row in rows:
+        interval = row['speedup_interval']
+        shown = f'{interval[0]:.2f}-{interval[1]:.2f}' if interval else 'n/a'
+        lines.append(
+            f'| {row["split"]} | {row["workers"]} | {row["pipeline"]} | '
+            f'{row["best_images_per_s"]:.0f} | {row["median_images_per_s"]:.0f} | '
+            f'{row["speedup_vs_torchvision"]:.2f}x | {shown} | {row["batch_bytes_to_device"] / 2**20:.1f} MiB |'
+        )
+    return lines
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -189,15 +237,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__.split('\n\n', 1)[1],
     )
-    parser.add_argument('--images', type=int, default=384, help='images per pass (JPEGs written, synthetic size)')
-    parser.add_argument('--classes', type=int, default=8, help='class folders of the JPEG set')
+    parser.add_argument('--images', type=int, default=256, help='JPEGs generated (one pass reads them all)')
+    parser.add_argument('--classes', type=int, default=8, help='class folders')
     parser.add_argument('--batch-size', type=int, default=64)
     parser.add_argument('--crop', type=int, default=224, help='train and val crop size')
     parser.add_argument('--resize', type=int, default=232, help='val resize of the short side')
-    parser.add_argument('--workers', type=int, nargs='+', default=[0, 2], help='DataLoader workers to try')
+    parser.add_argument('--workers', type=int, nargs='+', default=[0, 1, 2], help='DataLoader workers to try')
     parser.add_argument('--splits', nargs='+', choices=('train', 'val'), default=['train', 'val'])
-    parser.add_argument('--data', nargs='+', choices=('jpeg', 'synthetic'), default=['jpeg', 'synthetic'])
-    parser.add_argument('--repeats', type=int, default=5, help='timed passes per pipeline')
+    parser.add_argument('--repeats', type=int, default=7, help='timed passes per pipeline')
+    parser.add_argument('--no-dali', dest='dali', action='store_false', help='leave DALI out even when installed')
     parser.add_argument(
         '--threads',
         type=int,
@@ -215,43 +263,44 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0]
-    synthetic_size = round(args.crop * 256 / 224)
     rows = []
     with tempfile.TemporaryDirectory(prefix='loader-bench-') as tmp:
-        sources = {}
-        if 'jpeg' in args.data:
-            folder = write_jpeg_folder(Path(tmp), args.images, args.classes, args.seed)
-            sources['jpeg'] = lambda transform, split: CheckedImageFolder(folder, transform)
-        if 'synthetic' in args.data:
-            sources['synthetic'] = lambda transform, split: SyntheticImageNet(
-                args.images, image_size=synthetic_size, split=split, seed=args.seed, transform=transform
-            )
-        for data, source in sources.items():
-            for split in args.splits:
-                for workers in args.workers:
-                    group = argparse.Namespace(**{**vars(args), 'workers': workers})
-                    group_rows = measure(source, data, split, group)
-                    rows += group_rows
-                    for row in group_rows:
-                        print(
-                            f'{data:9} {split:5} workers={workers} {row["pipeline"]:16} '
-                            f'best {row["best_images_per_s"]:7.0f} img/s  median {row["median_images_per_s"]:7.0f}'
-                            f'  ({row["speedup_vs_torchvision"]:.2f}x)',
-                            flush=True,
-                        )
+        folder = Path(tmp)
+        data = write_imagenet_like_folder(folder, args.images, args.classes, args.seed)
+        for split in args.splits:
+            for workers in args.workers:
+                group_rows = measure(folder, split, argparse.Namespace(**{**vars(args), 'workers': workers}))
+                rows += group_rows
+                for row in group_rows:
+                    print(
+                        f'{split:5} workers={workers} {row["pipeline"]:12} '
+                        f'best {row["best_images_per_s"]:6.0f} img/s  median {row["median_images_per_s"]:6.0f}'
+                        f'  ({row["speedup_vs_torchvision"]:.2f}x)',
+                        flush=True,
+                    )
+    dali_version = None
+    if args.dali and dali_available():
+        from nvidia import dali
+
+        dali_version = dali.__version__
     result = {
         'command': ' '.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
-        'machine': {**describe_machine(), 'pillow': PIL.__version__, 'numpy': np.__version__},
+        'machine': {
+            **describe_machine(),
+            'pillow': PIL.__version__,
+            'libjpeg_turbo': PIL.features.version('libjpeg_turbo'),
+            'numpy': np.__version__,
+            'dali': dali_version,
+        },
         'settings': {
-            'images': args.images,
             'batch_size': args.batch_size,
             'crop': args.crop,
             'resize': args.resize,
             'repeats': args.repeats,
             'device': args.device,
-            'synthetic_image_size': synthetic_size,
             'seed': args.seed,
         },
+        'data': data,
         'date': time.strftime('%Y-%m-%d'),
         'load_average_1min': {'before': load_before, 'after': os.getloadavg()[0]},
         'rows': rows,

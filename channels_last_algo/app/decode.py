@@ -39,7 +39,7 @@ from __future__ import annotations
 import io
 import os
 import warnings
-from typing import Any, Optional, Union
+from typing import Any, BinaryIO, Optional, Union
 
 import numpy as np
 import torch
@@ -128,11 +128,15 @@ class EncodedImage:
         torch.Size([3, 20, 30])
     """
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, file: Optional[BinaryIO] = None) -> None:
+        """``data``: the file's bytes; ``file``: the open file they came from, if any (Pillow
+        names it in the error for a file it cannot identify, as ``ImageFolder``'s loader does)."""
         self.data = data
         frame = _jpeg_frame(data)
         if frame is None:  # Pillow reads the header only; it raises on a file it cannot identify
-            with Image.open(io.BytesIO(data)) as header:
+            if file is not None:
+                file.seek(0)
+            with Image.open(io.BytesIO(data) if file is None else file) as header:
                 frame = (*header.size[::-1], len(header.getbands()) if header.format == 'JPEG' else 0)
         self.size = frame[:2]
         self.components = frame[2]  # of a JPEG (1 grey, 3 YCbCr or RGB, 4 CMYK or YCCK); 0 for other formats
@@ -141,7 +145,7 @@ class EncodedImage:
     def read(cls, path: Union[str, os.PathLike]) -> EncodedImage:
         """The file at ``path``, read in one call."""
         with open(path, 'rb') as file:
-            return cls(file.read())
+            return cls(file.read(), file)
 
     def max_shrink(self, region: tuple[int, int], target: tuple[int, int]) -> int:
         """The largest decode scale divisor (8, 4, 2 or 1) at which a ``region`` (height, width)
@@ -151,8 +155,8 @@ class EncodedImage:
 
     def decode(self, shrink: int = 1) -> torch.Tensor:
         """The pixels, ``(3, ceil(H / shrink), ceil(W / shrink))`` uint8 over HWC memory."""
-        if shrink not in SHRINKS:
-            raise ValueError(f'shrink must be one of {SHRINKS}, got {shrink!r}')
+        if shrink not in SHRINKS or (shrink > 1 and not self.components):
+            raise ValueError(f'shrink must be one of {SHRINKS} for a JPEG and 1 for other formats, got {shrink!r}')
         for _, decoder, components in FULL_SIZE_DECODERS if shrink == 1 else ():
             if self.components in components:
                 try:

@@ -75,7 +75,10 @@ def check_size(name: str, value: Any) -> int:
 
 def _check_range(name: str, value: Sequence[float], upper: Optional[float] = None) -> tuple[float, float]:
     """``(low, high)`` with ``0 < low <= high`` (and ``high <= upper``); ValueError naming ``name`` otherwise."""
-    low, high = (float(v) for v in value)
+    values = tuple(value)
+    if len(values) != 2:
+        raise ValueError(f'{name} must be (low, high), two numbers, got {values!r}')
+    low, high = (float(v) for v in values)
     if not 0 < low <= high or (upper is not None and high > upper):
         bound = f' <= {upper}' if upper is not None else ''
         raise ValueError(f'{name} must be (low, high) with 0 < low <= high{bound}, got {tuple(value)!r}')
@@ -117,9 +120,12 @@ class NHWCCrop(ABC):
         plan = self.plan(*image.size)
         if out is None:
             out = np.empty((self.size, self.size, 3), dtype=np.uint8)
-        target = torch.as_tensor(out).permute(2, 0, 1)[None]  # (1, 3, H, W) channels-last over out's memory
-        if target.shape[1:] != (3, self.size, self.size) or target.dtype != torch.uint8:
-            raise ValueError(f'out must be a ({self.size}, {self.size}, 3) uint8 slot, got {tuple(out.shape)}')
+        slot = torch.as_tensor(out)
+        if slot.shape != (self.size, self.size, 3) or slot.dtype != torch.uint8:
+            raise ValueError(
+                f'out must be a ({self.size}, {self.size}, 3) uint8 slot, got {slot.dtype} {tuple(slot.shape)}'
+            )
+        target = slot.permute(2, 0, 1)[None]  # (1, 3, H, W) channels-last over out's memory
         top, left, height, width = plan.box
         shrink = image.max_shrink((height, width), plan.resize)
         pixels = image.decode(shrink)
@@ -130,20 +136,23 @@ class NHWCCrop(ABC):
             )
             top, left = round(top / shrink), round(left / shrink)
             height, width = bottom - top, right - left
-        # the crop copied to a dense NHWC block first: torch's uint8 antialiased kernel is
-        # faster on it than on a strided view, by more than the copy costs (benchmarks/loader.py)
-        region = pixels[None, :, top : top + height, left : left + width].contiguous(memory_format=torch.channels_last)
-        whole_window = plan.window == (0, 0, *plan.resize)
+        # the crop copied to a dense NHWC block first, mirrored on the way when the plan flips:
+        # torch's uint8 antialiased kernel is faster on a dense block than on a strided view by
+        # more than the copy costs, and it is mirror-symmetric, so mirroring before the resize
+        # gives the same pixels as after (benchmarks/decode.py, tests/test_transforms.py)
+        region = pixels[None, :, top : top + height, left : left + width]
+        region = region.flip(3) if plan.flip else region.contiguous(memory_format=torch.channels_last)
+        window_top, window_left, window_height, window_width = plan.window
+        if plan.flip:  # the window of the mirrored image
+            window_left = plan.resize[1] - window_left - window_width
         if (height, width) == plan.resize:
             resized = region
-        elif whole_window and not plan.flip:
+        elif plan.window == (0, 0, *plan.resize):
             torch.ops.aten._upsample_bilinear2d_aa.out(region, list(plan.resize), False, None, None, out=target)
             return out
         else:
             resized = F.interpolate(region, size=plan.resize, mode='bilinear', antialias=True, align_corners=False)
-        window_top, window_left, window_height, window_width = plan.window
-        kept = resized[..., window_top : window_top + window_height, window_left : window_left + window_width]
-        target.copy_(kept.flip(3) if plan.flip else kept)
+        target.copy_(resized[..., window_top : window_top + window_height, window_left : window_left + window_width])
         return out
 
 
