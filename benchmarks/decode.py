@@ -23,7 +23,6 @@ import io
 import os
 import sys
 import tempfile
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +38,7 @@ from PIL import Image
 from torchvision import transforms
 
 from channels_last_algo.app.decode import EncodedImage
-from channels_last_algo.core.machine import describe_machine, write_results
+from channels_last_algo.core.machine import run_record, write_results
 from channels_last_algo.core.timing import time_interleaved
 
 try:
@@ -172,20 +171,13 @@ def main(argv=None) -> int:
         rows = measure(Path(tmp), args)
     for row in rows:
         print(f'{row["option"]:45} best {row["best_ms_per_image"]:.3f} ms  median {row["median_ms_per_image"]:.3f} ms')
-    result = {
-        'command': ' '.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
-        'machine': {
-            **describe_machine(),
-            'pillow': PIL.__version__,
-            'libjpeg_turbo': PIL.features.version('libjpeg_turbo'),
-            'simplejpeg': getattr(simplejpeg, '__version__', None),
-        },
-        'settings': {'crop': args.crop, 'resize': args.resize, 'repeats': args.repeats, 'seed': args.seed},
-        'data': data,
-        'date': time.strftime('%Y-%m-%d'),
-        'load_average_1min': {'before': load_before, 'after': os.getloadavg()[0]},
-        'rows': rows,
+    machine = {
+        'pillow': PIL.__version__,
+        'libjpeg_turbo': PIL.features.version('libjpeg_turbo'),
+        'simplejpeg': getattr(simplejpeg, '__version__', None),
     }
+    settings = {'crop': args.crop, 'resize': args.resize, 'repeats': args.repeats, 'seed': args.seed}
+    result = run_record(argv, load_before, machine, settings=settings, data=data, rows=rows)
     if args.out is not None:
         write_results(args.out, 'decode', result, markdown(result))
         print(f'wrote {args.out / "decode.json"} and {args.out / "decode.md"}')

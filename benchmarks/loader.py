@@ -35,7 +35,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -59,7 +58,7 @@ from channels_last_algo.app.data import (
     eval_transform,
     train_transform,
 )
-from channels_last_algo.core.machine import describe_machine, write_results
+from channels_last_algo.core.machine import run_record, write_results
 from channels_last_algo.core.timing import synchronizer, time_interleaved
 
 
@@ -283,28 +282,21 @@ def main(argv=None) -> int:
         from nvidia import dali
 
         dali_version = dali.__version__
-    result = {
-        'command': ' '.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
-        'machine': {
-            **describe_machine(),
-            'pillow': PIL.__version__,
-            'libjpeg_turbo': PIL.features.version('libjpeg_turbo'),
-            'numpy': np.__version__,
-            'dali': dali_version,
-        },
-        'settings': {
-            'batch_size': args.batch_size,
-            'crop': args.crop,
-            'resize': args.resize,
-            'repeats': args.repeats,
-            'device': args.device,
-            'seed': args.seed,
-        },
-        'data': data,
-        'date': time.strftime('%Y-%m-%d'),
-        'load_average_1min': {'before': load_before, 'after': os.getloadavg()[0]},
-        'rows': rows,
+    machine = {
+        'pillow': PIL.__version__,
+        'libjpeg_turbo': PIL.features.version('libjpeg_turbo'),
+        'numpy': np.__version__,
+        'dali': dali_version,
     }
+    settings = {
+        'batch_size': args.batch_size,
+        'crop': args.crop,
+        'resize': args.resize,
+        'repeats': args.repeats,
+        'device': args.device,
+        'seed': args.seed,
+    }
+    result = run_record(argv, load_before, machine, settings=settings, data=data, rows=rows)
     if args.out is not None:
         write_results(args.out, 'loader', result, markdown(result))
         print(f'wrote {args.out / "loader.json"} and {args.out / "loader.md"}')

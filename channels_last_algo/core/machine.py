@@ -15,12 +15,14 @@ import json
 import os
 import platform
 import re
+import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-__all__ = ['describe_machine', 'machine_label', 'machine_slug', 'write_results']
+__all__ = ['describe_machine', 'machine_label', 'machine_slug', 'run_record', 'write_results']
 
 
 def _cpu_model() -> str:
@@ -76,6 +78,27 @@ def machine_slug(info: dict[str, Any]) -> str:
     if info['gpu']:
         return re.sub(r'[^a-z0-9]+', '-', info['gpu'].lower()).strip('-')
     return f'cpu-{info["cores_usable"]}core'
+
+
+def run_record(
+    argv: Optional[list[str]], load_before: float, machine: Optional[dict[str, Any]] = None, **fields: Any
+) -> dict[str, Any]:
+    """What a benchmark run records besides its rows: its command line (``argv``, or the
+    process's when None), the machine (:func:`describe_machine` plus ``machine``), the date, the
+    1-minute load average before (``load_before``) and now, and ``fields``.
+
+    Example:
+        >>> record = run_record(['--repeats', '3'], 0.5, {'pillow': '11'}, rows=[])
+        >>> record['command'].endswith('--repeats 3'), record['machine']['pillow'], record['rows']
+        (True, '11', [])
+    """
+    return {
+        'command': ' '.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
+        'machine': {**describe_machine(), **(machine or {})},
+        'date': time.strftime('%Y-%m-%d'),
+        'load_average_1min': {'before': load_before, 'after': os.getloadavg()[0]},
+        **fields,
+    }
 
 
 def write_results(folder: Path, stem: str, result: dict[str, Any], markdown: str) -> tuple[Path, Path]:
