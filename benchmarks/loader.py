@@ -263,7 +263,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--out', type=Path, help='folder for loader.json and loader.md (else print only)')
+    parser.add_argument('--out', type=Path, help='folder for NAME.json and NAME.md (else print only)')
+    parser.add_argument('--name', default='loader', help='file name of the results, without extension')
     return parser.parse_args(argv)
 
 
@@ -307,8 +308,8 @@ def main(argv=None) -> int:
     }
     result = run_record(argv, load_before, machine, settings=settings, data=data, rows=rows)
     if args.out is not None:
-        write_results(args.out, 'loader', result, markdown(result))
-        print(f'wrote {args.out / "loader.json"} and {args.out / "loader.md"}')
+        for path in write_results(args.out, args.name, result, markdown(result)):
+            print(f'wrote {path}')
     return 0
 
 
