@@ -5,8 +5,8 @@ One thread, one process, every option over the same generated JPEGs (``imagenet_
 interleaved round by round:
 
     header   Pillow's Image.open (size only)  |  the start-of-frame walk (EncodedImage)
-    decode   Pillow full + np.asarray  |  Pillow draft at 1/2, 1/4, 1/8  |  torchvision.io.decode_jpeg
-             |  simplejpeg (when installed; not a dependency)
+    decode   Pillow full + np.asarray  |  Pillow draft at 1/2, 1/4, 1/8  |  each installed entry of
+             FULL_SIZE_DECODERS (simplejpeg, the ``jpeg`` extra; torchvision.io.decode_jpeg)
     resize   a random-resized-crop box to 224 px, and the whole image to a 232 px short side:
              Pillow (what torchvision runs on PIL images)  |  torch antialiased uint8 on the
              strided crop  |  the same after copying the crop to a dense NHWC block
@@ -23,21 +23,18 @@ import io
 import os
 import sys
 import tempfile
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import PIL
 import PIL.features
 import torch
 import torch.nn.functional as F
-import torchvision
 from imagenet_jpegs import write_imagenet_like_folder
 from PIL import Image
 from torchvision import transforms
 
-from channels_last_algo.app.decode import EncodedImage
+from channels_last_algo.app.decode import FULL_SIZE_DECODERS, EncodedImage, rgb_pixels
 from channels_last_algo.core.machine import run_record, write_results
 from channels_last_algo.core.timing import time_interleaved
 
@@ -47,29 +44,19 @@ except ImportError:
     simplejpeg = None
 
 
-def decode_options(datas: list[bytes]) -> dict[str, Callable[[bytes], object]]:
-    def pil(data: bytes, shrink: int = 1) -> np.ndarray:
-        image = Image.open(io.BytesIO(data))
-        if shrink > 1:
-            image.draft('RGB', (image.width // shrink, image.height // shrink))
-        return np.asarray(image.convert('RGB'))
-
-    def torchvision_decode(data: bytes) -> torch.Tensor:
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore', DeprecationWarning)
-            return torchvision.io.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-
+def decode_options() -> dict[str, Callable[[bytes], object]]:
+    """Pillow as torchvision's ImageFolder decodes, the package's scaled decodes, and each of
+    its installed full-size decoders (``FULL_SIZE_DECODERS``)."""
     options = {
         'header: Pillow Image.open': lambda data: Image.open(io.BytesIO(data)).size,
         'header: start-of-frame walk': lambda data: EncodedImage(data).size,
-        'decode: Pillow full + asarray': pil,
-        'decode: Pillow draft 1/2': lambda data: pil(data, 2),
-        'decode: Pillow draft 1/4': lambda data: pil(data, 4),
-        'decode: Pillow draft 1/8': lambda data: pil(data, 8),
-        'decode: torchvision decode_jpeg': torchvision_decode,
+        'decode: Pillow full + asarray': lambda data: rgb_pixels(Image.open(io.BytesIO(data))),
+        **{
+            f'decode: Pillow draft 1/{shrink}': lambda data, shrink=shrink: EncodedImage(data).decode(shrink)
+            for shrink in (2, 4, 8)
+        },
     }
-    if simplejpeg is not None:
-        options['decode: simplejpeg'] = simplejpeg.decode_jpeg
+    options.update({f'decode: {name}': decoder for name, decoder, _ in FULL_SIZE_DECODERS})
     return options
 
 
@@ -105,7 +92,7 @@ def measure(folder: Path, args: argparse.Namespace) -> list[dict]:
     pils = [Image.fromarray(pixels[0].permute(1, 2, 0).numpy()) for pixels in decoded]
     torch.manual_seed(args.seed)
     boxes = [transforms.RandomResizedCrop.get_params(pixels, [0.08, 1.0], [3 / 4, 4 / 3]) for pixels in decoded]
-    calls = {name: (lambda fn=fn: [fn(data) for data in datas]) for name, fn in decode_options(datas).items()}
+    calls = {name: (lambda fn=fn: [fn(data) for data in datas]) for name, fn in decode_options().items()}
     for name, fn in resize_options(args.crop, args.resize).items():
         calls[name] = lambda fn=fn: [fn(t, p, box) for t, p, box in zip(decoded, pils, boxes)]
     timings = time_interleaved(calls, rounds=args.repeats, warmup=1)

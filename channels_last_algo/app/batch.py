@@ -39,11 +39,11 @@ def empty_nhwc(n: int, c: int, h: int, w: int) -> torch.Tensor:
 
 
 class FilledBatch(list):
-    """``(image, label)`` samples whose images are the slots ``images[0]``, ``images[1]``, ... of
-    one NHWC uint8 batch, already written: a collate function can take ``images`` as it is."""
+    """``(image, label)`` samples whose images are ``slots``, the ``(H, W, C)`` views of
+    ``images[0]``, ``images[1]``, ... of one NHWC uint8 batch, already written: a collate
+    function can take ``images`` as it is."""
 
-    def __init__(self, images: torch.Tensor, labels: Sequence[int]) -> None:
-        slots = images.permute(0, 2, 3, 1).numpy()  # (N, H, W, C) views of the batch's memory
+    def __init__(self, images: torch.Tensor, slots: np.ndarray, labels: Sequence[int]) -> None:
         super().__init__(zip(slots, labels))
         self.images = images
 
@@ -71,6 +71,6 @@ class WritesBatches(ABC):
             return [self[index] for index in indices]
         size = self.transform.size
         images = empty_nhwc(len(indices), 3, size, size)
-        slots = images.permute(0, 2, 3, 1).numpy()
+        slots = images.permute(0, 2, 3, 1).numpy()  # (N, H, W, C) views of the batch's memory
         labels = [self.sample(index, out=slot)[1] for index, slot in zip(indices, slots)]
-        return FilledBatch(images, labels)
+        return FilledBatch(images, slots, labels)

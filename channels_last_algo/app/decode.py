@@ -3,14 +3,15 @@ scaled to what the crop will keep.
 
 :class:`EncodedImage` holds a file's bytes and its parsed header, so a crop can be planned
 from the image size before any pixel is decoded. :meth:`EncodedImage.decode` then decodes
-the way measured fastest (``benchmarks/loader.py``, the decoder table in ``docs/data.md``):
+the way measured fastest (``benchmarks/decode.py``, the table in ``docs/data.md``):
 
 - ``shrink`` 2, 4 or 8 (a JPEG whose crop keeps at most 1/2, 1/4, 1/8 of its resolution):
   Pillow's ``draft``, which lets libjpeg-turbo's inverse DCT produce the smaller image directly;
 - a full-size JPEG: the first of :data:`FULL_SIZE_DECODERS` that is installed and takes its
   colour components: ``simplejpeg`` (the ``jpeg`` extra) for grey and YCbCr, then
   ``torchvision.io.decode_jpeg`` (where torchvision still has it), both libjpeg-turbo straight
-  into an array, without Pillow's ``tobytes`` copy;
+  into an array, without Pillow's ``tobytes`` copy: 15% faster than Pillow, and within noise of
+  each other; simplejpeg first because torchvision 0.29 deprecates its decoders;
 - anything else (PNG, BMP, ...) and any JPEG those decoders refuse: Pillow with
   ``convert('RGB')``, as torchvision's ``ImageFolder`` loads it.
 
@@ -54,7 +55,7 @@ try:  # torchvision >= 0.29 deprecates its image decoders in favour of TorchCode
 except ImportError:  # a torchvision that has removed them
     decode_jpeg = None
 
-__all__ = ['FULL_SIZE_DECODERS', 'ArrayImage', 'EncodedImage', 'as_image']
+__all__ = ['FULL_SIZE_DECODERS', 'ArrayImage', 'EncodedImage', 'as_image', 'rgb_pixels']
 
 SHRINKS = (8, 4, 2, 1)  # the scales libjpeg-turbo decodes at through Pillow's draft
 # start-of-frame markers (baseline, extended, progressive, lossless; Huffman and arithmetic)
@@ -86,9 +87,16 @@ def _jpeg_frame(data: bytes) -> Optional[tuple[int, int, int]]:
     return None
 
 
+def rgb_pixels(image: Image.Image) -> np.ndarray:
+    """A PIL image of any mode as an ``(H, W, 3)`` uint8 array, converted as ``ImageFolder``'s
+    loader converts it (``convert('RGB')``)."""
+    return np.asarray(image if image.mode == 'RGB' else image.convert('RGB'))
+
+
 def _hwc_to_chw(pixels: np.ndarray) -> torch.Tensor:
-    """An ``(H, W, 3)`` uint8 array as a ``(3, H, W)`` tensor over the same memory."""
-    return torch.from_numpy(pixels).permute(2, 0, 1)
+    """An ``(H, W, 3)`` uint8 array as a ``(3, H, W)`` tensor over the same memory (over a copy
+    when the array is read-only: torch wraps writable memory only)."""
+    return torch.from_numpy(pixels if pixels.flags.writeable else pixels.copy()).permute(2, 0, 1)
 
 
 def _decode_simplejpeg(data: bytes) -> torch.Tensor:
@@ -102,7 +110,8 @@ def _decode_torchvision(data: bytes) -> torch.Tensor:
 
 
 # (name, decode(bytes) -> (3, H, W) uint8, the component counts it decodes exactly as Pillow),
-# fastest first as measured by benchmarks/decode.py; only those installed here
+# in the order tried (both beat Pillow in benchmarks/decode.py and tie with each other; the
+# one that is not deprecated first); only those installed here
 FULL_SIZE_DECODERS = tuple(
     entry
     for entry, installed in (
@@ -167,7 +176,7 @@ class EncodedImage:
         if shrink > 1:
             width, height = image.size
             image.draft('RGB', (width // shrink, height // shrink))
-        return _hwc_to_chw(np.array(image if image.mode == 'RGB' else image.convert('RGB')))
+        return _hwc_to_chw(rgb_pixels(image))
 
 
 class ArrayImage:
@@ -181,7 +190,7 @@ class ArrayImage:
     def __init__(self, pixels: np.ndarray) -> None:
         if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype != np.uint8:
             raise TypeError(f'expected an (H, W, 3) uint8 array, got {pixels.dtype} of shape {pixels.shape}')
-        self.pixels = pixels if pixels.flags.writeable else pixels.copy()  # torch wraps writable memory only
+        self.pixels = pixels
         self.size = pixels.shape[:2]
 
     def max_shrink(self, region: tuple[int, int], target: tuple[int, int]) -> int:
@@ -199,7 +208,7 @@ def as_image(image: Any) -> Union[EncodedImage, ArrayImage]:
     if isinstance(image, (EncodedImage, ArrayImage)):
         return image
     if isinstance(image, Image.Image):
-        return ArrayImage(np.asarray(image if image.mode == 'RGB' else image.convert('RGB')))
+        return ArrayImage(rgb_pixels(image))
     if isinstance(image, np.ndarray):
         return ArrayImage(image)
     raise TypeError(f'expected an EncodedImage, a PIL image or an (H, W, 3) uint8 array, got {type(image).__name__}')

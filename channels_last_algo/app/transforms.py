@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision import transforms
 
-from channels_last_algo.app.decode import as_image
+from channels_last_algo.app.decode import as_image, rgb_pixels
 
 __all__ = [
     'CropPlan',
@@ -60,7 +60,7 @@ class ToHWCUint8:
     """
 
     def __call__(self, image: Image.Image) -> np.ndarray:
-        return np.asarray(image if image.mode == 'RGB' else image.convert('RGB'))
+        return rgb_pixels(image)
 
     def __repr__(self) -> str:
         return f'{type(self).__name__}()'
