@@ -74,13 +74,8 @@ def _model_factory(spec: str):
         raise argparse.ArgumentTypeError(str(error)) from error
 
 
-def _add_audit(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        'audit',
-        help='convert a model to channels last and list every op that drops NHWC, forward and backward',
-        description='Convert MODEL with apply_channels_last, run it on a random NHWC input (forward, '
-        'then backward of the sum of its outputs) and print every layout break and exit conversion.',
-    )
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """MODEL and --input, as the audit and the doctor take them."""
     parser.add_argument(
         'model',
         metavar='MODEL',
@@ -94,6 +89,16 @@ def _add_audit(subparsers: argparse._SubParsersAction) -> None:
         metavar='N,C,H,W',
         help='input shape, N,C,H,W or N,C,D,H,W (default: 2,3,224,224)',
     )
+
+
+def _add_audit(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        'audit',
+        help='convert a model to channels last and list every op that drops NHWC, forward and backward',
+        description='Convert MODEL with apply_channels_last, run it on a random NHWC input (forward, '
+        'then backward of the sum of its outputs) and print every layout break and exit conversion.',
+    )
+    _add_model_arguments(parser)
     parser.add_argument(
         '--eval',
         action='store_true',
@@ -150,19 +155,7 @@ def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
         'a child process, so a crash is a result), compare one step with NCHW in float32 and float64, and list '
         'the layout breaks left with their cost. Exit code 0 when channels last is safe and right, 1 otherwise.',
     )
-    parser.add_argument(
-        'model',
-        metavar='MODEL',
-        type=_model_factory,
-        help='a torchvision model name (e.g. resnet50) or module.path:callable',
-    )
-    parser.add_argument(
-        '--input',
-        type=_input_shape,
-        default=(2, 3, 224, 224),
-        metavar='N,C,H,W',
-        help='input shape, N,C,H,W or N,C,D,H,W (default: 2,3,224,224)',
-    )
+    _add_model_arguments(parser)
     parser.add_argument('--device', help='where to train (default: cuda when available, else cpu)')
     parser.add_argument('--strict', action='store_true', help='also exit with code 1 if a layout break is left')
     parser.add_argument(
