@@ -114,3 +114,30 @@ def test_resnet_trains_clean_under_strict_audit_in_composer():
     )
     trainer.fit()
     assert algorithm.report.ok and algorithm.report.steps == 1
+
+
+def test_fuse_eval_without_a_network_in_module_is_refused_at_init():
+    """Refused when the Trainer is built (Event.INIT), before any training is spent."""
+    from composer.models import ComposerModel
+    from torch import nn
+
+    class Unwrapped(ComposerModel):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyResNet()
+
+        def forward(self, batch):
+            return self.net(batch[0])
+
+        def loss(self, outputs, batch):
+            return nn.functional.cross_entropy(outputs, batch[1])
+
+    with pytest.raises(ValueError, match=r'fuse_eval=True\) fuses the network a ComposerModel keeps in .module'):
+        Trainer(
+            model=Unwrapped(),
+            train_dataloader=tiny_loader(),
+            max_duration='1ba',
+            device='cpu',
+            algorithms=[ChannelsLast(fuse_eval=True)],
+            progress_bar=False,
+        )

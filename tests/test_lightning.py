@@ -324,6 +324,15 @@ def test_fuse_eval_names_the_network_to_fuse_when_there_is_no_single_one():
     assert 'val_loss' in fused[0]
 
 
+def test_fuse_eval_is_checked_before_training():
+    module = Classifier()
+    module.head = nn.Linear(4, 4)
+    fit = trainer(max_steps=2, callbacks=[ChannelsLastCallback(fuse_eval=True)])
+    with pytest.raises(ValueError, match=r'2 such children'):
+        fit.fit(module, loader())
+    assert fit.global_step == 0
+
+
 def test_auto_decision_is_logged_checkpointed_and_resumed_without_measuring(quick_decisions, monkeypatch, tmp_path):
     recording = Recording()
     callback = ChannelsLastCallback(mode='auto')
@@ -354,6 +363,37 @@ def test_auto_decision_is_logged_checkpointed_and_resumed_without_measuring(quic
     assert recorder.weights and not any(recorder.weights.values())
     assert recorder.grads and not any(recorder.grads)
     assert module.inputs_nhwc and not any(module.inputs_nhwc)
+
+
+class MomentumAtTrainStart(L.Callback):
+    """Notes the 4D momentum buffers (and their layout) when training starts, after a resume."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.momentum = [s['momentum_buffer'].clone() for s in trainer.optimizers[0].state.values() if s]
+        self.momentum = [m for m in self.momentum if m.dim() == 4]
+        self.channels_last = [is_channels_last(m) for m in self.momentum]
+
+
+def test_checkpoints_are_canonical_and_resume_into_channels_last(tmp_path):
+    fit = trainer(max_steps=2, callbacks=[ChannelsLastCallback()])
+    fit.fit(Classifier(), loader())
+    fit.save_checkpoint(tmp_path / 'run.ckpt')
+    checkpoint = torch.load(tmp_path / 'run.ckpt', weights_only=False)
+    saved_weights = {k: v for k, v in checkpoint['state_dict'].items() if v.dim() == 4}
+    saved_momentum = [s['momentum_buffer'] for s in checkpoint['optimizer_states'][0]['state'].values()]
+    saved_momentum = [m for m in saved_momentum if m.dim() == 4]
+    assert saved_weights and saved_momentum
+    assert all(t.is_contiguous() for t in [*saved_weights.values(), *saved_momentum])
+    saved_weights['net.0.weight'].view(8, -1)
+
+    watcher = MomentumAtTrainStart()
+    module = Classifier()
+    trainer(max_steps=3, callbacks=[ChannelsLastCallback(), watcher]).fit(
+        module, loader(), ckpt_path=tmp_path / 'run.ckpt'
+    )
+    assert watcher.channels_last and all(watcher.channels_last)
+    assert all(torch.equal(a, b) for a, b in zip(watcher.momentum, saved_momentum))
+    assert all(is_channels_last(w) for w in weights_4d(module.net).values())
 
 
 # --- 2 ranks, DDP on gloo -------------------------------------------------------------------------

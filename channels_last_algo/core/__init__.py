@@ -1,6 +1,7 @@
 """The core: everything that needs only torch (and torchvision's model classes for repair).
 
-Layout (:mod:`.layout`), the functional conversion (:mod:`.convert`), the repair rules and
+Layout (:mod:`.layout`), the functional conversion (:mod:`.convert`), canonical checkpoints
+(:mod:`.checkpoints`), the repair rules and
 layers (:mod:`.layers`), the layout audit (:mod:`.audit`), auto mode (:mod:`.auto`), what
 parallel wrappers allow (:mod:`.parallel`), the framework-neutral event layer
 (:mod:`.guard`), fused inference (:mod:`.fuse`), known kernel bugs and the doctor
@@ -9,6 +10,7 @@ from here; nothing here imports from them.
 """
 
 from channels_last_algo.core.audit import AuditRecord, AuditReport, LayoutAudit, LayoutBreakError, audit_model
+from channels_last_algo.core.checkpoints import canonical_state
 from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last
 from channels_last_algo.core.fuse import (
     FusedConv2d,
@@ -53,6 +55,7 @@ __all__ = [
     'apply_channels_last',
     'audit_model',
     'batch_to_channels_last',
+    'canonical_state',
     'doctor',
     'export_for_inference',
     'fuse_for_inference',

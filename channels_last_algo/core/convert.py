@@ -161,6 +161,13 @@ def apply_channels_last(
         A :class:`ConversionSummary`. A model with no 4D/5D tensor is left alone with a
         warning, since channels last can do nothing for it.
 
+    The ``state_dict`` afterwards: the same keys, shapes and values, and, as after PyTorch's own
+    ``model.to(memory_format=torch.channels_last)``, its 4D/5D entries alias the model's tensors
+    and so have NHWC strides (EMA code updates models through those aliases). Save
+    ``canonical_state(model.state_dict())`` (:mod:`~channels_last_algo.core.checkpoints`) for a
+    file that holds NCHW-contiguous tensors, as the Composer algorithm, the Lightning callback and
+    ``channels-last train`` do; ``load_state_dict`` of either kind keeps the model channels last.
+
     Raises:
         ValueError: ``model`` is already wrapped in ``DistributedDataParallel`` (convert the
             bare model, then wrap it), as :class:`~channels_last_algo.core.guard.LayoutGuard` refuses it.

@@ -226,6 +226,19 @@ class LayoutGuard:
         self.decision = decision
         restride(model, decision.channels_last, optimizers)
 
+    def after_load(self, model: torch.nn.Module, optimizers: Optimizers = None) -> None:
+        """After a checkpoint was loaded: the model and the optimizer state in the guard's layout again.
+
+        Checkpoints hold canonical NCHW tensors (:mod:`~channels_last_algo.core.checkpoints`);
+        ``load_state_dict`` copies them into the model's own tensors, which keep their strides,
+        but ``Optimizer.load_state_dict`` takes the saved tensors as they are (and
+        ``load_state_dict(assign=True)`` the model's), so they are restrided here. Nothing where
+        the weights must stay as the sharding left them, or in mode ``'off'``.
+        """
+        if self.weight_layout is None or self.weight_layout.contiguous:
+            return
+        restride(model, self.channels_last, optimizers)
+
     def on_batch(self, batch: Any) -> Any:
         """The batch with its image tensors in NHWC (no copy when they already are); as it is
         when the guard's layout is NCHW."""

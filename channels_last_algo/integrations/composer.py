@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Optional
 
@@ -28,6 +29,7 @@ from composer.utils import dist
 from torch.utils._pytree import tree_map_only
 
 from channels_last_algo.core.auto import LayoutDecision
+from channels_last_algo.core.checkpoints import canonical_state
 from channels_last_algo.core.fuse import FusedEvaluation
 from channels_last_algo.core.guard import LayoutGuard, check_options
 from channels_last_algo.core.parallel import weight_layout_for
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 _BATCH_EVENTS = (Event.BEFORE_FORWARD, Event.EVAL_BEFORE_FORWARD, Event.PREDICT_BEFORE_FORWARD)
 _AUDIT_EVENTS = (Event.AFTER_BACKWARD, Event.FIT_END)
 _AUTO_EVENTS = (Event.AFTER_LOAD, Event.FIT_START)
+_SAVE_METHODS = ('state_dict', 'get_model_state_dict')  # what Composer's checkpoint savers write
 _FUSE_START_EVENTS = (Event.EVAL_START, Event.PREDICT_START)
 _FUSE_END_EVENTS = (Event.EVAL_END, Event.PREDICT_END)
 
@@ -154,6 +157,7 @@ class ChannelsLast(GuardedIntegration, Algorithm):
             or event in _BATCH_EVENTS
             or (self.fuse_eval and (event in _FUSE_START_EVENTS or event in _FUSE_END_EVENTS))
             or (self.guard.audit_steps > 0 and event in _AUDIT_EVENTS)
+            or event == Event.AFTER_LOAD
             or (mode == 'auto' and event in _AUTO_EVENTS and self.guard.decision is None)
         )
 
@@ -169,8 +173,14 @@ class ChannelsLast(GuardedIntegration, Algorithm):
                 }
             )
             log.info('%s: %s', type(state.model).__name__, summary)
+            _save_canonical(state)
+            if self.fuse_eval:
+                _fused_network(state)  # refused now, not at the first evaluation after training
         elif event in _AUTO_EVENTS:
-            self._settle_layout(event, state, logger)
+            if event == Event.AFTER_LOAD:
+                self.guard.after_load(state.model, state.optimizers)
+            if self.guard.mode == 'auto' and self.guard.decision is None:
+                self._settle_layout(event, state, logger)
         elif event in _BATCH_EVENTS:
             state.batch = self.guard.on_batch(state.batch)
             if self._fuse_pending and event != Event.BEFORE_FORWARD:
@@ -235,16 +245,7 @@ class ChannelsLast(GuardedIntegration, Algorithm):
 
     def _start_fused_evaluation(self, state: State) -> None:
         """Swap a fused copy of the ComposerModel's ``.module`` in for this evaluation pass."""
-        model = (
-            state.model.module if isinstance(state.model, torch.nn.parallel.DistributedDataParallel) else state.model
-        )
-        network = getattr(model, 'module', None)
-        if not isinstance(network, torch.nn.Module):
-            raise ValueError(
-                f'ChannelsLast(fuse_eval=True) fuses the network a ComposerModel keeps in .module (as '
-                f'ComposerClassifier does); {type(model).__name__} has none. Keep the network there, or '
-                'leave fuse_eval off.'
-            )
+        model, network = _fused_network(state)
         plan = weight_layout_for(network)
         if plan.sharded:
             log.warning('fuse_eval: evaluating unfused, since %s', plan.reason)
@@ -252,3 +253,27 @@ class ChannelsLast(GuardedIntegration, Algorithm):
         batch = state.batch
         inputs = batch[0] if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) else None
         self.fused_evaluation.start(model, 'module', example_input=inputs)  # checked on this batch's inputs
+
+
+def _fused_network(state: State) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The ComposerModel (unwrapped from DDP) and the network it keeps in ``.module``, which
+    ``fuse_eval`` fuses; a ValueError naming the model where there is none."""
+    model = state.model.module if isinstance(state.model, torch.nn.parallel.DistributedDataParallel) else state.model
+    network = getattr(model, 'module', None)
+    if not isinstance(network, torch.nn.Module):
+        raise ValueError(
+            f'ChannelsLast(fuse_eval=True) fuses the network a ComposerModel keeps in .module (as '
+            f'ComposerClassifier does); {type(model).__name__} has none. Keep the network there, or '
+            'leave fuse_eval off.'
+        )
+    return model, network
+
+
+def _save_canonical(state: State) -> None:
+    """Make what Composer's checkpoint savers write (``state.state_dict()``, and
+    ``state.get_model_state_dict()`` for weights-only checkpoints) canonical NCHW tensors
+    (:func:`~channels_last_algo.core.checkpoints.canonical_state`), on this State only."""
+    for name in _SAVE_METHODS:
+        method = getattr(state, name)
+        if getattr(method, '__wrapped__', None) is None:
+            setattr(state, name, functools.wraps(method)(lambda method=method: canonical_state(method())))

@@ -46,6 +46,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader
 
 from channels_last_algo.core.auto import LayoutDecision
+from channels_last_algo.core.checkpoints import canonical_state
 from channels_last_algo.core.fuse import FusedEvaluation
 from channels_last_algo.core.guard import LayoutGuard, check_options
 from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
@@ -167,6 +168,18 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         if state_dict.get('decision') is not None:
             self._resumed_decision = LayoutDecision.from_dict(state_dict['decision'])
 
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Every 4D/5D tensor of the checkpoint (model, optimizer states, other callbacks' state)
+        written NCHW-contiguous (:func:`~channels_last_algo.core.checkpoints.canonical_state`)."""
+        if self.guard.mode != 'off':
+            checkpoint.update(canonical_state(dict(checkpoint)))
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Lightning restores the optimizer state after strategy.setup, just before this hook.
+        self.guard.after_load(pl_module, trainer.optimizers or None)
+
     # --- setup and teardown: follow the strategy's moves -----------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -210,6 +223,8 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         if self.guard.mode == 'off' or self._prepared is pl_module:
             return
         self._prepared = pl_module
+        if self.fuse_eval:
+            self._fused_network(pl_module)  # refused now, not at the first validation after training
         plan = _weight_layout(trainer, pl_module)
         summary = self.guard.on_init(pl_module, trainer.optimizers or None, weight_layout=plan)
         log.info('%s: %s', type(pl_module).__name__, summary)
@@ -337,6 +352,16 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         if not self._fuse_pending:
             return
         self._fuse_pending = False
+        attribute, network = self._fused_network(pl_module)
+        plan = weight_layout_for(network)
+        if plan.sharded:
+            log.warning('fuse_eval: evaluating unfused, since %s', plan.reason)
+            return
+        inputs = batch[0] if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) else None
+        self.fused_evaluation.start(pl_module, attribute, example_input=inputs)  # checked on this batch's inputs
+
+    def _fused_network(self, pl_module: pl.LightningModule) -> tuple[str, torch.nn.Module]:
+        """The attribute and the network ``fuse_eval`` fuses; a ValueError naming what is wrong."""
         attribute = self.network or self._network_attribute(pl_module)
         network = getattr(pl_module, attribute, None)
         from torch._dynamo.eval_frame import OptimizedModule
@@ -351,12 +376,7 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
                 f'ChannelsLastCallback(fuse_eval=True): {type(pl_module).__name__}.{attribute} is '
                 f'{type(network).__name__}, not the network to fuse; name it with network=...'
             )
-        plan = weight_layout_for(network)
-        if plan.sharded:
-            log.warning('fuse_eval: evaluating unfused, since %s', plan.reason)
-            return
-        inputs = batch[0] if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) else None
-        self.fused_evaluation.start(pl_module, attribute, example_input=inputs)  # checked on this batch's inputs
+        return attribute, network
 
     @staticmethod
     def _network_attribute(pl_module: pl.LightningModule) -> str:
