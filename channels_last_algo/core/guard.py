@@ -30,6 +30,7 @@ from channels_last_algo.core.audit import AuditReport, LayoutAudit, LayoutBreakE
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
 from channels_last_algo.core.boundary import prune_boundaries, repair_breaks
 from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last, restride
+from channels_last_algo.core.inputs import Inputs, InputSelection, check_inputs
 from channels_last_algo.core.layers import RepairRecord
 from channels_last_algo.core.layout import to_channels_first, to_channels_last
 from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
@@ -58,6 +59,10 @@ OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     'strict': (_is_bool, 'True or False'),
     'repair': (_is_bool, 'True or False'),
     'fuse_eval': (_is_bool, 'True or False'),
+    'inputs': (
+        check_inputs,
+        "'auto' (the batch tensors fed to a convolution), 'all', a list of batch keys / positions, or a predicate",
+    ),
 }
 
 
@@ -122,6 +127,10 @@ class LayoutGuard:
             step with breaks found one that no rule removed (listed in :attr:`boundaries`; see
             :mod:`channels_last_algo.core.boundary`), and take it off again where the next
             audited step shows it copied nothing, or everywhere if the breaks did not go down.
+        inputs: which 4D/5D tensors of a batch go NHWC (:mod:`channels_last_algo.core.inputs`):
+            ``'auto'`` (default) the ones the model feeds to a convolution, found on the first
+            batch of each structure (which passes as it came) and logged; ``'all'``; a list of
+            keys / positions (``['image']``, ``[0]``); or a predicate ``fn(path, tensor)``.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(288, 2))
@@ -133,9 +142,13 @@ class LayoutGuard:
         (True, 1)
     """
 
-    def __init__(self, mode: str = 'on', audit_steps: int = 0, strict: bool = False, repair: bool = True) -> None:
-        check_options(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair)
+    def __init__(
+        self, mode: str = 'on', audit_steps: int = 0, strict: bool = False, repair: bool = True, inputs: Inputs = 'auto'
+    ) -> None:
+        check_options(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs)
         self.mode = mode
+        self.inputs = InputSelection(inputs)
+        self._conv_channels: set[int] = set()  # in_channels of the model's convolutions
         self.repair = repair
         self.audit_steps = audit_steps
         self.strict = strict
@@ -193,6 +206,10 @@ class LayoutGuard:
                 else apply_channels_first(model, optimizers=optimizers)
             )
         self._audit = LayoutAudit(model) if self.audit_steps else None
+        if self.inputs.inputs == 'auto':  # the first batch's forward ends here, where a loop calls the model
+            model.register_forward_hook(lambda *args: self.inputs.finish(), always_call=True)
+            convolutions = (torch.nn.modules.conv._ConvNd,)
+            self._conv_channels = {m.in_channels for m in model.modules() if isinstance(m, convolutions)}
         return self.summary
 
     def decide(
@@ -214,7 +231,15 @@ class LayoutGuard:
             raise RuntimeError(f"decide() is for mode='auto'; this guard's mode is {self.mode!r}")
 
         def run_step(channels_last: bool) -> None:
-            inputs = batch_to_channels_last(batch) if channels_last else batch_to_channels_first(batch)
+            if not self.inputs.known(batch):  # the first (warm-up) step finds the images
+                first = self.inputs.start(batch, self._looks_like_an_image, to_channels_last)
+                try:
+                    loss = loss_fn(model, first)
+                finally:
+                    self.inputs.finish()
+                loss.backward()
+                return
+            inputs = self.inputs.convert(batch, to_channels_last if channels_last else to_channels_first)
             loss_fn(model, inputs).backward()
 
         self.decision = decide_layout(model, run_step, optimizers=optimizers, **options)
@@ -240,9 +265,25 @@ class LayoutGuard:
         restride(model, self.channels_last, optimizers)
 
     def on_batch(self, batch: Any) -> Any:
-        """The batch with its image tensors in NHWC (no copy when they already are); as it is
-        when the guard's layout is NCHW."""
-        return batch_to_channels_last(batch) if self.channels_last else batch
+        """The batch with its image tensors (the ``inputs`` option) in NHWC, no copy when they
+        already are; as it is when the guard's layout is NCHW. In ``inputs='auto'`` mode the
+        first batch of a structure passes as it came while its forward shows which are images,
+        until the model's forward returns, :meth:`end_forward`, or the next batch."""
+        self.inputs.finish()
+        if not self.channels_last:
+            return batch
+        if self.inputs.known(batch):
+            return self.inputs.convert(batch, to_channels_last)
+        return self.inputs.start(batch, self._looks_like_an_image, to_channels_last)
+
+    def _looks_like_an_image(self, tensor: torch.Tensor) -> bool:
+        """The first batch's guess: a tensor whose channel count some convolution takes."""
+        return tensor.shape[1] in self._conv_channels
+
+    def end_forward(self) -> None:
+        """The forward of the batch given to :meth:`on_batch` is over (for trainers whose steps
+        need not call the model passed to :meth:`on_init`)."""
+        self.inputs.finish()
 
     def on_step_start(self) -> None:
         """Start auditing this step if audited steps remain; otherwise do nothing."""
@@ -259,6 +300,7 @@ class LayoutGuard:
         Raises:
             LayoutBreakError: in strict mode, when the step had a layout break.
         """
+        self.inputs.finish()
         if not self.auditing:
             return None
         step_report = self._audit.stop()
@@ -283,7 +325,9 @@ class LayoutGuard:
             self.boundaries = [r for r in self.boundaries if r.path not in pruned]
 
     def close(self) -> None:
-        """Stop an audit left running by a step that raised; safe to call at any time."""
+        """Stop an audit (and a search for the images) left running by a step that raised; safe
+        to call at any time."""
+        self.inputs.finish()
         if self.auditing:
             self._audit.stop()
 

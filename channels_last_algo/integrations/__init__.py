@@ -69,5 +69,6 @@ class GuardedIntegration:
         return (
             f'{type(self).__name__}(mode={self.guard.mode!r}, audit_steps={self.guard.audit_steps}, '
             f'strict={self.guard.strict}{", fuse_eval=True" if self.fuse_eval else ""}'
-            f'{"" if self.guard.repair else ", repair=False"})'
+            f'{"" if self.guard.repair else ", repair=False"}'
+            f'{"" if self.guard.inputs.inputs == "auto" else f", inputs={self.guard.inputs!r}"})'
         )

@@ -32,6 +32,7 @@ from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.checkpoints import canonical_state
 from channels_last_algo.core.fuse import FusedEvaluation
 from channels_last_algo.core.guard import LayoutGuard, check_options
+from channels_last_algo.core.inputs import Inputs
 from channels_last_algo.core.parallel import weight_layout_for
 
 __all__ = ['ChannelsLast']
@@ -113,7 +114,16 @@ class ChannelsLast(GuardedIntegration, Algorithm):
             ``EVAL_END`` / ``PREDICT_END``, so training, checkpoints and callbacks outside
             evaluation see the training network. Needs a ComposerModel that keeps its network
             in ``.module`` (as ``ComposerClassifier`` does); a sharded network (FSDP, tensor
-            parallel) is evaluated unfused, with a warning.
+            parallel) is evaluated unfused, with a warning. Checked at ``Event.INIT``.
+        inputs: which 4D/5D tensors of a batch go NHWC (:mod:`channels_last_algo.core.inputs`):
+            ``'auto'`` (default) those the model feeds to a convolution, found on the first batch
+            of each structure and logged, so frame stacks, masks and dense targets stay as they
+            came; ``'all'``; a list of batch keys / positions (``['image']``, ``[0]``); or a
+            predicate ``fn(path, tensor) -> bool``.
+
+    Checkpoints: what Composer saves (``state.state_dict()``, weights-only too) holds NCHW-contiguous
+    tensors under the original keys (:mod:`channels_last_algo.core.checkpoints`); at
+    ``Event.AFTER_LOAD`` the loaded optimizer state takes its parameters' layout again.
 
     Example:
         .. code-block:: python
@@ -130,10 +140,16 @@ class ChannelsLast(GuardedIntegration, Algorithm):
     """
 
     def __init__(
-        self, mode: str = 'on', audit_steps: int = 0, strict: bool = False, fuse_eval: bool = False, repair: bool = True
+        self,
+        mode: str = 'on',
+        audit_steps: int = 0,
+        strict: bool = False,
+        fuse_eval: bool = False,
+        repair: bool = True,
+        inputs: Inputs = 'auto',
     ) -> None:
         check_options(fuse_eval=fuse_eval)
-        self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair)
+        self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs)
         self._resumed_decision: Optional[LayoutDecision] = None
         self.fuse_eval = fuse_eval
         self.fused_evaluation = FusedEvaluation()

@@ -49,6 +49,7 @@ from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.checkpoints import canonical_state
 from channels_last_algo.core.fuse import FusedEvaluation
 from channels_last_algo.core.guard import LayoutGuard, check_options
+from channels_last_algo.core.inputs import Inputs
 from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
 
 __all__ = ['ChannelsLastCallback']
@@ -124,6 +125,13 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
             weights before the first batch of each pass and dropped at its end.
         network: with ``fuse_eval``, the attribute of the LightningModule that holds the
             network to fuse; by default its one child module with parameters.
+        inputs: which 4D/5D tensors of a batch go NHWC: ``'auto'`` (default) those the model
+            feeds to a convolution, found on the first batch of each structure; ``'all'``; a list
+            of batch keys / positions; or a predicate ``fn(path, tensor)``
+            (:mod:`channels_last_algo.core.inputs`).
+
+    Checkpoints hold NCHW-contiguous tensors (``on_save_checkpoint``); the optimizer state a
+    resumed run loads takes its parameters' layout again at ``on_train_start``.
 
     Example:
         .. code-block:: python
@@ -143,11 +151,12 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         fuse_eval: bool = False,
         repair: bool = True,
         network: Optional[str] = None,
+        inputs: Inputs = 'auto',
     ) -> None:
         check_options(fuse_eval=fuse_eval)
         if network is not None and not isinstance(network, str):
             raise ValueError(f'network must be the name of a LightningModule attribute (a str), got {network!r}')
-        self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair)
+        self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs)
         self.fuse_eval = fuse_eval
         self.network = network
         self.fused_evaluation = FusedEvaluation()
@@ -312,6 +321,9 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
     ) -> None:
         self.guard.on_step_start()
 
+    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self.guard.end_forward()  # training_step may call a submodule, not the LightningModule's forward
+
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         step_report = self.guard.on_step_end()
         if step_report is None:
@@ -335,11 +347,15 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
     ) -> None:
         self._fuse(pl_module, batch)
 
+    def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.guard.end_forward()
+
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._end_pass()
 
     on_test_start = on_predict_start = on_validation_start
     on_test_batch_start = on_predict_batch_start = on_validation_batch_start
+    on_test_batch_end = on_predict_batch_end = on_validation_batch_end
     on_test_end = on_predict_end = on_validation_end
 
     def _end_pass(self) -> None:

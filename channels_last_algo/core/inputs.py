@@ -1,0 +1,281 @@
+"""Which tensors of a batch go NHWC: the images, not every 4D/5D tensor.
+
+A batch can hold 4D/5D tensors that are not images: a ``(N, T, H, W)`` frame stack, masks,
+dense targets, anything a model ``.view()``s, and ``.view()`` raises on NHWC strides (in the
+user's forward, with PyTorch's "view size is not compatible" error that never names this
+package). :class:`InputSelection` decides per batch structure, by the ``inputs`` option:
+
+- ``'auto'`` (the default): the tensors the model feeds to a convolution. On the first batch of
+  each structure (a training batch, an evaluation batch built otherwise) a ``TorchFunctionMode``
+  follows where its 4D/5D tensors flow through the forward: a tensor is an image when a
+  convolution's input derives from it (through any ops before that convolution), unless the
+  model calls ``.view()`` on it (or on what it derives from it before a convolution) with a
+  shape that NHWC strides cannot take. That first batch goes NHWC where a guess says so (in
+  the guard: its channel count is some convolution's ``in_channels``); a ``.view()`` that the
+  guess made fail runs on a contiguous copy instead. The choice is logged and kept
+  (:attr:`InputSelection.chosen`); later batches of that structure are converted at once.
+- ``'all'``: every 4D/5D tensor (what ``batch_to_channels_last`` does).
+- a list of keys and positions (``['image']``, ``[0]``), or of paths (``[('inputs', 'rgb')]``):
+  the tensors whose path in the batch starts with one of them.
+- a predicate ``fn(path, tensor) -> bool``, ``path`` a tuple of keys and positions.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Conv2d(3, 4, 1)
+    >>> batch = {'image': torch.randn(2, 3, 4, 4), 'frames': torch.randn(2, 5, 4, 4)}
+    >>> selection = InputSelection('auto')
+    >>> guess = lambda tensor: True         # NHWC for every 4D/5D tensor of the first batch
+    >>> first = selection.start(batch, guess, lambda t: t.to(memory_format=torch.channels_last))
+    >>> _ = model(first['image']) + first['frames'].view(2, 5, 16).sum()   # the view runs on a copy
+    >>> selection.finish()
+    >>> selection.describe(batch)
+    "batch['image'] (fed to a convolution); left as they came: batch['frames']"
+    >>> out = selection.convert(batch, lambda t: t.to(memory_format=torch.channels_last))
+    >>> out['image'].is_contiguous(memory_format=torch.channels_last), out['frames'].is_contiguous()
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Optional, Union
+
+import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.utils._pytree import (
+    GetAttrKey,
+    MappingKey,
+    SequenceKey,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_leaves,
+    tree_unflatten,
+)
+from torch.utils.weak import WeakIdKeyDictionary
+
+from channels_last_algo.core.layout import channels_last_format
+
+__all__ = ['Inputs', 'InputSelection', 'check_inputs']
+
+log = logging.getLogger(__name__)
+
+Path = tuple[Hashable, ...]
+Predicate = Callable[[Path, torch.Tensor], bool]
+Inputs = Union[str, Sequence[Union[Hashable, Path]], Predicate]
+
+_RULES = ('auto', 'all')
+_VIEWS = {torch.Tensor.view}
+
+
+def check_inputs(value: Any) -> bool:
+    """True when ``value`` is a valid ``inputs`` option: ``'auto'``, ``'all'``, a non-empty list
+    or tuple of keys, positions and paths, or a callable."""
+    if isinstance(value, str):
+        return value in _RULES
+    if callable(value):
+        return True
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) > 0
+        and all(isinstance(entry, (str, int, tuple)) and not isinstance(entry, bool) for entry in value)
+    )
+
+
+def _plain(entry: Any) -> Hashable:
+    if isinstance(entry, SequenceKey):
+        return entry.idx
+    if isinstance(entry, MappingKey):
+        return entry.key
+    if isinstance(entry, GetAttrKey):
+        return entry.name
+    return str(entry)
+
+
+def _candidates(batch: Any) -> list[tuple[Path, torch.Tensor]]:
+    """The 4D/5D tensors of ``batch`` with their paths (tuples of keys and positions)."""
+    flat, _ = tree_flatten_with_path(batch)
+    return [
+        (tuple(_plain(entry) for entry in path), leaf)
+        for path, leaf in flat
+        if isinstance(leaf, torch.Tensor) and channels_last_format(leaf) is not None
+    ]
+
+
+def path_name(path: Path) -> str:
+    """``batch['image']``, ``batch[0]``, ``batch`` for the batch itself."""
+    return 'batch' + ''.join(f'[{key!r}]' for key in path)
+
+
+def _is_convolution(func: Any) -> bool:
+    name = getattr(func, '__name__', '')
+    return name.startswith(('conv2d', 'conv3d', 'conv_transpose')) or 'convolution' in name
+
+
+def _view_fails_in_channels_last(tensor: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """True when ``tensor.view(*args)`` would raise had ``tensor`` NHWC strides."""
+    fmt = channels_last_format(tensor)
+    if fmt is None:
+        return False
+    probe = torch.empty(tensor.shape, dtype=tensor.dtype, device='meta').to(memory_format=fmt)
+    try:
+        probe.view(*args, **kwargs)
+    except RuntimeError:
+        return True
+    return False
+
+
+class _Flow(TorchFunctionMode):
+    """Follows which batch tensors flow into convolutions (and into incompatible views) before
+    any convolution: outputs of a convolution start a new flow, so only the tensors a
+    convolution takes directly, or derives from the batch without one, count."""
+
+    def __init__(self, tensors: list[tuple[Path, torch.Tensor]]) -> None:
+        super().__init__()
+        self.origins = WeakIdKeyDictionary()
+        for path, tensor in tensors:
+            self.origins[tensor] = self.origins.get(tensor, frozenset()) | {path}
+        self.fed: set[Path] = set()
+        self.viewed: set[Path] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        origins = frozenset().union(
+            *(self.origins.get(t, frozenset()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        )
+        if not origins:
+            return func(*args, **kwargs)
+        if _is_convolution(func):
+            if args and isinstance(args[0], torch.Tensor):
+                self.fed |= self.origins.get(args[0], frozenset())
+            return func(*args, **kwargs)
+        if func in _VIEWS and _view_fails_in_channels_last(args[0], args[1:], kwargs):
+            self.viewed |= self.origins.get(args[0], frozenset())
+            if not args[0].is_contiguous():  # NHWC by the first batch's guess: view a contiguous copy
+                args = (args[0].contiguous(), *args[1:])
+        result = func(*args, **kwargs)
+        for tensor in tree_leaves(result):
+            if isinstance(tensor, torch.Tensor):
+                self.origins[tensor] = self.origins.get(tensor, frozenset()) | origins
+        return result
+
+
+def _exit_mode(mode: TorchFunctionMode) -> None:
+    """Leave ``mode`` even where modes entered after it are still on the stack (they stay)."""
+    above = []
+    stack = _get_current_function_mode_stack()
+    if mode not in stack:
+        return
+    while stack[-1] is not mode:
+        above.append(stack.pop())
+        torch._C._pop_torch_function_stack()
+    mode.__exit__(None, None, None)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
+class InputSelection:
+    """The ``inputs`` option at work: which 4D/5D tensors of each batch structure go NHWC.
+
+    Args:
+        inputs: ``'auto'``, ``'all'``, a list of keys / positions / paths, or a predicate
+            (see the module docstring).
+
+    Attributes:
+        chosen: in ``'auto'`` mode, the paths chosen for each batch structure seen so far.
+    """
+
+    def __init__(self, inputs: Inputs = 'auto') -> None:
+        if not check_inputs(inputs):
+            raise ValueError(
+                f"inputs must be 'auto', 'all', a non-empty list of batch keys, positions or paths, or a "
+                f'predicate fn(path, tensor) -> bool; got {inputs!r}'
+            )
+        self.inputs = inputs
+        self.chosen: dict[Any, frozenset[Path]] = {}
+        self._viewed: dict[Any, frozenset[Path]] = {}  # fed to a convolution, but viewed as NHWC cannot be
+        self._flow: Optional[_Flow] = None
+        self._structure: Any = None
+
+    def __repr__(self) -> str:
+        return repr(self.inputs) if not callable(self.inputs) else getattr(self.inputs, '__name__', 'predicate')
+
+    @staticmethod
+    def _structure_of(batch: Any) -> Any:
+        return str(tree_flatten(batch)[1]), tuple(path for path, _ in _candidates(batch))
+
+    def known(self, batch: Any) -> bool:
+        """True when the tensors to convert in ``batch`` are known (always, except in ``'auto'``
+        mode before a batch of its structure went through :meth:`start` / :meth:`finish`)."""
+        return self.inputs != 'auto' or self._structure_of(batch) in self.chosen
+
+    def selected(self, path: Path, tensor: torch.Tensor, structure: Any = None) -> bool:
+        """Whether the 4D/5D tensor at ``path`` goes NHWC."""
+        if self.inputs == 'auto':
+            return path in self.chosen.get(structure, frozenset())
+        if self.inputs == 'all':
+            return True
+        if callable(self.inputs):
+            return bool(self.inputs(path, tensor))
+        prefixes = [entry if isinstance(entry, tuple) else (entry,) for entry in self.inputs]
+        return any(path[: len(prefix)] == prefix for prefix in prefixes)
+
+    def convert(self, batch: Any, restride: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        """``batch`` with ``restride`` applied to its selected tensors (new containers, the rest as
+        they came); in ``'auto'`` mode the structure must be :meth:`known`."""
+        structure = self._structure_of(batch) if self.inputs == 'auto' else None
+        flat, spec = tree_flatten_with_path(batch)
+        leaves = []
+        for path, leaf in flat:
+            plain = tuple(_plain(entry) for entry in path)
+            is_candidate = isinstance(leaf, torch.Tensor) and channels_last_format(leaf) is not None
+            leaves.append(restride(leaf) if is_candidate and self.selected(plain, leaf, structure) else leaf)
+        return tree_unflatten(leaves, spec)
+
+    def start(
+        self, batch: Any, guess: Callable[[torch.Tensor], bool], restride: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Any:
+        """``'auto'``: ``batch`` with ``restride`` applied to the 4D/5D tensors ``guess`` picks, and
+        those tensors followed through what runs until :meth:`finish`."""
+        self.finish()
+        self._structure = self._structure_of(batch)
+        flat, spec = tree_flatten_with_path(batch)
+        followed, leaves = [], []
+        for path, leaf in flat:
+            if isinstance(leaf, torch.Tensor) and channels_last_format(leaf) is not None:
+                plain = tuple(_plain(entry) for entry in path)
+                leaf = restride(leaf) if guess(leaf) else leaf
+                followed.append((plain, leaf))
+            leaves.append(leaf)
+        if not followed:
+            self.chosen[self._structure] = frozenset()
+            return batch
+        self._flow = _Flow(followed)
+        self._flow.__enter__()
+        return tree_unflatten(leaves, spec)
+
+    def finish(self) -> None:
+        """Stop following and keep what was found for the batch structure; nothing if not started."""
+        flow, self._flow = self._flow, None
+        if flow is None:
+            return
+        _exit_mode(flow)
+        self.chosen[self._structure] = frozenset(flow.fed - flow.viewed)
+        self._viewed[self._structure] = frozenset(flow.fed & flow.viewed)
+        log.info('channels last inputs: %s', self._describe(self._structure))
+
+    def describe(self, batch: Any) -> str:
+        """Which tensors of ``batch`` go NHWC and why, in one line (for logs)."""
+        return self._describe(self._structure_of(batch))
+
+    def _describe(self, structure: Any) -> str:
+        paths = structure[1]
+        chosen = self.chosen.get(structure, frozenset())
+        viewed = self._viewed.get(structure, frozenset())
+        kept = ', '.join(path_name(p) for p in paths if p in chosen) or 'none'
+        left = ', '.join(
+            path_name(p) + (' (viewed in a shape NHWC strides cannot take)' if p in viewed else '')
+            for p in paths
+            if p not in chosen
+        )
+        return f'{kept} (fed to a convolution)' + (f'; left as they came: {left}' if left else '')

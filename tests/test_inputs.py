@@ -1,0 +1,222 @@
+"""Only images go NHWC: the ``inputs`` option of LayoutGuard, ChannelsLast, ChannelsLastCallback and the
+recipe flag. With dict, tuple and nested batches, frame stacks, masks, dense targets and a model that
+``.view()``s a non-image 4D input: nothing fails, the images reach the convolutions NHWC, every other
+tensor stays as it came (after the first batch, whose guess a failing ``.view()`` survives), and the
+numbers are those of the NCHW model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from channels_last_algo import LayoutGuard
+from channels_last_algo.core.inputs import InputSelection
+from channels_last_algo.core.layout import is_channels_last
+
+
+class MultiInput(nn.Module):
+    """A conv net on ``batch['image']``, a linear branch that ``.view()``s ``batch['frames']``
+    (N x T x H x W), and a mask multiplied into the features; records its inputs' layouts."""
+
+    def __init__(self, frames: int = 5) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.frames = nn.Linear(frames * 8 * 8, 4)
+        self.head = nn.Linear(4, 2)
+        self.seen: list[dict[str, bool]] = []
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        self.seen.append({key: is_channels_last(value) for key, value in batch.items() if value.dim() == 4})
+        features = self.conv(batch['image']) * batch['mask']
+        n = batch['frames'].shape[0]
+        frames = self.frames(batch['frames'].view(n, -1))
+        return self.head(features.mean((2, 3)) + frames)
+
+
+def multi_batch(seed: int, frames: int = 5) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        'image': torch.randn(2, 3, 8, 8, generator=generator, dtype=torch.float64),
+        'frames': torch.randn(2, frames, 8, 8, generator=generator, dtype=torch.float64),
+        'mask': (torch.rand(2, 1, 8, 8, generator=generator) > 0.5).double(),
+        'target': torch.randn(2, 2, 8, 8, generator=generator, dtype=torch.float64),  # dense, used by the loss
+    }
+
+
+def _train(model: nn.Module, guard: LayoutGuard | None, batches: list[dict]) -> list[torch.Tensor]:
+    losses = []
+    for batch in batches:
+        batch = guard.on_batch(batch) if guard else batch
+        loss = (model(batch)[:, :, None, None] - batch['target']).square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize('frames', [5, 3])  # 3: the first batch's guess takes the frame stack for an image
+def test_only_images_go_nhwc_and_views_of_other_tensors_work(frames):
+    torch.manual_seed(0)
+    reference = MultiInput(frames).double()
+    model = copy.deepcopy(reference)
+    guard = LayoutGuard()
+    guard.on_init(model)
+    batches = [multi_batch(seed, frames) for seed in range(3)]
+    losses = _train(model, guard, batches)
+    expected = _train(reference, None, batches)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-12, atol=1e-14)
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-12, atol=1e-14)
+    assert all(seen['image'] for seen in model.seen)
+    assert model.seen[1:] == [{'image': True, 'frames': False, 'mask': False, 'target': False}] * 2
+    described = guard.inputs.describe(batches[0])
+    assert described.startswith("batch['image'] (fed to a convolution); left as they came: batch['frames']")
+
+
+def test_tuple_and_nested_batches_and_a_bare_tensor():
+    conv = nn.Conv2d(3, 4, 1)
+
+    class Pair(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, batch):
+            (images, depth), extra = batch
+            return self.conv(images).sum() + depth.view(-1).sum() + extra.sum()
+
+    guard = LayoutGuard()
+    model = Pair()
+    guard.on_init(model)
+    for _ in range(2):
+        batch = guard.on_batch(((torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4)), torch.ones(2)))
+        model(batch)
+    (images, depth), _ = batch
+    assert is_channels_last(images) and not is_channels_last(depth)
+    assert guard.inputs.describe(batch).startswith('batch[0][0] (fed to a convolution); left as they came: batch[0][1]')
+
+    bare = LayoutGuard()
+    bare.on_init(conv)
+    for _ in range(2):
+        x = bare.on_batch(torch.randn(2, 3, 4, 4))
+        conv(x)
+    assert is_channels_last(x)
+
+
+def test_keys_positions_and_predicates_choose_without_a_first_batch():
+    batch = {'image': torch.randn(2, 3, 4, 4), 'frames': torch.randn(2, 3, 4, 4)}
+    for inputs in (['image'], [('image',)], lambda path, tensor: path == ('image',)):
+        out = LayoutGuard(inputs=inputs).on_batch(batch)
+        assert is_channels_last(out['image']) and out['frames'] is batch['frames']
+    out = LayoutGuard(inputs=[1]).on_batch((batch['frames'], batch['image']))
+    assert not is_channels_last(out[0]) and is_channels_last(out[1])
+    out = LayoutGuard(inputs='all').on_batch(batch)
+    assert is_channels_last(out['image']) and is_channels_last(out['frames'])
+
+
+@pytest.mark.parametrize('bad', ['some', [], [True], 3, [1.5]])
+def test_bad_inputs_are_refused_with_what_is_expected(bad):
+    with pytest.raises(ValueError, match=r"inputs must be 'auto' \(the batch tensors fed to a convolution\)"):
+        LayoutGuard(inputs=bad)
+    with pytest.raises(ValueError, match='inputs must be'):
+        InputSelection(bad)
+
+
+class Frames(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        generator = torch.Generator().manual_seed(index)
+        return {
+            'image': torch.randn(3, 8, 8, generator=generator),
+            'frames': torch.randn(5, 8, 8, generator=generator),
+            'mask': torch.ones(1, 8, 8),
+            'target': torch.randn(2, 8, 8, generator=generator),
+            'label': index % 2,
+        }
+
+
+def test_composer_trains_a_model_that_views_a_non_image_input():
+    pytest.importorskip('composer')
+    from composer import Trainer
+    from composer.models import ComposerModel
+
+    from channels_last_algo import ChannelsLast
+
+    class Wrapped(ComposerModel):
+        def __init__(self):
+            super().__init__()
+            self.module = MultiInput()
+
+        def forward(self, batch):
+            return self.module({k: v for k, v in batch.items() if k != 'label'})
+
+        def loss(self, outputs, batch):
+            return nn.functional.cross_entropy(outputs, batch['label'])
+
+    model = Wrapped()
+    algorithm = ChannelsLast(audit_steps=1)
+    Trainer(
+        model=model,
+        train_dataloader=DataLoader(Frames(), batch_size=2),
+        max_duration='3ba',
+        algorithms=[algorithm],
+        device='cpu',
+        progress_bar=False,
+    ).fit()
+    assert len(model.module.seen) == 3 and all(seen['image'] for seen in model.module.seen)
+    assert not any(seen['frames'] or seen['target'] for seen in model.module.seen)
+    assert (
+        repr(ChannelsLast(inputs=['image'])) == "ChannelsLast(mode='on', audit_steps=0, strict=False, inputs=['image'])"
+    )
+
+
+def test_lightning_step_that_calls_a_submodule_finds_the_images():
+    L = pytest.importorskip('lightning')
+
+    from channels_last_algo import ChannelsLastCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = MultiInput()
+
+        def training_step(self, batch, batch_idx):
+            inputs = {k: v for k, v in batch.items() if k != 'label'}
+            return nn.functional.cross_entropy(self.net(inputs), batch['label'])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    module = Module()
+    trainer = L.Trainer(
+        max_steps=3,
+        callbacks=[ChannelsLastCallback()],
+        accelerator='cpu',
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(Frames(), batch_size=2))
+    assert len(module.net.seen) == 3 and all(seen['image'] for seen in module.net.seen)
+    assert not any(seen['frames'] or seen['target'] for seen in module.net.seen)
+
+
+def test_the_recipe_flag_takes_the_same_values():
+    from pathlib import Path
+
+    from channels_last_algo.app.recipe_schema import RecipeError
+    from channels_last_algo.app.recipes import load_recipe
+
+    recipe_file = Path(__file__).parent.parent / 'recipes' / 'resnet50_imagenet.yaml'
+    assert load_recipe(recipe_file).algorithms['channels_last']['inputs'] == 'auto'
+    assert load_recipe(recipe_file, ['algorithms.channels_last.inputs=[0]']).algorithms['channels_last']['inputs'] == [
+        0
+    ]
+    with pytest.raises(RecipeError, match=r'algorithms.channels_last.inputs: expected .auto.'):
+        load_recipe(recipe_file, ['algorithms.channels_last.inputs=5'])
