@@ -206,8 +206,7 @@ class LayoutGuard:
                 else apply_channels_first(model, optimizers=optimizers)
             )
         self._audit = LayoutAudit(model) if self.audit_steps else None
-        if self.inputs.inputs == 'auto':  # the first batch's forward ends here, where a loop calls the model
-            model.register_forward_hook(lambda *args: self.inputs.finish(), always_call=True)
+        if self.inputs.inputs == 'auto':
             convolutions = (torch.nn.modules.conv._ConvNd,)
             self._conv_channels = {m.in_channels for m in model.modules() if isinstance(m, convolutions)}
         return self.summary
@@ -267,8 +266,8 @@ class LayoutGuard:
     def on_batch(self, batch: Any) -> Any:
         """The batch with its image tensors (the ``inputs`` option) in NHWC, no copy when they
         already are; as it is when the guard's layout is NCHW. In ``inputs='auto'`` mode the
-        first batch of a structure passes as it came while its forward shows which are images,
-        until the model's forward returns, :meth:`end_forward`, or the next batch."""
+        first batch of a structure goes NHWC by a guess (a channel count some convolution takes)
+        while its forward shows which are images (:mod:`channels_last_algo.core.inputs`)."""
         self.inputs.finish()
         if not self.channels_last:
             return batch
@@ -281,8 +280,8 @@ class LayoutGuard:
         return tensor.shape[1] in self._conv_channels
 
     def end_forward(self) -> None:
-        """The forward of the batch given to :meth:`on_batch` is over (for trainers whose steps
-        need not call the model passed to :meth:`on_init`)."""
+        """The forward of the batch given to :meth:`on_batch` is over: stop following its tensors
+        (which otherwise ends after the first outermost module call that runs a convolution)."""
         self.inputs.finish()
 
     def on_step_start(self) -> None:

@@ -7,7 +7,8 @@ package). :class:`InputSelection` decides per batch structure, by the ``inputs``
 
 - ``'auto'`` (the default): the tensors the model feeds to a convolution. On the first batch of
   each structure (a training batch, an evaluation batch built otherwise) a ``TorchFunctionMode``
-  follows where its 4D/5D tensors flow through the forward: a tensor is an image when a
+  follows where its 4D/5D tensors flow through the forward (inside module calls, from the first
+  outermost one to the end of the first that runs a convolution): a tensor is an image when a
   convolution's input derives from it (through any ops before that convolution), unless the
   model calls ``.view()`` on it (or on what it derives from it before a convolution) with a
   shape that NHWC strides cannot take. That first batch goes NHWC where a guess says so (in
@@ -21,16 +22,19 @@ package). :class:`InputSelection` decides per batch structure, by the ``inputs``
 
 Example:
     >>> import torch
-    >>> model = torch.nn.Conv2d(3, 4, 1)
+    >>> class Net(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.conv = torch.nn.Conv2d(3, 4, 1)
+    ...     def forward(self, batch):
+    ...         return self.conv(batch['image']).sum() + batch['frames'].view(2, 80).sum()
     >>> batch = {'image': torch.randn(2, 3, 4, 4), 'frames': torch.randn(2, 5, 4, 4)}
-    >>> selection = InputSelection('auto')
-    >>> guess = lambda tensor: True         # NHWC for every 4D/5D tensor of the first batch
-    >>> first = selection.start(batch, guess, lambda t: t.to(memory_format=torch.channels_last))
-    >>> _ = model(first['image']) + first['frames'].view(2, 5, 16).sum()   # the view runs on a copy
-    >>> selection.finish()
+    >>> selection, restride = InputSelection('auto'), lambda t: t.to(memory_format=torch.channels_last)
+    >>> first = selection.start(batch, lambda tensor: True, restride)   # guess: every 4D tensor
+    >>> _ = Net()(first)        # the view of the NHWC frame stack runs on a copy
     >>> selection.describe(batch)
-    "batch['image'] (fed to a convolution); left as they came: batch['frames']"
-    >>> out = selection.convert(batch, lambda t: t.to(memory_format=torch.channels_last))
+    "batch['image'] (fed to a convolution); left as they came: batch['frames'] (viewed in a shape NHWC cannot take)"
+    >>> out = selection.convert(batch, restride)
     >>> out['image'].is_contiguous(memory_format=torch.channels_last), out['frames'].is_contiguous()
     (True, True)
 """
@@ -38,11 +42,13 @@ Example:
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Optional, Union
 
 import torch
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import (
     GetAttrKey,
     MappingKey,
@@ -52,6 +58,7 @@ from torch.utils._pytree import (
     tree_leaves,
     tree_unflatten,
 )
+from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from channels_last_algo.core.layout import channels_last_format
@@ -137,6 +144,7 @@ class _Flow(TorchFunctionMode):
             self.origins[tensor] = self.origins.get(tensor, frozenset()) | {path}
         self.fed: set[Path] = set()
         self.viewed: set[Path] = set()
+        self.convolutions = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -146,6 +154,7 @@ class _Flow(TorchFunctionMode):
         if not origins:
             return func(*args, **kwargs)
         if _is_convolution(func):
+            self.convolutions += 1
             if args and isinstance(args[0], torch.Tensor):
                 self.fed |= self.origins.get(args[0], frozenset())
             return func(*args, **kwargs)
@@ -160,18 +169,25 @@ class _Flow(TorchFunctionMode):
         return result
 
 
-def _exit_mode(mode: TorchFunctionMode) -> None:
-    """Leave ``mode`` even where modes entered after it are still on the stack (they stay)."""
-    above = []
-    stack = _get_current_function_mode_stack()
-    if mode not in stack:
-        return
-    while stack[-1] is not mode:
-        above.append(stack.pop())
-        torch._C._pop_torch_function_stack()
-    mode.__exit__(None, None, None)
-    for other in reversed(above):
-        torch._C._push_on_torch_function_stack(other)
+def _hooks_on_every_module(selection: InputSelection) -> list[RemovableHandle]:
+    """Global module hooks that call ``selection`` around every module call; they hold it weakly
+    and take themselves off once it is gone (a guard dropped before its first forward)."""
+    reference = weakref.ref(selection)
+    handles: list[RemovableHandle] = []
+
+    def call(method: str) -> None:
+        alive = reference()
+        if alive is None:
+            while handles:
+                handles.pop().remove()
+            return
+        getattr(alive, method)()
+
+    handles += [
+        register_module_forward_pre_hook(lambda *args: call('_module_called')),
+        register_module_forward_hook(lambda *args: call('_module_returned'), always_call=True),
+    ]
+    return handles
 
 
 class InputSelection:
@@ -193,9 +209,11 @@ class InputSelection:
             )
         self.inputs = inputs
         self.chosen: dict[Any, frozenset[Path]] = {}
-        self._viewed: dict[Any, frozenset[Path]] = {}  # fed to a convolution, but viewed as NHWC cannot be
+        self._viewed: dict[Any, frozenset[Path]] = {}  # viewed in a shape NHWC strides cannot take
         self._flow: Optional[_Flow] = None
         self._structure: Any = None
+        self._hooks: list[RemovableHandle] = []
+        self._depth = 0  # nested module calls inside the outermost one being followed
 
     def __repr__(self) -> str:
         return repr(self.inputs) if not callable(self.inputs) else getattr(self.inputs, '__name__', 'predicate')
@@ -251,17 +269,37 @@ class InputSelection:
             self.chosen[self._structure] = frozenset()
             return batch
         self._flow = _Flow(followed)
-        self._flow.__enter__()
+        self._hooks = _hooks_on_every_module(self)
         return tree_unflatten(leaves, spec)
 
+    def _module_called(self) -> None:
+        if self._depth == 0:
+            self._flow.__enter__()
+        self._depth += 1
+
+    def _module_returned(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._flow.__exit__(None, None, None)
+            if self._flow.convolutions:  # the outermost call that ran the network: enough seen
+                self.finish()
+
     def finish(self) -> None:
-        """Stop following and keep what was found for the batch structure; nothing if not started."""
+        """Stop following and keep what was found for the batch structure; nothing if not started.
+
+        Following runs inside module calls only (from the outermost module's call to its return),
+        so it never outlives a forward; it ends by itself after the first outermost call that ran
+        a convolution."""
         flow, self._flow = self._flow, None
         if flow is None:
             return
-        _exit_mode(flow)
+        while self._hooks:
+            self._hooks.pop().remove()
+        if self._depth:  # called from inside a module's forward
+            flow.__exit__(None, None, None)
+            self._depth = 0
         self.chosen[self._structure] = frozenset(flow.fed - flow.viewed)
-        self._viewed[self._structure] = frozenset(flow.fed & flow.viewed)
+        self._viewed[self._structure] = frozenset(flow.viewed)
         log.info('channels last inputs: %s', self._describe(self._structure))
 
     def describe(self, batch: Any) -> str:
@@ -274,7 +312,7 @@ class InputSelection:
         viewed = self._viewed.get(structure, frozenset())
         kept = ', '.join(path_name(p) for p in paths if p in chosen) or 'none'
         left = ', '.join(
-            path_name(p) + (' (viewed in a shape NHWC strides cannot take)' if p in viewed else '')
+            path_name(p) + (' (viewed in a shape NHWC cannot take)' if p in viewed else '')
             for p in paths
             if p not in chosen
         )
