@@ -62,7 +62,10 @@ def test_export_from_a_recipe_checkpoint_with_blurpool_and_ema(tmp_path, capfd):
     assert 'module.layer2.0.conv1.conv.weight' in saved['model']  # BlurPool renamed the strided convolutions
     recipe_arguments = ['--recipe', RECIPE, '--checkpoint', str(checkpoint), *sets(TINY + overrides)]
     assert main(['export', str(out), *recipe_arguments, '--input', '2,3,64,64']) == 0
-    assert f'wrote {out}' in capfd.readouterr().out
+    printed = capfd.readouterr()
+    assert f'wrote {out}' in printed.out
+    assert 'ResNet: fx: 20 convolutions fused, 20 of 20 BatchNorms folded' in printed.out  # BlurConv2d's too
+    assert 'left unfused' not in printed.err
 
     recipe = load_recipe(RECIPE, TINY + overrides)
     network, trained = model_from_checkpoint(recipe, checkpoint), model_from_checkpoint(recipe, checkpoint, ema=False)

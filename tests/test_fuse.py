@@ -1,8 +1,11 @@
 """Fused NHWC inference: the zoo matches eager NCHW, the pattern table drives both routes, the
 contract holds, export works at every size, the inductor backend compiles, Composer evaluates fused."""
 
+import copy
+import re
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -315,6 +318,96 @@ def test_example_input_catches_a_wrong_trace_and_takes_the_module_route():
     assert fused.summary.route == 'modules' and 'differs from the model' in fused.summary.trace_error
     with torch.no_grad():
         assert _relative_error(fused(x), model(x)) < 1e-5
+
+
+class _BranchesOnWidth(nn.Module):
+    """Control flow on its input's width: fx cannot trace it, so it is kept whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)) if x.shape[-1] > 4 else x
+
+
+class _CallsForward(nn.Module):
+    """A blur, then its convolution called through ``.forward``, as Composer's ``BlurConv2d`` does."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv.forward(nn.functional.avg_pool2d(x, 3, 1, 1))
+
+
+class _UntraceableBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        self.block, self.down, self.down_bn = _BranchesOnWidth(), _CallsForward(), nn.BatchNorm2d(8)
+        self.strided, self.strided_bn, self.post = nn.Conv2d(8, 4, 1), nn.BatchNorm2d(4), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        x = self.down_bn(self.down(self.block(self.stem(x))))
+        x = nn.functional.conv2d(x, self.strided.weight, self.strided.bias, stride=2)  # not what self.strided does
+        return self.post(torch.relu(self.strided_bn(x)))
+
+
+def test_an_untraceable_block_is_kept_whole_and_the_batchnorms_left_unfused_are_named():
+    model = _randomize_batchnorm(_UntraceableBlock()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    message = 'fuse_for_inference: 3 BatchNorms left unfused: block.bn, strided_bn, post; they run as separate ops'
+    with pytest.warns(UserWarning, match=re.escape(message)):
+        fused = fuse_for_inference(model, x)
+    summary = fused.summary
+    assert summary.route == 'fx' and summary.trace_error is None
+    assert summary.fused == {'stem.0': 'conv+bn+relu', 'down.conv': 'conv+bn'}
+    assert summary.unfused == ['block.bn', 'strided_bn', 'post']
+    assert str(summary).startswith('fx: 2 convolutions fused, 2 of 5 BatchNorms folded, 1 with an activation')
+    with torch.no_grad():
+        for size in (8, 4):  # the block runs its own code: at 4 px it returns its input
+            images = torch.randn(3, 3, size, size)
+            assert _relative_error(fused(images), model(images)) < 1e-5
+
+
+def _no_unfused_warning(fuse, *args):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        result = fuse(*args)
+    assert not [str(w.message) for w in caught if 'left unfused' in str(w.message)]
+    return result
+
+
+def test_blurpool_resnet18_folds_every_batchnorm_and_exports(tmp_path):
+    """Composer's BlurPool: BlurMaxPool2d is kept whole, the convolution BlurConv2d calls through
+    ``.conv.forward`` fuses with the BatchNorm and ReLU after it."""
+    pytest.importorskip('composer')
+    from composer.algorithms.blurpool import apply_blurpool
+
+    torch.manual_seed(0)
+    model = build_model('resnet18', num_classes=10)
+    apply_blurpool(model)
+    model = _randomize_batchnorm(model).eval()
+    x, other = torch.randn(2, 3, 32, 32), torch.randn(3, 3, 48, 48)
+    fused = _no_unfused_warning(fuse_for_inference, model, x)
+    summary = fused.summary
+    assert summary.route == 'fx' and summary.trace_error is None and summary.unfused == []
+    assert summary.count('bn') == 20 and '20 of 20 BatchNorms folded' in str(summary)
+    assert summary.fused['layer2.0.conv1.conv'] == 'conv+bn+relu'  # BlurConv2d's convolution
+    assert type(fused.module.maxpool).__name__ == 'BlurMaxPool2d'  # kept whole
+    with torch.no_grad():
+        assert _relative_error(fused(other), model(other)) < 1e-5
+        model64, x64 = copy.deepcopy(model).double(), other.double()
+        torch.testing.assert_close(fuse_for_inference(model64, x64)(x64), model64(x64), rtol=1e-12, atol=1e-12)
+
+    _, exported = _no_unfused_warning(export_for_inference, model, tmp_path / 'blurpool.pt2', x)
+    assert exported.count('bn') == 20
+    program = torch.export.load(tmp_path / 'blurpool.pt2').module()
+    images = torch.randn(3, 3, 32, 32)  # the example's height and width, another batch size
+    with torch.no_grad():
+        assert _relative_error(program(images.to(memory_format=torch.channels_last)), model(images)) < 1e-5
 
 
 class _ResidualReadAfterwards(nn.Module):

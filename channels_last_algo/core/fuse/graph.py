@@ -1,6 +1,12 @@
 """The fx route: trace the model symbolically, apply :data:`~.patterns.FUSION_PATTERNS` at
 every convolution node, and let a fused residual add write into its input where that is safe.
 
+A submodule whose forward symbolic tracing cannot follow (control flow on a shape, as in
+Composer's ``BlurMaxPool2d``) is kept whole, as a leaf that runs as it is, and a functional
+``conv2d`` that is exactly an ``nn.Conv2d``'s forward on its own parameters (a convolution
+called through ``.forward``, as Composer's ``BlurConv2d`` calls its ``.conv``) becomes a call
+of that module, so the patterns see it. The BatchNorms left in the network are reported.
+
 Before matching, the nodes that are the identity in eval mode (Dropout, StochasticDepth,
 Identity) are removed, so that a conv and the add after them can fuse. A run of nodes
 matches a pattern when each node after the first is the only user of the one before, reads
@@ -18,33 +24,97 @@ Example:
 from __future__ import annotations
 
 import collections
+import logging
+from collections.abc import Callable
 from typing import Any, Optional
 
+import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
 from channels_last_algo.core.fuse.conv import FusedConv2d
-from channels_last_algo.core.fuse.patterns import LONGEST_PATTERN, Element, Match, fuse_chain, is_eval_identity
+from channels_last_algo.core.fuse.patterns import (
+    LONGEST_PATTERN,
+    Element,
+    Match,
+    batchnorm_paths,
+    fuse_chain,
+    is_eval_identity,
+)
+from channels_last_algo.core.fuse.postops import has_hooks
 from channels_last_algo.core.fuse.summary import FusionSummary
 from channels_last_algo.core.layers import RULES
 
 __all__ = ['fuse_graph', 'trace']
 
+log = logging.getLogger(__name__)
+
 _REPAIRED_LAYERS = tuple(rule.replacement for rule in RULES if rule.original_name.startswith('torch.nn.'))
 
 
 class _Tracer(fx.Tracer):
-    """fx's tracer, keeping repaired ``torch.nn`` layers (:mod:`channels_last_algo.core.layers`) as
-    leaves, as the built-in layers they replace are: their forwards branch on the input's shape,
-    which symbolic tracing cannot follow."""
+    """fx's tracer, keeping as leaves the repaired ``torch.nn`` layers (:mod:`channels_last_algo.core.layers`),
+    as the built-in layers they replace are, and every module that tracing into fails: the nodes of
+    the failed attempt are removed and the module is called whole (``untraceable``: path -> why)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.untraceable: dict[str, str] = {}
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        return isinstance(module, _REPAIRED_LAYERS) or super().is_leaf_module(module, qualified_name)
+        leaf = qualified_name in self.untraceable or isinstance(module, _REPAIRED_LAYERS)
+        return leaf or super().is_leaf_module(module, qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        path = self.path_of_module(m)
+        if self.is_leaf_module(m, path):
+            return super().call_module(m, forward, args, kwargs)
+        count, stack, calls = len(self.graph.nodes), self.module_stack.copy(), dict(self.num_calls)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception as error:  # whatever the module's code raises on proxies
+            for node in reversed(list(self.graph.nodes)[count:]):
+                if node.op != 'get_attr':  # fx caches those for later reads; dropped by trace() when unused
+                    self.graph.erase_node(node)
+            self.module_stack.clear()
+            self.module_stack.update(stack)
+            self.num_calls = calls
+            self.untraceable[path] = f'{type(error).__name__}: {error}'.splitlines()[0]
+            return super().call_module(m, forward, args, kwargs)
 
 
 def trace(model: nn.Module) -> fx.GraphModule:
-    """A ``GraphModule`` of ``model`` (sharing its submodules); raises what tracing raises."""
-    return fx.GraphModule(model, _Tracer().trace(model))
+    """A ``GraphModule`` of ``model`` (sharing its submodules), with the submodules fx cannot
+    trace as leaves; raises what tracing ``model``'s own forward raises."""
+    tracer = _Tracer()
+    graph = tracer.trace(model)
+    _call_convolutions_as_modules(graph, dict(model.named_modules()))
+    for node in [node for node in graph.nodes if node.op == 'get_attr' and not node.users]:
+        graph.erase_node(node)
+    for path, error in tracer.untraceable.items():
+        log.debug('%s: %s is kept whole (fx cannot trace it: %s)', type(model).__name__, path, error)
+    return fx.GraphModule(model, graph)
+
+
+def _call_convolutions_as_modules(graph: fx.Graph, modules: dict[str, nn.Module]) -> None:
+    """Replace each ``conv2d`` call that computes exactly what an unhooked ``nn.Conv2d`` among
+    ``modules`` does, on its parameters and settings, with a ``call_module`` node of it."""
+    for node in list(graph.nodes):
+        if node.op != 'call_function' or node.target is not torch.conv2d or node.kwargs or len(node.args) != 7:
+            continue
+        x, weight, bias, *settings = node.args
+        if not isinstance(weight, fx.Node) or weight.op != 'get_attr' or not weight.target.endswith('.weight'):
+            continue
+        path = weight.target[: -len('.weight')]
+        conv = modules.get(path)
+        if type(conv) is not nn.Conv2d or conv.padding_mode != 'zeros' or has_hooks(conv):
+            continue
+        own_bias = bias is None if conv.bias is None else getattr(bias, 'target', None) == f'{path}.bias'
+        if own_bias and settings == [conv.stride, conv.padding, conv.dilation, conv.groups]:
+            with graph.inserting_after(node):
+                call = graph.call_module(path, (x,))
+            node.replace_all_uses_with(call)
+            graph.erase_node(node)
 
 
 def _eval_identity_functions() -> dict[Any, int]:
@@ -139,6 +209,7 @@ def fuse_graph(graph_module: fx.GraphModule, prepack: bool) -> FusionSummary:
     graph.lint()
     graph_module.delete_all_unused_submodules()
     graph_module.recompile()
+    summary.unfused = batchnorm_paths(graph_module)
     return summary
 
 

@@ -4,14 +4,15 @@ The fx route (:mod:`.graph`) is tried first; where the model does not trace, or 
 copy does not match the model on the example input, the module route (:mod:`.modules`)
 is taken. Either way the copy is restrided to channels last, holds no parameter requiring
 grad, and runs the fused kernels from Python (``backend='eager'``), or is compiled by
-``torch.compile`` with inductor's freezing (``backend='inductor'``).
+``torch.compile`` with inductor's freezing (``backend='inductor'``). A warning names the
+BatchNorms left unfused (``summary.unfused``).
 
 Example:
     >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU()).eval()
     >>> x = torch.randn(2, 3, 16, 16)
     >>> fused = fuse_for_inference(net, x)
     >>> str(fused.summary)
-    'fx: 1 convolutions fused, 1 with BatchNorm folded, 1 with an activation, 0 with a residual add'
+    'fx: 1 convolutions fused, 1 of 1 BatchNorms folded, 1 with an activation, 0 with a residual add'
     >>> torch.testing.assert_close(fused(x), net(x), rtol=1e-4, atol=1e-5)
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -118,6 +120,18 @@ def _refused_at_example(network: nn.Module) -> dict[str, str]:
     }
 
 
+def _report(model: nn.Module, summary: FusionSummary) -> None:
+    """Log the summary; warn naming the BatchNorms left unfused."""
+    log.info('%s: %s', type(model).__name__, summary)
+    if summary.unfused:
+        warnings.warn(
+            f'fuse_for_inference: {len(summary.unfused)} BatchNorm{"s" if len(summary.unfused) > 1 else ""} left '
+            f'unfused: {", ".join(summary.unfused)}; they run as separate ops (a BatchNorm folds only into an '
+            f'nn.Conv2d whose output it alone reads, in code fx traces; {summary.route} route)',
+            stacklevel=3,
+        )
+
+
 def fuse_for_inference(
     model: nn.Module, example_input: Any = None, *, traceable: bool = False, rtol: float = 1e-4, backend: str = 'eager'
 ) -> InferenceModel:
@@ -142,7 +156,8 @@ def fuse_for_inference(
 
     Returns:
         An :class:`InferenceModel` (eval mode, no parameter requiring grad) with the
-        :class:`~channels_last_algo.core.fuse.summary.FusionSummary` in ``.summary``.
+        :class:`~channels_last_algo.core.fuse.summary.FusionSummary` in ``.summary``. A
+        warning names the BatchNorms left unfused, if any.
 
     Raises:
         ValueError: ``model`` or a submodule of it is in train mode, or a bad ``backend``.
@@ -196,7 +211,7 @@ def fuse_for_inference(
     else:
         fused, error = checked(graph_module, fuse_graph(graph_module, prepack))
         if error is None:
-            log.info('%s: %s', type(model).__name__, fused.summary)
+            _report(model, fused.summary)
             return fused
         trace_error = f'the traced graph output differs from the model by {error:.2e} (relative)'
 
@@ -209,5 +224,5 @@ def fuse_for_inference(
             f'the fused copy of {type(model).__name__} differs from it by {error:.2e} relative to its '
             f'largest output (> rtol={rtol}) on the example input; please report this model'
         )
-    log.info('%s: %s', type(model).__name__, fused.summary)
+    _report(model, fused.summary)
     return fused

@@ -23,7 +23,14 @@ from typing import Any, Optional
 
 from torch import nn
 
-from channels_last_algo.core.fuse.patterns import LONGEST_PATTERN, Element, Match, fuse_chain, is_eval_identity
+from channels_last_algo.core.fuse.patterns import (
+    LONGEST_PATTERN,
+    Element,
+    Match,
+    batchnorm_paths,
+    fuse_chain,
+    is_eval_identity,
+)
 from channels_last_algo.core.fuse.summary import FusionSummary
 
 __all__ = ['fuse_modules']
@@ -80,4 +87,5 @@ def fuse_modules(model: nn.Module, prepack: bool) -> FusionSummary:
         description = fuse_alone(path)
         if description is not None:
             summary.fused[path] = description
+    summary.unfused = batchnorm_paths(model)
     return summary

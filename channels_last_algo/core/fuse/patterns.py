@@ -39,7 +39,16 @@ from channels_last_algo.core.fuse.conv import FusedConv2d
 from channels_last_algo.core.fuse.postops import RELU, PostOp, has_hooks, post_op_of_call, post_op_of_module
 from channels_last_algo.core.layout import to_channels_last
 
-__all__ = ['FUSION_PATTERNS', 'Element', 'Match', 'fold_batchnorm', 'fuse_chain', 'is_eval_identity', 'match_pattern']
+__all__ = [
+    'FUSION_PATTERNS',
+    'Element',
+    'Match',
+    'batchnorm_paths',
+    'fold_batchnorm',
+    'fuse_chain',
+    'is_eval_identity',
+    'match_pattern',
+]
 
 
 def _none(*args: Any) -> None:
@@ -77,6 +86,11 @@ def _foldable_batchnorm(module: nn.Module) -> Optional[nn.Module]:
         and not has_hooks(module)
     )
     return module if foldable else None
+
+
+def batchnorm_paths(module: nn.Module) -> list[str]:
+    """The module paths of the BatchNorms in ``module``: in a fused network, those left unfused."""
+    return [path for path, child in module.named_modules() if isinstance(child, nn.modules.batchnorm._BatchNorm)]
 
 
 def _only_relu(post_op: Optional[PostOp]) -> Optional[PostOp]:

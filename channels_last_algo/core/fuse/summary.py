@@ -1,12 +1,13 @@
 """What :func:`~channels_last_algo.core.fuse.fuse_for_inference` did: the route taken, each
-fused convolution's kernel, where the fused kernel refused the example's shape, and the backend.
+fused convolution's kernel, the BatchNorms left unfused, where the fused kernel refused the
+example's shape, and the backend.
 
 Example:
-    >>> summary = FusionSummary('fx', {'conv1': 'conv+bn+relu', 'layer1.0.conv2': 'conv+bn+add+relu'})
+    >>> summary = FusionSummary('fx', {'conv1': 'conv+bn+relu', 'layer1.0.conv2': 'conv+bn+add+relu'}, ['norm'])
     >>> summary.count('bn'), summary.count('add')
     (2, 1)
     >>> str(summary)
-    'fx: 2 convolutions fused, 2 with BatchNorm folded, 2 with an activation, 1 with a residual add'
+    'fx: 2 convolutions fused, 2 of 3 BatchNorms folded, 2 with an activation, 1 with a residual add'
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class FusionSummary:
             module-level fallback, when tracing failed or its result did not match).
         fused: module path of each convolution (in the original model) -> what its fused
             kernel computes, e.g. ``'conv+bn+add+relu'``.
+        unfused: module paths of the BatchNorms left in the fused network, unfolded.
         trace_error: why the fx route was not taken, if it was not.
         refused: module path -> the example input's shape at that convolution, where the fused
             kernel refused it and the plain ops run instead.
@@ -35,6 +37,7 @@ class FusionSummary:
 
     route: str
     fused: dict[str, str] = dataclasses.field(default_factory=dict)
+    unfused: list[str] = dataclasses.field(default_factory=list)
     trace_error: Optional[str] = None
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     backend: str = 'eager'
@@ -45,9 +48,10 @@ class FusionSummary:
 
     def __str__(self) -> str:
         activations = sum(kernel.split('+')[-1] not in ('conv', 'bn', 'add') for kernel in self.fused.values())
+        folded = self.count('bn')
         text = (
-            f'{self.route}: {len(self.fused)} convolutions fused, {self.count("bn")} with BatchNorm folded, '
-            f'{activations} with an activation, {self.count("add")} with a residual add'
+            f'{self.route}: {len(self.fused)} convolutions fused, {folded} of {folded + len(self.unfused)} BatchNorms '
+            f'folded, {activations} with an activation, {self.count("add")} with a residual add'
         )
         if self.refused:
             text += f'; {len(self.refused)} run as plain ops at the example shape (the fused kernel refused it)'
