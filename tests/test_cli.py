@@ -53,6 +53,7 @@ def test_export_from_a_recipe_checkpoint_with_blurpool_and_ema(tmp_path, capfd):
     from channels_last_algo.app.checkpoints import model_from_checkpoint
     from channels_last_algo.app.recipes import load_recipe
     from channels_last_algo.app.run_folder import read_state
+    from channels_last_algo.core.checkpoints import is_canonical
 
     overrides = ['model.name=resnet18', 'train.max_duration=2ba', 'algorithms.ema.update_interval=1ba']
     folder, out = tmp_path / 'run', tmp_path / 'resnet18.pt2'
@@ -60,6 +61,7 @@ def test_export_from_a_recipe_checkpoint_with_blurpool_and_ema(tmp_path, capfd):
     checkpoint = folder / 'latest-rank0.pt'
     saved = read_state(checkpoint)
     assert 'module.layer2.0.conv1.conv.weight' in saved['model']  # BlurPool renamed the strided convolutions
+    assert is_canonical(saved)  # the run folder holds NCHW-contiguous tensors: model, optimizer, EMA
     recipe_arguments = ['--recipe', RECIPE, '--checkpoint', str(checkpoint), *sets(TINY + overrides)]
     assert main(['export', str(out), *recipe_arguments, '--input', '2,3,64,64']) == 0
     printed = capfd.readouterr()
