@@ -220,3 +220,15 @@ def test_the_recipe_flag_takes_the_same_values():
     ]
     with pytest.raises(RecipeError, match=r'algorithms.channels_last.inputs: expected .auto.'):
         load_recipe(recipe_file, ['algorithms.channels_last.inputs=5'])
+
+
+def test_a_compiled_fullgraph_forward_keeps_the_first_batch_guess():
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    guard = LayoutGuard()
+    guard.on_init(net)
+    compiled = torch.compile(net, fullgraph=True, backend='eager')
+    for _ in range(3):
+        images = guard.on_batch(torch.randn(2, 3, 8, 8))
+        assert is_channels_last(images)
+        compiled(images)
+    assert guard.inputs.chosen and all(chosen == {()} for chosen in guard.inputs.chosen.values())

@@ -13,7 +13,8 @@ package). :class:`InputSelection` decides per batch structure, by the ``inputs``
   model calls ``.view()`` on it (or on what it derives from it before a convolution) with a
   shape that NHWC strides cannot take. That first batch goes NHWC where a guess says so (in
   the guard: its channel count is some convolution's ``in_channels``); a ``.view()`` that the
-  guess made fail runs on a contiguous copy instead. The choice is logged and kept
+  guess made fail runs on a contiguous copy instead; where no convolution is seen (a compiled
+  forward, whose graph is not followed) the guess stands. The choice is logged and kept
   (:attr:`InputSelection.chosen`); later batches of that structure are converted at once.
 - ``'all'``: every 4D/5D tensor (what ``batch_to_channels_last`` does).
 - a list of keys and positions (``['image']``, ``[0]``), or of paths (``[('inputs', 'rgb')]``):
@@ -137,8 +138,9 @@ class _Flow(TorchFunctionMode):
     any convolution: outputs of a convolution start a new flow, so only the tensors a
     convolution takes directly, or derives from the batch without one, count."""
 
-    def __init__(self, tensors: list[tuple[Path, torch.Tensor]]) -> None:
+    def __init__(self, tensors: list[tuple[Path, torch.Tensor]], guessed: frozenset[Path]) -> None:
         super().__init__()
+        self.guessed = guessed
         self.origins = WeakIdKeyDictionary()
         for path, tensor in tensors:
             self.origins[tensor] = self.origins.get(tensor, frozenset()) | {path}
@@ -148,6 +150,8 @@ class _Flow(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # a compiled forward: nothing to follow inside its graph
+            return func(*args, **kwargs)
         origins = frozenset().union(
             *(self.origins.get(t, frozenset()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         )
@@ -258,17 +262,19 @@ class InputSelection:
         self.finish()
         self._structure = self._structure_of(batch)
         flat, spec = tree_flatten_with_path(batch)
-        followed, leaves = [], []
+        followed, leaves, guessed = [], [], set()
         for path, leaf in flat:
             if isinstance(leaf, torch.Tensor) and channels_last_format(leaf) is not None:
                 plain = tuple(_plain(entry) for entry in path)
-                leaf = restride(leaf) if guess(leaf) else leaf
+                if guess(leaf):
+                    leaf = restride(leaf)
+                    guessed.add(plain)
                 followed.append((plain, leaf))
             leaves.append(leaf)
         if not followed:
             self.chosen[self._structure] = frozenset()
             return batch
-        self._flow = _Flow(followed)
+        self._flow = _Flow(followed, frozenset(guessed))
         self._hooks = _hooks_on_every_module(self)
         return tree_unflatten(leaves, spec)
 
@@ -298,7 +304,8 @@ class InputSelection:
         if self._depth:  # called from inside a module's forward
             flow.__exit__(None, None, None)
             self._depth = 0
-        self.chosen[self._structure] = frozenset(flow.fed - flow.viewed)
+        # no convolution seen (a compiled forward, or none ran before the batch ended): keep the guess
+        self.chosen[self._structure] = (flow.fed if flow.convolutions else flow.guessed) - flow.viewed
         self._viewed[self._structure] = frozenset(flow.viewed)
         log.info('channels last inputs: %s', self._describe(self._structure))
 
