@@ -194,8 +194,8 @@ def test_repaired_model_traces_scripts_and_exports_with_the_same_outputs(name):
 
 @pytest.mark.parametrize('name', ['resnet18', 'unet'])
 def test_repaired_model_exports_to_onnx(name):
-    """The TorchScript-based exporter (``dynamo=False``), which both torch 2.7 and 2.14 have; the
-    dynamo exporter needs onnxscript, not installed here."""
+    """The TorchScript-based exporter (``dynamo=False``) writes a valid graph; tests/test_export_matrix.py
+    runs both exporters' files in onnxruntime."""
     onnx = pytest.importorskip('onnx')
     _, model, x = _traced_case(name)
     buffer = io.BytesIO()

@@ -20,8 +20,9 @@ so the audit reports them apart from breaks, with their bytes (``report.fallback
 The fallback is two module hooks (a forward hook and a forward pre-hook that registers a
 gradient hook on the inputs), so the module keeps its class, ``Parameter`` objects and
 ``state_dict`` keys. ``torch.fx.symbolic_trace`` does not run module hooks, and the hooks do
-nothing under ``torch.jit.script``, ``torch.jit.trace`` (what ONNX export runs),
-``torch.compile`` and ``torch.export``, whose graphs get their layouts from the compiler; the
+nothing under ``torch.jit.script``, ``torch.jit.trace`` (what the TorchScript ONNX exporter
+runs), ``torch.compile`` and ``torch.export`` (what the dynamo ONNX exporter runs), whose
+graphs get their layouts from the compiler, so the op never reaches an exporter; the
 numbers are the same with or without them. TorchScript compiles a module's hooks with the
 types of its forward, and the hooks are typed for one tensor in and out, so a break inside a
 module whose forward takes more than one argument gets its boundary at the nearest enclosing

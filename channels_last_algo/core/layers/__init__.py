@@ -4,6 +4,11 @@ The replacements of timm's layers (``channel_concat``, ``split_attention``,
 ``weight_standardization``) import timm and are loaded by the rules only for models that
 hold those layers, so they are not imported here.
 
+The layers move axes with ``permute`` (or ``movedim``) on axes counted from the front: the
+TorchScript ONNX exporter writes negative axes into the ONNX ``Transpose`` as they are, which
+onnxruntime refuses. ``tests/test_export_matrix.py`` runs every layer through fx,
+TorchScript, ``torch.export`` and both ONNX exporters, and compares the numbers.
+
 Example:
     >>> import torch
     >>> from channels_last_algo.core.layers import repair_model

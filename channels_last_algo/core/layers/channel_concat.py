@@ -38,7 +38,7 @@ def concat_channels_nhwc(first: torch.Tensor, second: torch.Tensor, channels: in
     """``torch.cat((first, second), dim=1)[:, :channels]`` for ``channels`` at least ``first``'s,
     computed on the channels-last views; the result is a new tensor, not a view (an in-place add
     to it, as in a residual block, then needs no copy of the whole concatenation in backward)."""
-    kept = second.movedim(1, -1)[..., : channels - first.shape[1]].movedim(-1, 1)
+    kept = second.permute(0, 2, 3, 1)[..., : channels - first.shape[1]].permute(0, 3, 1, 2)
     return torch.cat((first, kept), dim=1)
 
 

@@ -9,7 +9,9 @@ whose backward follows the gradient's layout (``silu_backward``, ``hardswish_bac
 Taking the mean over H and W of the (..., H, W, C) view instead makes the backward write
 (..., H, W, C) in order, which is NHWC memory. The same ops serve any rank (an unbatched
 C x H x W input too), so the layer has no branch: ``torch.fx.symbolic_trace``,
-``torch.jit.script``, ``torch.export`` and ONNX export see plain tensor ops.
+``torch.jit.script``, ``torch.export`` and ONNX export see plain tensor ops. The axes are
+counted from the front (from ``x.dim()``): the TorchScript ONNX exporter writes a negative
+``movedim`` axis into the ONNX ``Transpose`` as it is, which onnxruntime refuses.
 
 Example:
     >>> import torch
@@ -31,7 +33,8 @@ __all__ = ['ChannelsLastAdaptiveAvgPool2d', 'global_avg_pool_nhwc', 'is_global_p
 
 def global_avg_pool_nhwc(x: torch.Tensor) -> torch.Tensor:
     """Mean over H and W of a (..., C, H, W) tensor, kept as (..., C, 1, 1), computed in NHWC order."""
-    return x.movedim(-3, -1).mean(dim=(-3, -2), keepdim=True).movedim(-1, -3)
+    c = x.dim() - 3  # the channel axis
+    return x.movedim(c, c + 2).mean(dim=(c, c + 1), keepdim=True).movedim(c + 2, c)
 
 
 def is_global_pool(module: nn.AdaptiveAvgPool2d) -> bool:

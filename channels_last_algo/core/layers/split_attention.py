@@ -32,7 +32,7 @@ __all__ = ['ChannelsLastSplitAttn', 'radix_sum_nhwc']
 
 def _radix_view(x: torch.Tensor, radix: int) -> torch.Tensor:
     """The N x (R*C) x H x W tensor as N x H x W x R x C (a view of an NHWC tensor)."""
-    return x.movedim(1, -1).unflatten(-1, (radix, -1))
+    return x.permute(0, 2, 3, 1).unflatten(3, (radix, -1))
 
 
 def radix_sum_nhwc(x: torch.Tensor, radix: int, weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,7 +41,7 @@ def radix_sum_nhwc(x: torch.Tensor, radix: int, weights: torch.Tensor | None = N
     groups = _radix_view(x, radix)
     if weights is not None:
         groups = groups * _radix_view(weights, radix)
-    return groups.sum(dim=-2).movedim(-1, 1)
+    return groups.sum(dim=3).permute(0, 3, 1, 2)
 
 
 class ChannelsLastSplitAttn(SplitAttn):

@@ -8,6 +8,9 @@ copied back into the parameter's NHWC layout in backward. Reshaping the (O, kh, 
 permutation instead is a view of an NHWC weight, so the standardised weight comes out NHWC
 and no copy is made. The statistics are over the same elements (in another order).
 
+The ``Same`` layers pad with timm's ``pad_same``, whose padding depends on the input's size;
+it is a ``torch.fx.wrap`` leaf here, so ``torch.fx.symbolic_trace`` records one call to it.
+
 This module imports timm and is loaded only for models that hold these layers.
 
 Example:
@@ -41,10 +44,13 @@ __all__ = [
 def standardized_weight_nhwc(weight: torch.Tensor, gain: Optional[torch.Tensor], eps: float) -> torch.Tensor:
     """Each output channel of ``weight`` standardised (times ``gain``), as timm's ``batch_norm``
     form computes it, over the channels-last view: an NHWC weight gives an NHWC result."""
-    moved = weight.movedim(1, -1)  # (O, kh, kw, I)
+    moved = weight.permute(0, 2, 3, 1)  # (O, kh, kw, I)
     flat = moved.reshape(1, weight.shape[0], -1)
     standardized = F.batch_norm(flat, None, None, weight=gain, training=True, momentum=0.0, eps=eps)
-    return standardized.view(moved.shape).movedim(-1, 1)
+    return standardized.view(moved.shape).permute(0, 3, 1, 2)
+
+
+torch.fx.wrap('pad_same')
 
 
 class ChannelsLastStdConv2d(StdConv2d):
