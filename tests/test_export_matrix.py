@@ -149,6 +149,7 @@ def _in_child(fn):
         os.close(read)
         try:
             torch.set_num_threads(1)  # nor does OpenMP's
+            torch.cuda.is_available = lambda: False  # nor CUDA (the exports run on the CPU)
             fn()
         except BaseException:
             os.write(write, traceback.format_exc().encode())

@@ -116,8 +116,10 @@ def path_name(path: Path) -> str:
 
 
 def _is_convolution(func: Any) -> bool:
+    """A forward convolution (``torch.conv2d``, ``aten.convolution``, ...), not its backward."""
     name = getattr(func, '__name__', '')
-    return name.startswith(('conv2d', 'conv3d', 'conv_transpose')) or 'convolution' in name
+    forward = name.startswith(('conv2d', 'conv3d', 'conv_transpose')) or 'convolution' in name
+    return forward and 'backward' not in name
 
 
 def _view_fails_in_channels_last(tensor: torch.Tensor, args: tuple, kwargs: dict) -> bool:
@@ -179,17 +181,21 @@ def _hooks_on_every_module(selection: InputSelection) -> list[RemovableHandle]:
     reference = weakref.ref(selection)
     handles: list[RemovableHandle] = []
 
-    def call(method: str) -> None:
+    def call(method: str, module: torch.nn.Module) -> None:
+        if torch.compiler.is_compiling():  # a hook traced into a compiled graph: nothing to do there
+            return
         alive = reference()
+        if alive is not None and alive._flow is None:  # idle between batch structures
+            return
         if alive is None:
             while handles:
                 handles.pop().remove()
             return
-        getattr(alive, method)()
+        getattr(alive, method)(module)
 
     handles += [
-        register_module_forward_pre_hook(lambda *args: call('_module_called')),
-        register_module_forward_hook(lambda *args: call('_module_returned'), always_call=True),
+        register_module_forward_pre_hook(lambda module, *args: call('_module_called', module)),
+        register_module_forward_hook(lambda module, *args: call('_module_returned', module), always_call=True),
     ]
     return handles
 
@@ -217,7 +223,8 @@ class InputSelection:
         self._flow: Optional[_Flow] = None
         self._structure: Any = None
         self._hooks: list[RemovableHandle] = []
-        self._depth = 0  # nested module calls inside the outermost one being followed
+        self._calls: list[bool] = []  # the module calls under way, each: followed inside or not
+        self._compiled_seen = False  # a torch.compile'd module was called while following
 
     def __repr__(self) -> str:
         return repr(self.inputs) if not callable(self.inputs) else getattr(self.inputs, '__name__', 'predicate')
@@ -275,20 +282,31 @@ class InputSelection:
             self.chosen[self._structure] = frozenset()
             return batch
         self._flow = _Flow(followed, frozenset(guessed))
-        self._hooks = _hooks_on_every_module(self)
+        self._hooks = self._hooks or _hooks_on_every_module(self)
         return tree_unflatten(leaves, spec)
 
-    def _module_called(self) -> None:
-        if self._depth == 0:
+    def _module_called(self, module: torch.nn.Module) -> None:
+        """Follow inside the call, except inside a compiled module (where following would make
+        torch.compile trace, and later recompile, the graph with the mode on)."""
+        outer = self._calls[-1] if self._calls else None
+        compiled = isinstance(getattr(module, '_orig_mod', None), torch.nn.Module)  # torch.compile's wrapper
+        self._compiled_seen = self._compiled_seen or compiled
+        follow = not compiled and outer is not False
+        if follow and not outer:
             self._flow.__enter__()
-        self._depth += 1
-
-    def _module_returned(self) -> None:
-        self._depth -= 1
-        if self._depth == 0:
+        elif outer and not follow:
             self._flow.__exit__(None, None, None)
-            if self._flow.convolutions:  # the outermost call that ran the network: enough seen
-                self.finish()
+        self._calls.append(follow)
+
+    def _module_returned(self, module: torch.nn.Module) -> None:
+        follow = self._calls.pop()
+        outer = self._calls[-1] if self._calls else False
+        if follow and not outer:
+            self._flow.__exit__(None, None, None)
+        elif outer and not follow:
+            self._flow.__enter__()
+        if not self._calls and self._flow.convolutions:  # the outermost call ran the network: enough seen
+            self.finish()
 
     def finish(self) -> None:
         """Stop following and keep what was found for the batch structure; nothing if not started.
@@ -299,11 +317,11 @@ class InputSelection:
         flow, self._flow = self._flow, None
         if flow is None:
             return
-        while self._hooks:
+        while self._hooks and not self._compiled_seen:  # compiled graphs saw the hooks: they stay, idle
             self._hooks.pop().remove()
-        if self._depth:  # called from inside a module's forward
+        if self._calls and self._calls[-1]:  # called from inside a followed module call
             flow.__exit__(None, None, None)
-            self._depth = 0
+        self._calls = []
         # no convolution seen (a compiled forward, or none ran before the batch ended): keep the guess
         self.chosen[self._structure] = (flow.fed if flow.convolutions else flow.guessed) - flow.viewed
         self._viewed[self._structure] = frozenset(flow.viewed)
