@@ -98,7 +98,7 @@ def measure(name: str, args: argparse.Namespace, only_rule: str | None = None) -
         with LayoutAudit(models[variant]) as audit:
             steps[variant]()
         breaks[variant] = len(audit.report.breaks)
-        outside[variant] = sum(record.module_path is None for record in audit.report.breaks)
+        outside[variant] = len(audit.report.outside)
 
     return {
         'model': name if only_rule is None else f'{name} ({only_rule} only)',

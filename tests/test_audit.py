@@ -219,6 +219,19 @@ def test_input_conversion_outside_the_model_is_not_a_break():
     assert audit.report.ok
 
 
+def test_a_drop_outside_the_model_is_listed_apart_and_not_a_break():
+    model = _converted(lambda: nn.Conv2d(3, 4, 3))
+    with LayoutAudit(model, strict=True) as audit:  # strict raises on the model's breaks only
+        output = model(_nhwc(2, 3, 8, 8))
+        output.contiguous().sum().backward()  # NHWC -> NCHW outside the model, as a loss might
+    report = audit.report
+    assert report.ok and report.breaks == []
+    assert [(r.op, r.module_path, r.phase) for r in report.outside] == [('aten.clone.default', None, 'forward')]
+    assert 'outside the model' in str(report) and 'no layout breaks' in str(report)
+    assert AuditReport.from_dict(report.to_dict()) == report
+    assert AuditReport.merge([report, report]).outside == report.outside * 2
+
+
 def test_audit_model_leaves_parameters_buffers_and_grads_as_they_were():
     model = _converted(lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), _Contiguous()))
     model[0].weight.grad = old_grad = torch.ones_like(model[0].weight)

@@ -1,5 +1,8 @@
 """The Composer integration: ChannelsLast driving the guard from Trainer events."""
 
+import functools
+import logging
+
 import pytest
 
 pytest.importorskip('composer')
@@ -11,6 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from channels_last_algo import ChannelsLast, LayoutBreakError, has_channels_last_strides, is_channels_last
 from channels_last_algo.app.demo import TinyResNet
+from channels_last_algo.core import guard as guard_module
+from channels_last_algo.core.auto import decide_layout
 from conftest import breaking_model, no_dispatch_mode, random_images, tiny_loader
 
 
@@ -141,3 +146,63 @@ def test_fuse_eval_without_a_network_in_module_is_refused_at_init():
             algorithms=[ChannelsLast(fuse_eval=True)],
             progress_bar=False,
         )
+
+
+def test_composer_console_shows_the_start_block_once_before_its_config_and_the_breaks_left(capfd, caplog):
+    caplog.set_level(logging.INFO, logger='channels_last_algo')
+    in_memory = InMemoryLogger()
+    trainer = Trainer(
+        model=ComposerClassifier(breaking_model(), num_classes=10),  # a break at module.1, global pooling at module.3
+        train_dataloader=tiny_loader(),
+        max_duration='2ba',
+        device='cpu',
+        algorithms=[ChannelsLast(audit_steps=1)],
+        loggers=[in_memory],
+    )
+    trainer.fit()
+    captured = capfd.readouterr()
+    assert captured.out == ''
+    console = captured.err  # Composer's console stream, the progress bar's too
+    start = 'channels last: ComposerClassifier: weights channels last (no sharding'
+    assert console.count(start) == 1 and console.index(start) < console.index('Config:')
+    assert '  repaired    1 layer: global_avg_pool at module.3\n' in console
+    assert 'channels last: layout audit of 1 training step: 1 layout break left in the model' in console
+    assert 'module.1  aten.clone.default (forward)  1x' in console
+    hyperparameters = in_memory.hyperparameters
+    assert hyperparameters['channels_last/repair_rules'] == 'global_avg_pool'
+    assert hyperparameters['channels_last/weight_layout'] == 'channels_last'
+    assert hyperparameters['channels_last/restrided_tensors'] == 2
+    assert hyperparameters['channels_last/audit_breaks'] == 1
+    summaries = [r for r in caplog.records if 'tensors restrided' in r.getMessage()]
+    assert [r.name for r in summaries] == ['channels_last_algo.core.convert']  # logged once, by the conversion
+
+
+def test_composer_auto_mode_says_what_it_times_and_what_it_kept(capsys, monkeypatch):
+    monkeypatch.setattr(guard_module, 'decide_layout', functools.partial(decide_layout, max_rounds=2, warmup=0))
+    algorithm = ChannelsLast(mode='auto')
+    trainer = Trainer(
+        model=ComposerClassifier(TinyResNet(), num_classes=10),
+        train_dataloader=tiny_loader(),
+        max_duration='1ba',
+        device='cpu',
+        algorithms=[algorithm],
+        progress_bar=False,
+        log_to_console=True,
+    )
+    built = capsys.readouterr().err  # auto mode decides in the constructor (Event.AFTER_LOAD)
+    timing = 'auto layout: timing channels first (NCHW) against channels last on the first training batch'
+    assert built.index(timing) < built.index(str(algorithm.decision))
+    trainer.fit()
+    assert '  auto        kept channels last' in capsys.readouterr().err
+
+
+def test_composer_console_writes_on_rank_zero_only(monkeypatch, capsys):
+    from composer.loggers import ConsoleLogger, Logger
+
+    from channels_last_algo.integrations import composer as integration
+
+    logger = Logger(state=None, destinations=[ConsoleLogger(stream='stderr')])
+    integration._write_to_console(logger, 'shown')
+    monkeypatch.setattr(integration.dist, 'get_global_rank', lambda: 1)
+    integration._write_to_console(logger, 'not shown')
+    assert capsys.readouterr().err == 'shown\n'

@@ -102,3 +102,16 @@ def test_batch_conversion_makes_no_copy_when_already_nhwc():
     labels = torch.arange(2)
     out = batch_to_channels_last([images, labels])
     assert out[0] is images and out[1] is labels
+
+
+def test_a_segmentation_loss_outside_the_model_is_no_break_under_strict():
+    """cross_entropy's log_softmax turns the N x C x H x W NHWC output NCHW: the loss's, not the model's."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 3, 1))
+    guard = LayoutGuard(audit_steps=1, strict=True)
+    guard.on_init(model)
+    images, masks = guard.on_batch((torch.randn(2, 3, 8, 8), torch.randint(0, 3, (2, 8, 8))))
+    with guard.step():
+        nn.functional.cross_entropy(model(images), masks).backward()
+    assert guard.report.ok and guard.report.breaks == []
+    assert [(r.op, r.module_path) for r in guard.report.outside] == [('aten._log_softmax.default', None)]
+    assert guard.audit_block.lines[0] == 'channels last: layout audit of 1 training step: no layout breaks'

@@ -12,6 +12,7 @@ parameters match.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import socket
 import subprocess
@@ -363,6 +364,59 @@ def test_auto_decision_is_logged_checkpointed_and_resumed_without_measuring(quic
     assert recorder.weights and not any(recorder.weights.values())
     assert recorder.grads and not any(recorder.grads)
     assert module.inputs_nhwc and not any(module.inputs_nhwc)
+
+
+@pytest.fixture
+def console():
+    """The messages Lightning's console (``rank_zero_info``, under the ``lightning.pytorch`` logger) shows."""
+
+    class Messages(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.INFO)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    handler, lightning_log = Messages(), logging.getLogger('lightning.pytorch')
+    lightning_log.addHandler(handler)
+    yield handler.messages
+    lightning_log.removeHandler(handler)
+
+
+def test_console_shows_the_start_block_and_the_breaks_left_once(console):
+    recording = Recording()
+    fit = trainer(max_steps=2, callbacks=[ChannelsLastCallback(audit_steps=1)], logger=recording)
+    fit.fit(Classifier(breaking_model()), loader(n=8))  # a break at net.1, global pooling at net.3
+    starts = [m for m in console if m.startswith('channels last: Classifier: weights channels last')]
+    assert len(starts) == 1 and '\n  repaired    1 layer: global_avg_pool at net.3\n' in starts[0]
+    audits = [m for m in console if m.startswith('channels last: layout audit')]
+    assert len(audits) == 1 and audits[0].startswith(
+        'channels last: layout audit of 1 training step: 1 layout break left in the model'
+    )
+    assert '\n  net.1  aten.clone.default (forward)  1x' in audits[0]
+    assert recording.hyperparameters['channels_last/repair_rules'] == 'global_avg_pool'
+    assert recording.hyperparameters['channels_last/audit_breaks'] == 1
+
+
+def test_the_breaks_left_are_printed_above_the_progress_bar(capfd, console):
+    fit = trainer(max_steps=1, callbacks=[ChannelsLastCallback(audit_steps=1)], enable_progress_bar=True)
+    fit.fit(Classifier(breaking_model()), loader(n=4))
+    printed = capfd.readouterr()
+    lines = (printed.out + printed.err).splitlines()  # \r ends a line too: the bar's redraws
+    audit = 'channels last: layout audit of 1 training step: 1 layout break left in the model'
+    assert [line.startswith(audit) for line in lines if audit in line] == [True]  # on its own line, once
+    assert not any(m.startswith('channels last: layout audit') for m in console)  # not also through the log
+
+
+def test_auto_mode_says_what_it_times_then_what_it_kept(quick_decisions, console):
+    callback = ChannelsLastCallback(mode='auto')
+    trainer(max_steps=1, callbacks=[callback]).fit(Classifier(), loader(n=4))
+    timing = next(i for i, m in enumerate(console) if m.startswith('auto layout: timing channels first (NCHW)'))
+    assert console[timing + 1] == str(callback.decision)
+    assert (
+        console[timing + 2].startswith('channels last: Classifier:') and '\n  auto        kept ' in console[timing + 2]
+    )
 
 
 class MomentumAtTrainStart(L.Callback):

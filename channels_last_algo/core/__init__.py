@@ -4,13 +4,14 @@ Layout (:mod:`.layout`), the functional conversion (:mod:`.convert`), canonical 
 (:mod:`.checkpoints`), the repair rules and
 layers (:mod:`.layers`), the layout audit (:mod:`.audit`), auto mode (:mod:`.auto`), what
 parallel wrappers allow (:mod:`.parallel`), the framework-neutral event layer
-(:mod:`.guard`), fused inference (:mod:`.fuse`), known kernel bugs and the doctor
-(:mod:`.safety`), and interleaved timing (:mod:`.timing`). Integrations and the application import
-from here; nothing here imports from them.
+(:mod:`.guard`), what a user sees of a run (:mod:`.console`), fused inference (:mod:`.fuse`),
+known kernel bugs and the doctor (:mod:`.safety`), and interleaved timing (:mod:`.timing`).
+Integrations and the application import from here; nothing here imports from them.
 """
 
 from channels_last_algo.core.audit import AuditRecord, AuditReport, LayoutAudit, LayoutBreakError, audit_model
 from channels_last_algo.core.checkpoints import canonical_state
+from channels_last_algo.core.console import ConsoleBlock
 from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last
 from channels_last_algo.core.fuse import (
     FusedConv2d,
@@ -36,6 +37,7 @@ from channels_last_algo.core.safety.doctor import DoctorReport, doctor
 __all__ = [
     'AuditRecord',
     'AuditReport',
+    'ConsoleBlock',
     'ConversionSummary',
     'DoctorReport',
     'FusedConv2d',

@@ -14,6 +14,10 @@ NHWC. :class:`LayoutAudit` watches every aten op of a forward and backward pass 
   NHWC layout). The same copy outside the model, such as the NHWC conversion of the input
   batch, is the algorithm at work and is not recorded.
 
+A drop outside the model (an op no module of the model ran, nor the backward of one: the loss's
+``log_softmax`` on a segmentation output, say) is no break of the model: it is listed apart
+(``report.outside``), does not make ``report.ok`` False, and a strict audit does not raise on it.
+
 Views (slices, permutes, expands) move no bytes and are never breaks; ambiguous tensors
 (C == 1, or every spatial size 1) are channels-first and channels-last at once, so they
 neither start nor end a break.
@@ -134,6 +138,7 @@ class LayoutAudit:
         self._breaks: list[AuditRecord] = []
         self._exits: list[AuditRecord] = []
         self._fallbacks: list[AuditRecord] = []
+        self._outside: list[AuditRecord] = []
         self._steps = 0
         self._mode: Optional[_DispatchObserver] = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -143,7 +148,7 @@ class LayoutAudit:
         self._pending: list[tuple[list[torch.Tensor], Optional[str], bool]] = []
         self._held_clone: Optional[tuple[AuditRecord, torch.Tensor]] = None
         self._failure: Optional[LayoutBreakError] = None
-        self._span = (0, 0, 0)  # where the current span's breaks, exits and fallbacks begin
+        self._span = (0, 0, 0, 0)  # where the current span's breaks, exits, fallbacks and outside records begin
 
     @property
     def active(self) -> bool:
@@ -153,7 +158,11 @@ class LayoutAudit:
     def report(self) -> AuditReport:
         """Everything recorded since this audit was created, over every span."""
         return AuditReport(
-            breaks=list(self._breaks), exits=list(self._exits), steps=self._steps, fallbacks=list(self._fallbacks)
+            breaks=list(self._breaks),
+            exits=list(self._exits),
+            steps=self._steps,
+            fallbacks=list(self._fallbacks),
+            outside=list(self._outside),
         )
 
     def start(self) -> None:
@@ -164,7 +173,7 @@ class LayoutAudit:
         self._param_paths = {id(p): name.rpartition('.')[0] for name, p in self.model.named_parameters()}
         self._stack.clear()
         self._failure = None
-        self._span = (len(self._breaks), len(self._exits), len(self._fallbacks))
+        self._span = (len(self._breaks), len(self._exits), len(self._fallbacks), len(self._outside))
         self._steps += 1
         self._hooks = [
             _module_hooks.register_module_forward_pre_hook(self._enter_module),
@@ -216,12 +225,13 @@ class LayoutAudit:
         return self._failure
 
     def _span_report(self) -> AuditReport:
-        first_break, first_exit, first_fallback = self._span
+        first_break, first_exit, first_fallback, first_outside = self._span
         return AuditReport(
             breaks=self._breaks[first_break:],
             exits=self._exits[first_exit:],
             steps=1,
             fallbacks=self._fallbacks[first_fallback:],
+            outside=self._outside[first_outside:],
         )
 
     # module stack (forward attribution)
@@ -372,12 +382,13 @@ class LayoutAudit:
             self._add_break(record)
 
     def _add_break(self, record: AuditRecord) -> None:
+        """A break of the model (strict: raise); a drop outside the model is only listed apart."""
+        if record.module_path is None:
+            self._outside.append(record)
+            return
         self._breaks.append(record)
         if self.strict:
-            module_type = None
-            if record.module_path is not None:
-                module_type = type(self.model.get_submodule(record.module_path)).__name__
-            raise LayoutBreakError(record, module_type)
+            raise LayoutBreakError(record, type(self.model.get_submodule(record.module_path)).__name__)
 
 
 def _scalar_loss(output: Any, model: torch.nn.Module) -> torch.Tensor:

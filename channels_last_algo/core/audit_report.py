@@ -1,5 +1,5 @@
-"""What a layout audit found: :class:`AuditRecord` (one break, exit conversion or fallback
-copy), :class:`AuditReport` (all of them, with totals, a table and a JSON form) and
+"""What a layout audit found: :class:`AuditRecord` (one break, exit conversion, fallback copy or
+op outside the model), :class:`AuditReport` (all of them, with totals, a table and a JSON form) and
 :class:`LayoutBreakError` (what a strict audit raises). :mod:`channels_last_algo.core.audit`
 produces them; the method card is ``docs/audit.md``.
 
@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
-__all__ = ['AuditRecord', 'AuditReport', 'LayoutBreakError']
+__all__ = ['AuditRecord', 'AuditReport', 'LayoutBreakError', 'format_bytes']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +52,16 @@ class AuditRecord:
 
 
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(AuditRecord))
+_LISTS = ('breaks', 'exits', 'fallbacks', 'outside')  # the record lists of a report, as to_dict writes them
 
 
-def _format_bytes(nbytes: int) -> str:
+def format_bytes(nbytes: int) -> str:
+    """Bytes for people, as the audit writes them.
+
+    Example:
+        >>> format_bytes(512), format_bytes(1536), format_bytes(3 * 1024**2)
+        ('512 B', '1.5 KiB', '3.0 MiB')
+    """
     if nbytes < 1024:
         return f'{nbytes} B'
     if nbytes < 1024**2:
@@ -71,7 +78,7 @@ def _table(records: Sequence[AuditRecord]) -> list[str]:
         count_bytes[0] += 1
         count_bytes[1] += r.nbytes
     header = ('phase', 'module path', 'op', 'shape', 'layouts', 'count', 'bytes')
-    rows = [header] + [key + (str(count), _format_bytes(nbytes)) for key, (count, nbytes) in groups.items()]
+    rows = [header] + [key + (str(count), format_bytes(nbytes)) for key, (count, nbytes) in groups.items()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return ['  ' + '  '.join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
@@ -79,6 +86,11 @@ def _table(records: Sequence[AuditRecord]) -> list[str]:
 @dataclasses.dataclass
 class AuditReport:
     """What a layout audit found over ``steps`` audited passes.
+
+    :attr:`breaks` are the model's: ops run by one of its modules (or by the backward of one).
+    The same drop outside the model, such as the loss's ``log_softmax`` on a segmentation
+    output, is listed in :attr:`outside` and is no break of the model: it does not make the
+    report fail, nor a strict audit raise.
 
     Example:
         >>> report = AuditReport.merge([AuditReport(), AuditReport()])
@@ -93,11 +105,13 @@ class AuditReport:
     steps: int = 1
     fallbacks: list[AuditRecord] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)  # what made the audit unable to see a break
+    outside: list[AuditRecord] = dataclasses.field(default_factory=list)  # drops outside the model: not its breaks
 
     @property
     def ok(self) -> bool:
-        """True when nothing dropped NHWC (exit conversions do not count) on a path that was
-        channels last at all (no :attr:`notes`, such as an NCHW input or an unconverted model)."""
+        """True when nothing in the model dropped NHWC (exit conversions and :attr:`outside` do not
+        count) on a path that was channels last at all (no :attr:`notes`, such as an NCHW input or
+        an unconverted model)."""
         return not self.breaks and not self.notes
 
     @property
@@ -120,6 +134,7 @@ class AuditReport:
             merged.breaks.extend(report.breaks)
             merged.exits.extend(report.exits)
             merged.fallbacks.extend(report.fallbacks)
+            merged.outside.extend(report.outside)
             merged.steps += report.steps
             merged.notes.extend(note for note in report.notes if note not in merged.notes)
         return merged
@@ -128,9 +143,7 @@ class AuditReport:
         """A JSON-ready dict; :meth:`from_dict` reads it back."""
         return {
             'steps': self.steps,
-            'breaks': [dataclasses.asdict(r) | {'shape': list(r.shape)} for r in self.breaks],
-            'exits': [dataclasses.asdict(r) | {'shape': list(r.shape)} for r in self.exits],
-            'fallbacks': [dataclasses.asdict(r) | {'shape': list(r.shape)} for r in self.fallbacks],
+            **{key: [dataclasses.asdict(r) | {'shape': list(r.shape)} for r in getattr(self, key)] for key in _LISTS},
             'notes': list(self.notes),
         }
 
@@ -146,7 +159,7 @@ class AuditReport:
                 'and exits, as AuditReport.to_dict() writes them'
             )
         lists = {}
-        for key in ('breaks', 'exits', 'fallbacks'):
+        for key in _LISTS:
             records = []
             for i, item in enumerate(data.get(key, [])):
                 fields = set(item) if isinstance(item, dict) else set()
@@ -156,27 +169,24 @@ class AuditReport:
                     )
                 records.append(AuditRecord(**{**item, 'shape': tuple(item['shape'])}))
             lists[key] = records
-        return cls(
-            breaks=lists['breaks'],
-            exits=lists['exits'],
-            steps=int(data['steps']),
-            fallbacks=lists['fallbacks'],
-            notes=list(data.get('notes', [])),
-        )
+        return cls(steps=int(data['steps']), notes=list(data.get('notes', [])), **lists)
 
     def __str__(self) -> str:
         steps = f'{self.steps} step' + ('' if self.steps == 1 else 's')
         lines = [
             f'layout audit over {steps}: {len(self.breaks)} layout breaks '
-            f'({_format_bytes(self.break_bytes)} moved), {len(self.exits)} exit conversions '
-            f'({_format_bytes(self.exit_bytes)} copied)'
+            f'({format_bytes(self.break_bytes)} moved), {len(self.exits)} exit conversions '
+            f'({format_bytes(self.exit_bytes)} copied)'
         ]
         lines += [f'not a channels-last run: {note}' for note in self.notes]
         lines += ['breaks:'] + _table(self.breaks) if self.breaks else ['no layout breaks']
         if self.exits:
             lines += ['exit conversions (the tensor leaves the conv trunk):'] + _table(self.exits)
         if self.fallbacks:
-            lines += [f'boundary fallback copies ({_format_bytes(self.fallback_bytes)}):'] + _table(self.fallbacks)
+            lines += [f'boundary fallback copies ({format_bytes(self.fallback_bytes)}):'] + _table(self.fallbacks)
+        if self.outside:
+            lines += ['outside the model (the loss, code around the model; not breaks of the model):']
+            lines += _table(self.outside)
         return '\n'.join(lines)
 
 
@@ -191,7 +201,7 @@ class LayoutBreakError(RuntimeError):
         super().__init__(
             f'layout break in {record.phase} at {where}{kind}: {record.op} turned an {source} '
             f'tensor of shape {tuple(record.shape)} into {target} '
-            f'({_format_bytes(record.nbytes)} written). Repair '
+            f'({format_bytes(record.nbytes)} written). Repair '
             f"the layer with apply_channels_last's repair rules, replace it with an "
             f'NHWC-preserving equivalent, or report the op and module path so a rule can be '
             f'added; audit with strict=False to list every break.'

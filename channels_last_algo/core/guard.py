@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, TypeVar, Union
@@ -29,6 +30,7 @@ from torch.utils._pytree import tree_map_only
 from channels_last_algo.core.audit import AuditReport, LayoutAudit, LayoutBreakError
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
 from channels_last_algo.core.boundary import prune_boundaries, repair_breaks
+from channels_last_algo.core.console import ConsoleBlock, audit_block, start_block, timing_line
 from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last, restride
 from channels_last_algo.core.inputs import Inputs, InputSelection, check_inputs
 from channels_last_algo.core.layers import RepairRecord
@@ -43,6 +45,11 @@ Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimize
 Batch = TypeVar('Batch')
 
 log = logging.getLogger(__name__)
+
+# decide_layout's bounds by default, which auto mode's timing line names unless decide() is given others.
+_DECIDE_DEFAULTS = {
+    name: p.default for name, p in inspect.signature(decide_layout).parameters.items() if p.default is not p.empty
+}
 
 
 def _is_bool(value: Any) -> bool:
@@ -132,6 +139,13 @@ class LayoutGuard:
             batch of each structure (which passes as it came) and logged; ``'all'``; a list of
             keys / positions (``['image']``, ``[0]``); or a predicate ``fn(path, tensor)``.
 
+    What a user should see (:mod:`channels_last_algo.core.console`): :attr:`start_block` (the
+    conversion, repairs, weight layout and auto mode's decision), shown once at the first training
+    step unless :meth:`show_start` showed it before; auto mode's timing line and decision
+    (:meth:`decide`); and after the last audited step the breaks left (:attr:`audit_block`). They
+    go to :attr:`console`, a trainer integration's console, or, where it is None (a plain loop),
+    to the log at INFO (WARNING for breaks left): one record each.
+
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(288, 2))
         >>> guard = LayoutGuard(audit_steps=1)
@@ -158,6 +172,9 @@ class LayoutGuard:
         self._audit: Optional[LayoutAudit] = None
         self.boundaries: list[RepairRecord] = []  # the boundary fallbacks in place
         self._fallback_found: Optional[AuditReport] = None  # the audit that placed them
+        self.console: Optional[Callable[[str], None]] = None  # an integration's console; None: the log
+        self._model_name = ''
+        self._start_shown = False
 
     @property
     def channels_last(self) -> bool:
@@ -172,6 +189,39 @@ class LayoutGuard:
         if self._audit is None or self._audit.report.steps == 0:
             return None
         return self._audit.report
+
+    @property
+    def start_block(self) -> Optional[ConsoleBlock]:
+        """What the run starts with, to print: conversion, repairs, safe paths, weight layout and
+        auto mode's decision, and the ``channels_last/...`` hyperparameters; None before
+        :meth:`on_init` and in mode ``'off'``."""
+        if self.summary is None:
+            return None
+        return start_block(
+            self._model_name, self.summary, self.weight_layout, self.mode, self.decision, self.audit_steps
+        )
+
+    @property
+    def audit_block(self) -> Optional[ConsoleBlock]:
+        """The layout breaks the audited steps left, by module path and op with their bytes, to
+        print; None until every audited step ran."""
+        report = self.report
+        if report is None or report.steps < self.audit_steps:
+            return None
+        return audit_block(report, self.boundaries)
+
+    def show_start(self) -> None:
+        """Show :attr:`start_block` on :attr:`console` (or log it), once; nothing before :meth:`on_init`."""
+        block = self.start_block
+        if block is not None and not self._start_shown:
+            self._start_shown = True
+            self._show(str(block))
+
+    def _show(self, text: str, warn: bool = False) -> None:
+        if self.console is not None:
+            self.console(text)
+        else:
+            log.log(logging.WARNING if warn else logging.INFO, '%s', text)
 
     @property
     def auditing(self) -> bool:
@@ -193,13 +243,20 @@ class LayoutGuard:
         if self.mode == 'off':
             return None
         self.weight_layout = weight_layout_for(model) if weight_layout is None else weight_layout
-        log.info('%s: %s', type(model).__name__, self.weight_layout)
+        self._model_name = type(model).__name__
         if not self.weight_layout.contiguous:
-            self.summary = apply_channels_last(model, optimizers=optimizers, repair=self.repair)
+            self.summary = apply_channels_last(model, optimizers=optimizers, repair=self.repair)  # logs it
         else:
-            if self.mode == 'auto':
-                log.info("auto mode would time channels-last weights, which sharding does not allow: mode 'on'")
-                self.mode = 'on'
+            auto = self.mode == 'auto'
+            self.mode = 'on'
+            log.info(
+                '%s: %s%s',
+                self._model_name,
+                self.weight_layout,
+                "; auto mode would time channels-last weights, which sharding does not allow: mode 'on'"
+                if auto
+                else '',
+            )
             self.summary = (
                 ConversionSummary(layout='channels first')
                 if self.weight_layout.sharded
@@ -224,7 +281,7 @@ class LayoutGuard:
 
         ``options`` go to :func:`~channels_last_algo.core.auto.decide_layout` (``max_rounds``,
         ``max_seconds``, ``margin``, ...). The model is left in the chosen layout and otherwise untouched; later batches
-        follow it.
+        follow it. One line before the timing names its bounds, one after gives the decision and its evidence.
         """
         if self.mode != 'auto':
             raise RuntimeError(f"decide() is for mode='auto'; this guard's mode is {self.mode!r}")
@@ -241,8 +298,10 @@ class LayoutGuard:
             inputs = self.inputs.convert(batch, to_channels_last if channels_last else to_channels_first)
             loss_fn(model, inputs).backward()
 
+        bounds = {**_DECIDE_DEFAULTS, **options}
+        self._show(timing_line(bounds['max_rounds'], bounds['max_seconds']))
         self.decision = decide_layout(model, run_step, optimizers=optimizers, **options)
-        log.info('%s', self.decision)
+        self._show(str(self.decision))
         return self.decision
 
     def apply_decision(self, model: torch.nn.Module, decision: LayoutDecision, optimizers: Optimizers = None) -> None:
@@ -285,7 +344,8 @@ class LayoutGuard:
         self.inputs.finish()
 
     def on_step_start(self) -> None:
-        """Start auditing this step if audited steps remain; otherwise do nothing."""
+        """Show :attr:`start_block` before the first step; audit this step if audited steps remain."""
+        self.show_start()
         if self._audit is None or not self.channels_last:
             return
         if self._audit.active:  # the last step ended in an exception before on_step_end
@@ -294,7 +354,8 @@ class LayoutGuard:
             self._audit.start()
 
     def on_step_end(self) -> Optional[AuditReport]:
-        """Stop auditing; return this step's report, or None when it was not audited.
+        """Stop auditing; return this step's report, or None when it was not audited. After the last
+        audited step (or a strict failure) the breaks left are shown (:attr:`audit_block`).
 
         Raises:
             LayoutBreakError: in strict mode, when the step had a layout break.
@@ -305,10 +366,11 @@ class LayoutGuard:
         step_report = self._audit.stop()
         if self.repair:
             self._fall_back(step_report)
-        if self._audit.report.steps == self.audit_steps:
-            report = self._audit.report
-            (log.info if report.ok else log.warning)('%s', report)
-        if self.strict and step_report.breaks:
+        failed = self.strict and bool(step_report.breaks)
+        report = self._audit.report
+        if report.steps == self.audit_steps or failed:
+            self._show(str(audit_block(report, self.boundaries)), warn=not report.ok)
+        if failed:
             raise LayoutBreakError(step_report.breaks[0])
         return step_report
 

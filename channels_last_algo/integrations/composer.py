@@ -24,7 +24,7 @@ require('composer', 'composer')
 
 from composer.core import Algorithm, Event, State
 from composer.core.precision import get_precision_context
-from composer.loggers import Logger
+from composer.loggers import ConsoleLogger, Logger, ProgressBarLogger
 from composer.utils import dist
 from torch.utils._pytree import tree_map_only
 
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 _BATCH_EVENTS = (Event.BEFORE_FORWARD, Event.EVAL_BEFORE_FORWARD, Event.PREDICT_BEFORE_FORWARD)
 _AUDIT_EVENTS = (Event.AFTER_BACKWARD, Event.FIT_END)
-_AUTO_EVENTS = (Event.AFTER_LOAD, Event.FIT_START)
+_AUTO_EVENTS = (Event.AFTER_LOAD, Event.FIT_START)  # FIT_START also shows the start block
 _SAVE_METHODS = ('state_dict', 'get_model_state_dict')  # what Composer's checkpoint savers write
 _FUSE_START_EVENTS = (Event.EVAL_START, Event.PREDICT_START)
 _FUSE_END_EVENTS = (Event.EVAL_END, Event.PREDICT_END)
@@ -55,6 +55,24 @@ def _total_loss(loss: Any) -> torch.Tensor:
     if isinstance(loss, (list, tuple)):
         return sum(loss)
     return loss
+
+
+def _write_to_console(logger: Logger, text: str) -> None:
+    """Write ``text`` on Composer's console stream (stderr by default), rank 0 only: above the
+    progress bar while one is shown (``tqdm.write``), else printed; the log at INFO where the
+    progress bar and the console logger are both off."""
+    if dist.get_global_rank() != 0:
+        return
+    consoles = [d for d in logger.destinations if isinstance(d, (ProgressBarLogger, ConsoleLogger))]
+    if not consoles:
+        log.info('%s', text)
+        return
+    console = min(consoles, key=lambda destination: not isinstance(destination, ProgressBarLogger))
+    bar = getattr(console, 'eval_pbar', None) or getattr(console, 'train_pbar', None)
+    if bar is not None:
+        bar.pbar.write(text, file=console.stream)
+    else:
+        print(text, file=console.stream, flush=True)
 
 
 def _float_images(batch: Any) -> Any:
@@ -76,6 +94,12 @@ class ChannelsLast(GuardedIntegration, Algorithm):
     (Composer's ``parallelism_config``, or a model already sharded), which need contiguous
     parameters, the weights stay contiguous and only the activations go NHWC; the log and the
     ``channels_last/weight_layout`` hyperparameter say which (see :mod:`channels_last_algo.core.parallel`).
+
+    What it did goes to Composer's console (the progress bar's stream, rank 0) and its loggers'
+    hyperparameters (``channels_last/...``): at ``Event.FIT_START`` a block with the conversion,
+    the repaired layers and their rules, kernel safe paths, the weight layout and auto mode's
+    decision (:mod:`channels_last_algo.core.console`); in auto mode one line before it times and
+    one with the decision after; after the last audited step the breaks left, by module and op.
 
     With ``audit_steps`` > 0 it watches the forward, loss and backward of the first training
     steps (each microbatch is a step) for ops that drop NHWC, logs
@@ -173,30 +197,21 @@ class ChannelsLast(GuardedIntegration, Algorithm):
             or event in _BATCH_EVENTS
             or (self.fuse_eval and (event in _FUSE_START_EVENTS or event in _FUSE_END_EVENTS))
             or (self.guard.audit_steps > 0 and event in _AUDIT_EVENTS)
-            or event == Event.AFTER_LOAD
-            or (mode == 'auto' and event in _AUTO_EVENTS and self.guard.decision is None)
+            or event in _AUTO_EVENTS
         )
 
     def apply(self, event: Event, state: State, logger: Logger) -> Optional[int]:
         if event == Event.INIT:
-            weight_layout = weight_layout_for(state.model, fsdp_config=state.fsdp_config, tp_config=state.tp_config)
-            summary = self.guard.on_init(state.model, state.optimizers, weight_layout=weight_layout)
-            logger.log_hyperparameters(
-                {
-                    'channels_last/weight_layout': weight_layout.memory_format.value,
-                    'channels_last/restrided_tensors': len(summary.converted),
-                    'channels_last/channels_last_tensors': 0 if weight_layout.contiguous else summary.tensors,
-                }
-            )
-            log.info('%s: %s', type(state.model).__name__, summary)
-            _save_canonical(state)
-            if self.fuse_eval:
-                _fused_network(state)  # refused now, not at the first evaluation after training
+            self._init(state, logger)
         elif event in _AUTO_EVENTS:
             if event == Event.AFTER_LOAD:
                 self.guard.after_load(state.model, state.optimizers)
             if self.guard.mode == 'auto' and self.guard.decision is None:
-                self._settle_layout(event, state, logger)
+                self._settle_layout(event, state)
+                if self.guard.decision is not None:
+                    logger.log_hyperparameters(self.guard.start_block.hyperparameters)
+            if event == Event.FIT_START:
+                self.guard.show_start()
         elif event in _BATCH_EVENTS:
             state.batch = self.guard.on_batch(state.batch)
             if self._fuse_pending and event != Event.BEFORE_FORWARD:
@@ -210,20 +225,38 @@ class ChannelsLast(GuardedIntegration, Algorithm):
             self._fuse_pending = False
             self.fused_evaluation.end()
         elif event == Event.AFTER_BACKWARD:
-            step_report = self.guard.on_step_end()
-            if step_report is not None:
-                logger.log_metrics(
-                    {
-                        'channels_last/layout_breaks': len(step_report.breaks),
-                        'channels_last/break_bytes': step_report.break_bytes,
-                        'channels_last/exit_bytes': step_report.exit_bytes,
-                    }
-                )
+            self._end_step(logger)
         else:  # FIT_END
             self.guard.close()
         return None
 
-    def _settle_layout(self, event: Event, state: State, logger: Logger) -> None:
+    def _init(self, state: State, logger: Logger) -> None:
+        """Convert the model as its parallel setting allows; checkpoints canonical; the console set."""
+        self.guard.console = functools.partial(_write_to_console, logger)
+        weight_layout = weight_layout_for(state.model, fsdp_config=state.fsdp_config, tp_config=state.tp_config)
+        self.guard.on_init(state.model, state.optimizers, weight_layout=weight_layout)
+        logger.log_hyperparameters(self.guard.start_block.hyperparameters)
+        _save_canonical(state)
+        if self.fuse_eval:
+            _fused_network(state)  # refused now, not at the first evaluation after training
+
+    def _end_step(self, logger: Logger) -> None:
+        """The audit of this step as metrics; after the last audited step its summary as hyperparameters."""
+        step_report = self.guard.on_step_end()
+        if step_report is None:
+            return
+        logger.log_metrics(
+            {
+                'channels_last/layout_breaks': len(step_report.breaks),
+                'channels_last/break_bytes': step_report.break_bytes,
+                'channels_last/exit_bytes': step_report.exit_bytes,
+            }
+        )
+        block = self.guard.audit_block
+        if block is not None:
+            logger.log_hyperparameters(block.hyperparameters)
+
+    def _settle_layout(self, event: Event, state: State) -> None:
         """Auto mode: apply the checkpoint's decision, or measure one on the first train batch."""
         if self._resumed_decision is not None:
             self.guard.apply_decision(state.model, self._resumed_decision, state.optimizers)
@@ -251,13 +284,6 @@ class ChannelsLast(GuardedIntegration, Algorithm):
             dist.broadcast_object_list(shared, src=0)
             decision = LayoutDecision.from_dict(shared[0])
             self.guard.apply_decision(model, decision, state.optimizers)
-        logger.log_hyperparameters(
-            {
-                'channels_last/auto_layout': decision.layout,
-                'channels_last/auto_speedup': decision.speedup,
-                'channels_last/auto_cost_s': decision.cost_seconds,
-            }
-        )
 
     def _start_fused_evaluation(self, state: State) -> None:
         """Swap a fused copy of the ComposerModel's ``.module`` in for this evaluation pass."""

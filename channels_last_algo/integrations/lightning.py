@@ -41,9 +41,10 @@ from channels_last_algo.integrations import GuardedIntegration, require
 require('lightning', 'lightning')
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import CombinedLoader
+from lightning.pytorch.utilities import CombinedLoader, rank_zero_info
 
 from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.checkpoints import canonical_state
@@ -81,6 +82,20 @@ def _logging_muted(pl_module: pl.LightningModule) -> Iterator[None]:
     finally:
         for step in undo:
             step()
+
+
+class _Console:
+    """Where the callback shows what the guard has to say: above the progress bar while training
+    runs with one (its ``print``), else ``rank_zero_info``; rank 0 only either way."""
+
+    def __init__(self) -> None:
+        self.bar: Optional[ProgressBar] = None
+
+    def __call__(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.print(text)
+        else:
+            rank_zero_info(text)
 
 
 def _weight_layout(trainer: pl.Trainer, pl_module: pl.LightningModule) -> WeightLayoutPlan:
@@ -133,6 +148,13 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
     Checkpoints hold NCHW-contiguous tensors (``on_save_checkpoint``); the optimizer state a
     resumed run loads takes its parameters' layout again at ``on_train_start``.
 
+    What it did goes to Lightning's console (``rank_zero_info``; during training above the progress
+    bar, through its ``print``) and the loggers' hyperparameters
+    (``channels_last/...``): once the model is converted, a block with the conversion, the
+    repaired layers and their rules, kernel safe paths, the weight layout and auto mode's
+    decision (:mod:`channels_last_algo.core.console`); in auto mode one line before it times and
+    one with the decision after; after the last audited step the breaks left, by module and op.
+
     Example:
         .. code-block:: python
 
@@ -157,6 +179,7 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         if network is not None and not isinstance(network, str):
             raise ValueError(f'network must be the name of a LightningModule attribute (a str), got {network!r}')
         self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs)
+        self._console = self.guard.console = _Console()
         self.fuse_eval = fuse_eval
         self.network = network
         self.fused_evaluation = FusedEvaluation()
@@ -188,6 +211,11 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning restores the optimizer state after strategy.setup, just before this hook.
         self.guard.after_load(pl_module, trainer.optimizers or None)
+        bar = trainer.progress_bar_callback
+        self._console.bar = bar if bar is not None and bar.is_enabled else None  # disabled off rank 0
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._console.bar = None
 
     # --- setup and teardown: follow the strategy's moves -----------------------------------------
 
@@ -219,6 +247,7 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         """Stop an audit and a fused evaluation left running; unwrap the strategy."""
         self.guard.close()
         self._end_pass()
+        self._console.bar = None
         while self._undo:
             self._undo.pop()()
 
@@ -234,19 +263,11 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         self._prepared = pl_module
         if self.fuse_eval:
             self._fused_network(pl_module)  # refused now, not at the first validation after training
-        plan = _weight_layout(trainer, pl_module)
-        summary = self.guard.on_init(pl_module, trainer.optimizers or None, weight_layout=plan)
-        log.info('%s: %s', type(pl_module).__name__, summary)
-        self._log_hyperparameters(
-            trainer,
-            {
-                'channels_last/weight_layout': plan.memory_format.value,
-                'channels_last/restrided_tensors': len(summary.converted),
-                'channels_last/channels_last_tensors': 0 if plan.contiguous else summary.tensors,
-            },
-        )
+        self.guard.on_init(pl_module, trainer.optimizers or None, weight_layout=_weight_layout(trainer, pl_module))
         if self.guard.mode == 'auto':  # on_init turns auto into 'on' where the weights must stay contiguous
             self._settle_layout(trainer, pl_module)
+        self._log_hyperparameters(trainer, self.guard.start_block.hyperparameters)
+        self.guard.show_start()
 
     def _settle_layout(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Auto mode: the checkpoint's decision, or rank 0 times ``training_step`` on the first
@@ -288,14 +309,6 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
                 trainer.strategy.broadcast(None if decision is None else decision.to_dict(), src=0)
             )
             self.guard.apply_decision(pl_module, decision, trainer.optimizers or None)
-        self._log_hyperparameters(
-            trainer,
-            {
-                'channels_last/auto_layout': decision.layout,
-                'channels_last/auto_speedup': decision.speedup,
-                'channels_last/auto_cost_s': decision.cost_seconds,
-            },
-        )
 
     @staticmethod
     def _first_training_batch(trainer: pl.Trainer) -> Any:
@@ -335,6 +348,9 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+        block = self.guard.audit_block
+        if block is not None:
+            self._log_hyperparameters(trainer, block.hyperparameters)
 
     # --- validation, test and prediction (one set of handlers): fused inference ------------------
 

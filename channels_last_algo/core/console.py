@@ -1,0 +1,228 @@
+"""What a user sees of a channels-last run, built once here for every integration.
+
+A :class:`ConsoleBlock` is a few lines for people and a flat dict of ``channels_last/...``
+hyperparameters for a trainer's loggers. :func:`start_block` says, when training starts, what
+the conversion did (tensors restrided, layers repaired and by which rule, kernel safe paths),
+the weight layout the parallel setting allows and auto mode's decision with its evidence;
+:func:`audit_block`, after the last audited step, the layout breaks left in the model by module
+and op, with their bytes; :func:`timing_line` is auto mode's word before it measures. The
+integrations only choose when and where to print them: Composer's console, Lightning's
+``rank_zero_info``, a plain loop's log (:class:`~channels_last_algo.core.guard.LayoutGuard`).
+
+Example:
+    >>> from channels_last_algo.core.audit_report import AuditRecord, AuditReport
+    >>> record = AuditRecord('aten.cat.default', 'features.1', 'forward', (2, 8, 4, 4), 512, 'NHWC->NCHW')
+    >>> print(audit_block(AuditReport(breaks=[record, record], steps=2)))
+    channels last: layout audit of 2 training steps: 2 layout breaks left in the model (1.0 KiB)
+      features.1  aten.cat.default (forward)  2x  1.0 KiB
+    >>> timing_line(max_rounds=60, max_seconds=60.0).endswith('at most 60 rounds or 60 s ...')
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+from channels_last_algo.core.audit_report import AuditRecord, AuditReport, format_bytes
+from channels_last_algo.core.auto import LayoutDecision
+from channels_last_algo.core.convert import ConversionSummary
+from channels_last_algo.core.layers import RepairRecord
+from channels_last_algo.core.parallel import WeightLayoutPlan
+
+__all__ = ['ConsoleBlock', 'audit_block', 'start_block', 'timing_line']
+
+_TITLE = 'channels last'
+_SHOWN = 10  # rows of breaks at most in the audit block; the report holds all
+_NAMED = 3  # module paths named per repair rule or safe path at most
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsoleBlock:
+    """A few lines for people (``str(block)``) and a flat dict of hyperparameters for loggers.
+
+    Example:
+        >>> block = ConsoleBlock(('channels last: Net', '  repaired    none'), {'channels_last/repaired_layers': 0})
+        >>> print(block)
+        channels last: Net
+          repaired    none
+    """
+
+    lines: tuple[str, ...]
+    hyperparameters: dict[str, Any]
+
+    def __str__(self) -> str:
+        return '\n'.join(self.lines)
+
+
+def _row(label: str, text: str) -> str:
+    return f'  {label:<11} {text}'
+
+
+def _count(n: int, word: str) -> str:
+    return f'{n} {word}' + ('' if n == 1 else 's')
+
+
+def _named(groups: dict[str, list[str]]) -> str:
+    """``{'rule': [paths]}`` as ``rule at a, b, c and 2 more; other at d``."""
+    parts = []
+    for name, paths in groups.items():
+        where = ', '.join(path or '(root)' for path in paths[:_NAMED])
+        more = f' and {len(paths) - _NAMED} more' if len(paths) > _NAMED else ''
+        parts.append(f'{name} at {where}{more}')
+    return '; '.join(parts)
+
+
+def _grouped(pairs: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for name, path in pairs:
+        groups.setdefault(name, []).append(path)
+    return groups
+
+
+def _evidence(decision: LayoutDecision) -> str:
+    """The decision in one phrase: what was kept, the speedup, its interval, rounds and cost."""
+    low_high = decision.interval
+    interval = (
+        '' if low_high is None else f', {decision.confidence:.0%} interval [{low_high[0]:.2f}, {low_high[1]:.2f}]'
+    )
+    tie = ' (a tie: the default)' if decision.tie else ''
+    return (
+        f'kept {decision.layout}{tie}: speedup {decision.speedup:.2f}x over channels first{interval}, '
+        f'{decision.rounds} rounds, {decision.cost_seconds:.1f} s'
+    )
+
+
+def _decision_hyperparameters(decision: LayoutDecision) -> dict[str, Any]:
+    params = {
+        'channels_last/auto_layout': decision.layout.value,
+        'channels_last/auto_speedup': decision.speedup,
+        'channels_last/auto_cost_s': decision.cost_seconds,
+        'channels_last/auto_rounds': decision.rounds,
+        'channels_last/auto_tie': decision.tie,
+    }
+    if decision.interval is not None:
+        params['channels_last/auto_interval_low'], params['channels_last/auto_interval_high'] = decision.interval
+    return params
+
+
+def start_block(
+    model: str,
+    summary: ConversionSummary,
+    plan: WeightLayoutPlan,
+    mode: str = 'on',
+    decision: Optional[LayoutDecision] = None,
+    audit_steps: int = 0,
+) -> ConsoleBlock:
+    """What the run starts with: conversion, weight layout, repairs, safe paths, auto's decision.
+
+    Example:
+        >>> from channels_last_algo.core.layers import RepairRecord
+        >>> pool = RepairRecord('2', 'torch.nn.AdaptiveAvgPool2d', 'global_avg_pool')
+        >>> summary = ConversionSummary(converted=['0.weight', '3.weight'], repaired=[pool])
+        >>> block = start_block('Net', summary, WeightLayoutPlan(False, 'one process'), audit_steps=2)
+        >>> print(block)
+        channels last: Net: weights channels last (one process)
+          restrided   2 tensors to channels last (0 already, 0 optimizer state tensors)
+          repaired    1 layer: global_avg_pool at 2
+          audit       the first 2 training steps; the breaks left are shown after them
+        >>> block.hyperparameters['channels_last/repair_rules']
+        'global_avg_pool'
+    """
+    repaired = _grouped((r.rule, r.path) for r in summary.repaired)
+    safe = _grouped((f'{s.bug} -> {s.safe_path.rpartition(".")[2]}', s.path) for s in summary.made_safe)
+    lines = [
+        f'{_TITLE}: {model}: {plan}',
+        _row(
+            'restrided',
+            f'{_count(len(summary.converted), "tensor")} to {summary.layout} ({len(summary.unchanged)} already, '
+            f'{summary.optimizer_states} optimizer state tensors)',
+        ),
+        _row('repaired', f'{_count(len(summary.repaired), "layer")}: {_named(repaired)}' if repaired else 'none'),
+    ]
+    if safe:
+        lines.append(_row('safe paths', f'{_count(len(summary.made_safe), "layer")}: {_named(safe)}'))
+    if mode == 'auto':
+        lines.append(_row('auto', _evidence(decision) if decision else 'not measured: channels last'))
+    if audit_steps:
+        steps = 'training step' if audit_steps == 1 else f'{audit_steps} training steps'
+        lines.append(_row('audit', f'the first {steps}; the breaks left are shown after them'))
+    params = {
+        'channels_last/mode': mode,
+        'channels_last/weight_layout': plan.memory_format.value,
+        'channels_last/restrided_tensors': len(summary.converted),
+        'channels_last/channels_last_tensors': 0 if plan.contiguous else summary.tensors,
+        'channels_last/repaired_layers': len(summary.repaired),
+        'channels_last/repair_rules': ','.join(sorted(repaired)),
+        'channels_last/safe_paths': len(summary.made_safe),
+        'channels_last/audit_steps': audit_steps,
+    }
+    return ConsoleBlock(tuple(lines), params | (_decision_hyperparameters(decision) if decision else {}))
+
+
+def _rows(records: list[AuditRecord]) -> list[str]:
+    """Records grouped by module path, op and phase, with a count and bytes, the most bytes first."""
+    if not records:
+        return []
+    groups: dict[tuple[str, str], list[int]] = {}
+    for r in records:
+        count_bytes = groups.setdefault((r.where, f'{r.op} ({r.phase})'), [0, 0])
+        count_bytes[0] += 1
+        count_bytes[1] += r.nbytes
+    ordered = sorted(groups.items(), key=lambda item: -item[1][1])
+    cells = [(where, op, f'{count}x', format_bytes(nbytes)) for (where, op), (count, nbytes) in ordered[:_SHOWN]]
+    widths = [max(len(row[i]) for row in cells) for i in range(3)]
+    rows = ['  ' + '  '.join(cell.ljust(w) for cell, w in zip(row, widths + [0])).rstrip() for row in cells]
+    if len(ordered) > _SHOWN:
+        rows.append(f'  ... and {len(ordered) - _SHOWN} more (the audit report lists them all)')
+    return rows
+
+
+def audit_block(report: AuditReport, boundaries: Sequence[RepairRecord] = ()) -> ConsoleBlock:
+    """The layout breaks the audited steps left in the model, by module path and op, with bytes,
+    and the modules where the boundary fallback restores NHWC (``boundaries``).
+
+    Example:
+        >>> loss = AuditRecord('aten._log_softmax.default', None, 'forward', (2, 3, 8, 8), 1536, 'NHWC->NCHW')
+        >>> block = audit_block(AuditReport(outside=[loss]))
+        >>> print(block)
+        channels last: layout audit of 1 training step: no layout breaks
+          not counted, outside the model (the loss or code around it): aten._log_softmax.default (forward), 1.5 KiB
+        >>> block.hyperparameters['channels_last/audit_breaks']
+        0
+    """
+    steps = _count(report.steps, 'training step')
+    found = (
+        f'{_count(len(report.breaks), "layout break")} left in the model ({format_bytes(report.break_bytes)})'
+        if report.breaks
+        else 'no layout breaks'
+    )
+    lines = [f'{_TITLE}: layout audit of {steps}: {found}', *_rows(report.breaks)]
+    lines += [f'  not a channels-last run: {note}' for note in report.notes]
+    if boundaries:
+        where = _named({'NHWC restored': [b.path for b in boundaries]})
+        copies = f', copies {format_bytes(report.fallback_bytes)}' if report.fallbacks else ''
+        lines.append(f'  boundary fallback: {where}{copies}')
+    if report.outside:
+        ops = sorted({f'{r.op} ({r.phase})' for r in report.outside})
+        outside_bytes = format_bytes(sum(r.nbytes for r in report.outside))
+        lines.append(
+            f'  not counted, outside the model (the loss or code around it): {", ".join(ops)}, {outside_bytes}'
+        )
+    params = {
+        'channels_last/audited_steps': report.steps,
+        'channels_last/audit_breaks': len(report.breaks),
+        'channels_last/audit_break_bytes': report.break_bytes,
+        'channels_last/audit_fallback_bytes': report.fallback_bytes,
+        'channels_last/audit_outside_model': len(report.outside),
+    }
+    return ConsoleBlock(tuple(lines), params)
+
+
+def timing_line(max_rounds: int, max_seconds: float) -> str:
+    """Auto mode's word before it measures, naming its bounds (``decide_layout``'s options)."""
+    return (
+        'auto layout: timing channels first (NCHW) against channels last on the first training batch, '
+        f'at most {max_rounds} rounds or {max_seconds:g} s ...'
+    )
