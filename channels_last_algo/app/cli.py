@@ -3,6 +3,8 @@
 Example:
     $ channels-last --version
     $ channels-last demo --steps 5
+    $ channels-last train recipes/resnet50_imagenet.yaml --smoke
+    $ channels-last train --help-keys
 """
 
 from __future__ import annotations
@@ -10,11 +12,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 from channels_last_algo import __version__
 
-__all__ = ['main']
+__all__ = ['UsageError', 'main']
+
+
+class UsageError(ValueError):
+    """A command line that cannot run; the message names the argument at fault and the fix."""
 
 
 def _add_demo(subparsers: argparse._SubParsersAction) -> None:
@@ -22,9 +28,16 @@ def _add_demo(subparsers: argparse._SubParsersAction) -> None:
         'demo',
         help='train a small conv net with and without ChannelsLast; print layouts and step times',
     )
-    parser.add_argument('--steps', type=_positive_int, default=20, help='timed training steps per variant')
-    parser.add_argument('--batch-size', type=_positive_int, default=32)
-    parser.add_argument('--image-size', type=_positive_int, default=64, help='input height and width, >= 2')
+    parser.add_argument(
+        '--steps',
+        type=_positive_int,
+        default=20,
+        help='timed training steps per variant (default 20; 6 or more give the speedup an interval)',
+    )
+    parser.add_argument('--batch-size', type=_positive_int, default=32, help='images per training step (default 32)')
+    parser.add_argument(
+        '--image-size', type=_positive_int, default=64, help='input height and width in px, >= 2 (default 64)'
+    )
     parser.set_defaults(run=_run_demo)
 
 
@@ -36,6 +49,17 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f'{text!r} is not a positive integer')
+    return value
+
+
+def _count(text: str) -> int:
+    """argparse type: an int >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f'{text!r} is not an integer >= 0')
     return value
 
 
@@ -64,14 +88,36 @@ def _input_shape(text: str) -> tuple[int, ...]:
     return shape
 
 
-def _model_factory(spec: str):
-    """argparse type for MODEL: the builder :func:`~channels_last_algo.app.models.model_builder` finds."""
+def _model_name(spec: str) -> str:
+    """argparse type for MODEL: ``spec``, once :func:`~channels_last_algo.app.models.model_builder` finds it."""
     from channels_last_algo.app.models import model_builder
 
     try:
-        return model_builder(spec)
+        model_builder(spec)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from error
+    return spec
+
+
+def _build(spec: str, **options: Any):
+    """The model MODEL names; UsageError when the callable builds something else."""
+    import torch
+
+    from channels_last_algo.app.models import model_builder
+
+    model = model_builder(spec)(**options)
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f'MODEL built a {type(model).__name__}, not a torch.nn.Module')
+    return model
+
+
+def _check_input(model: Any, shape: Sequence[int], name: str) -> None:
+    """UsageError naming ``--input`` when ``shape`` does not fit the first convolution of ``model``."""
+    from channels_last_algo.app.models import input_shape_problem
+
+    problem = input_shape_problem(model, shape, name)
+    if problem is not None:
+        raise UsageError(f'--input {",".join(map(str, shape))}: {problem}')
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +125,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         'model',
         metavar='MODEL',
-        type=_model_factory,
+        type=_model_name,
         help='a torchvision model name (e.g. resnet50) or module.path:callable',
     )
     parser.add_argument(
@@ -123,12 +169,8 @@ def _run_audit(args: argparse.Namespace) -> int:
     from channels_last_algo.core.convert import apply_channels_last
     from channels_last_algo.core.layout import to_channels_last
 
-    model = args.model()
-    if not isinstance(model, torch.nn.Module):
-        print(
-            f'channels-last audit: error: MODEL built a {type(model).__name__}, not a torch.nn.Module', file=sys.stderr
-        )
-        return 2
+    model = _build(args.model)
+    _check_input(model, args.input, args.model)
     model.train(not args.eval)
     apply_channels_last(model, repair=not args.no_repair)
     torch.manual_seed(0)
@@ -168,10 +210,14 @@ def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
 def _run_doctor(args: argparse.Namespace) -> int:
     import json
 
+    from channels_last_algo.app.models import model_builder
     from channels_last_algo.core.safety.doctor import doctor
 
+    _check_input(_build(args.model), args.input, args.model)  # here, before the child processes start
     try:
-        report = doctor(args.model, args.input, device=args.device, strict=args.strict, timeout=args.timeout)
+        report = doctor(
+            model_builder(args.model), args.input, device=args.device, strict=args.strict, timeout=args.timeout
+        )
     except (TypeError, ValueError) as error:
         print(f'channels-last doctor: error: {error}', file=sys.stderr)
         return 2
@@ -179,7 +225,8 @@ def _run_doctor(args: argparse.Namespace) -> int:
     return report.exit_code
 
 
-def _add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_recipe_arguments(parser: argparse.ArgumentParser, smoke: str) -> None:
+    """RECIPE, --data, --set, and --smoke, whose help ends with ``smoke``."""
     parser.add_argument('recipe', metavar='RECIPE', help='a YAML recipe, e.g. recipes/resnet50_imagenet.yaml')
     parser.add_argument(
         '--data',
@@ -193,8 +240,49 @@ def _add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
         action='append',
         default=[],
         metavar='KEY=VALUE',
-        help='override a recipe key, e.g. --set optimizer.lr=0.1 (repeatable; VALUE is YAML)',
+        help='override a recipe key, e.g. --set optimizer.lr=0.1 (repeatable; VALUE is YAML; '
+        'every key: channels-last train --help-keys)',
     )
+    parser.add_argument(
+        '--smoke',
+        action='store_true',
+        help='shrink the recipe to check that it runs here in a minute or two (2 CPU cores): 4 batches of 16, '
+        f'64 synthetic training and 16 evaluation images; {smoke}. Applied before --set, which wins '
+        '(the overrides: channels-last train --help-keys)',
+    )
+
+
+def _require_composer() -> None:
+    """UsageError with the install command when Composer, which runs the recipes, is not installed."""
+    from channels_last_algo.integrations import require
+
+    try:
+        require('composer', 'composer')
+    except ImportError as error:
+        raise UsageError(str(error)) from None
+
+
+def _load(args: argparse.Namespace):
+    """The recipe of RECIPE with the --smoke overrides (if asked) and then --set's, checked (which needs no
+    Composer), then Composer there to run it."""
+    from channels_last_algo.app.recipes import SMOKE_OVERRIDES, load_recipe
+
+    recipe = load_recipe(args.recipe, [*(SMOKE_OVERRIDES if args.smoke else ()), *args.overrides])
+    _require_composer()
+    return recipe
+
+
+class _PrintRecipeKeys(argparse.Action):
+    """``--help-keys``: print every recipe key (the reference docs/recipe_keys.md holds) and exit."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        from channels_last_algo.app.recipe_keys import recipe_keys_reference
+
+        print(recipe_keys_reference(), end='')
+        parser.exit()
 
 
 def _add_train(subparsers: argparse._SubParsersAction) -> None:
@@ -204,9 +292,14 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
         description='Train RECIPE with Composer, saving checkpoints atomically to its '
         'train.save_folder, which the run locks. A folder that holds the checkpoints of an '
         'earlier run is refused unless --resume continues them or --overwrite replaces '
-        'them.',
+        'them. The final evaluation metrics are printed at the end.',
     )
-    _add_recipe_arguments(parser)
+    _add_recipe_arguments(parser, smoke='one evaluation batch and one checkpoint, in runs/NAME-smoke')
+    parser.add_argument(
+        '--help-keys',
+        action=_PrintRecipeKeys,
+        help='print every recipe key with its type, default, accepted values and meaning, and exit',
+    )
     parser.add_argument(
         '--resume',
         nargs='?',
@@ -230,11 +323,14 @@ def _add_train(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_train(args: argparse.Namespace) -> int:
-    from channels_last_algo.app.recipes import load_recipe
     from channels_last_algo.app.train import train_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
-    train_recipe(recipe, data_path=args.data, resume=args.resume, overwrite=args.overwrite, check_data=args.check_data)
+    recipe = _load(args)
+    result = train_recipe(
+        recipe, data_path=args.data, resume=args.resume, overwrite=args.overwrite, check_data=args.check_data
+    )
+    if result.metrics:
+        print(f'channels-last train: evaluation at the end ({result.end}):\n{result.format_metrics()}')
     print(f'channels-last train: done; checkpoints in {recipe.save_folder()}')
     return 0
 
@@ -247,9 +343,11 @@ def _add_compare(subparsers: argparse._SubParsersAction) -> None:
         'ChannelsLast and with this project, interleaved step by step after warm-up; print images/s, '
         'speedups and the layout audit of each.',
     )
-    _add_recipe_arguments(parser)
-    parser.add_argument('--batches', type=int, default=10, help='timed training steps per variant (default 10)')
-    parser.add_argument('--warmup', type=int, default=2, help='untimed steps per variant first (default 2)')
+    _add_recipe_arguments(parser, smoke='--batches 3 --warmup 1 unless given')
+    parser.add_argument(
+        '--batches', type=_positive_int, help='timed training steps per variant (default 10; 3 with --smoke)'
+    )
+    parser.add_argument('--warmup', type=_count, help='untimed steps per variant first (default 2; 1 with --smoke)')
     parser.add_argument('--json', metavar='FILE', help='also write the results as JSON to FILE')
     parser.set_defaults(run=_run_compare)
 
@@ -258,10 +356,11 @@ def _run_compare(args: argparse.Namespace) -> int:
     import json
 
     from channels_last_algo.app.compare import compare_recipe, format_comparison
-    from channels_last_algo.app.recipes import load_recipe
 
-    recipe = load_recipe(args.recipe, args.overrides)
-    result = compare_recipe(recipe, batches=args.batches, warmup=args.warmup, data_path=args.data)
+    recipe = _load(args)
+    batches = args.batches if args.batches is not None else (3 if args.smoke else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
+    result = compare_recipe(recipe, batches=batches, warmup=warmup, data_path=args.data)
     print(format_comparison(result))
     if args.json:
         with open(args.json, 'w') as file:
@@ -282,7 +381,7 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         'model',
         metavar='MODEL',
-        type=_model_factory,
+        type=_model_name,
         nargs='?',
         help='a torchvision model name (e.g. resnet50) or module.path:callable; or give --recipe',
     )
@@ -307,22 +406,29 @@ def _add_export(subparsers: argparse._SubParsersAction) -> None:
         metavar='KEY=VALUE',
         help='with --recipe: the overrides the run was trained with (repeatable)',
     )
+    _add_export_model_options(parser)
+    parser.set_defaults(run=_run_export)
+
+
+def _add_export_model_options(parser: argparse.ArgumentParser) -> None:
+    """export's --input, --static-batch, --num-classes and --weights."""
     parser.add_argument(
         '--input',
         type=_input_shape,
         default=(2, 3, 224, 224),
         metavar='N,C,H,W',
-        help='the example input shape (default: 2,3,224,224); the batch size stays dynamic',
+        help='the example input shape (default: 2,3,224,224). The saved program takes any batch size but only '
+        'these channels, height and width (torch.export traces the fused network for them); export again for '
+        'another image size',
     )
-    parser.add_argument('--static-batch', action='store_true', help='fix the batch size to N instead')
-    parser.add_argument('--num-classes', type=int, metavar='K', help="the model's number of classes")
+    parser.add_argument('--static-batch', action='store_true', help='fix the batch size to N too')
+    parser.add_argument('--num-classes', type=_positive_int, metavar='K', help="the model's number of classes")
     parser.add_argument(
         '--weights',
         metavar='FILE',
         help="a state_dict saved with torch.save (a ComposerModel's, "
         "with its 'module.' prefix, too); default: the random initial weights",
     )
-    parser.set_defaults(run=_run_export)
 
 
 def _read_weights(path: str) -> dict:
@@ -350,23 +456,23 @@ def _read_weights(path: str) -> dict:
 
 def _export_model(args: argparse.Namespace):
     """The model ``export`` saves: MODEL with --weights, or --recipe's network with --checkpoint's weights."""
-    import torch
-
     if (args.model is None) == (args.recipe is None) or (args.recipe is None) != (args.checkpoint is None):
         raise ValueError(
             'give MODEL (with --weights FILE to load a state_dict), or --recipe RECIPE with --checkpoint '
             'FILE (a checkpoint its run wrote), not both'
         )
     if args.recipe is not None:
-        from channels_last_algo.app.checkpoints import model_from_checkpoint
         from channels_last_algo.app.recipes import load_recipe
 
-        return model_from_checkpoint(
-            load_recipe(args.recipe, args.overrides), args.checkpoint, ema=not args.training_weights
-        )
-    model = args.model() if args.num_classes is None else args.model(num_classes=args.num_classes)
-    if not isinstance(model, torch.nn.Module):
-        raise ValueError(f'MODEL built a {type(model).__name__}, not a torch.nn.Module')
+        recipe = load_recipe(args.recipe, args.overrides)
+        _require_composer()
+        from channels_last_algo.app.checkpoints import model_from_checkpoint  # on Composer's State
+
+        model = model_from_checkpoint(recipe, args.checkpoint, ema=not args.training_weights)
+        _check_input(model, args.input, recipe.model.name)
+        return model
+    model = _build(args.model, **({} if args.num_classes is None else {'num_classes': args.num_classes}))
+    _check_input(model, args.input, args.model)
     if args.weights:
         try:
             model.load_state_dict(_read_weights(args.weights))
@@ -383,8 +489,7 @@ def _run_export(args: argparse.Namespace) -> int:
     from channels_last_algo.core.fuse import export_for_inference
 
     if len(args.input) != 4:
-        print('channels-last export: error: --input must be N,C,H,W (export fuses 2D convolutions)', file=sys.stderr)
-        return 2
+        raise UsageError(f'--input {",".join(map(str, args.input))}: export takes N,C,H,W (it fuses 2D convolutions)')
     try:
         model = _export_model(args)
     except ValueError as error:
@@ -400,7 +505,11 @@ def _run_export(args: argparse.Namespace) -> int:
         return 2
     size = Path(args.out).stat().st_size
     print(f'{type(model).__name__}: {summary}')
-    print(f'wrote {args.out} ({size / 2**20:.1f} MiB); run it with torch.export.load({str(args.out)!r}).module()')
+    batch = args.input[0] if args.static_batch else 'N'
+    print(
+        f'wrote {args.out} ({size / 2**20:.1f} MiB); run it with torch.export.load({str(args.out)!r}).module() '
+        f'on NHWC images of {batch} x {" x ".join(map(str, args.input[1:]))} only'
+    )
     return 0
 
 
@@ -434,7 +543,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         return args.run(args)
-    except (RecipeError, RunFolderError, RunError) as error:
+    except (UsageError, RecipeError, RunFolderError, RunError) as error:
         print(f'channels-last {args.command}: error: {error}', file=sys.stderr)
         return 2
 

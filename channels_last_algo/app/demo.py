@@ -1,8 +1,10 @@
 """A short demonstration: train a small residual conv net in NCHW and with channels last.
 
 It prints the layout of the weights, the input, an activation and a weight gradient in each
-variant, and the training-step times measured side by side (interleaved rounds, min and
-median). It is a demonstration, not a benchmark: see ``benchmarks/`` for the measured claims.
+variant, the training-step times measured side by side (interleaved rounds, min and median),
+and the speedup as the median of the paired per-step ratios with its interval, which says how
+far the noise of so few steps reaches. It is a demonstration, not a benchmark: see
+``benchmarks/`` for the measured claims.
 
 Example (what ``channels-last demo`` runs)::
 
@@ -20,9 +22,9 @@ from torch import nn
 
 from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.layout import layout_of
-from channels_last_algo.core.timing import time_interleaved
+from channels_last_algo.core.timing import Ratio, time_interleaved
 
-__all__ = ['TinyResNet', 'run_demo']
+__all__ = ['TinyResNet', 'run_demo', 'speedup_line']
 
 
 class _Block(nn.Module):
@@ -69,6 +71,22 @@ def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, images: torc
     optimizer.step()
 
 
+def _print_layouts(
+    name: str, model: nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor, labels: torch.Tensor
+) -> None:
+    """One training step (the variant's warm-up), then the layouts of a weight, the input, an activation and
+    the weight's gradient."""
+    activation = {}
+    handle = model.blocks[0].register_forward_hook(lambda mod, inp, out: activation.setdefault('out', out))
+    _train_step(model, optimizer, images, labels)
+    handle.remove()
+    weight = model.blocks[0].conv1.weight
+    print(
+        f'{name:<15} {layout_of(weight).value:<8} {layout_of(images).value:<8} '
+        f'{layout_of(activation["out"]).value:<11} {layout_of(weight.grad).value:<11}'
+    )
+
+
 def run_demo(steps: int = 20, batch_size: int = 32, image_size: int = 64, seed: int = 0) -> dict[str, list[float]]:
     """Train :class:`TinyResNet` in both layouts, print layouts and step times; return the times.
 
@@ -97,30 +115,35 @@ def run_demo(steps: int = 20, batch_size: int = 32, image_size: int = 64, seed: 
     )
     print(f'{"variant":<15} {"weight":<8} {"input":<8} {"activation":<11} {"weight grad":<11}')
     for name, (model, x) in variants.items():
-        activation = {}
-        handle = model.blocks[0].register_forward_hook(
-            lambda mod, inp, out, seen=activation: seen.setdefault('out', out)
-        )
-        _train_step(model, optimizers[name], x, labels)  # also the warm-up step
-        handle.remove()
-        weight = model.blocks[0].conv1.weight
-        print(
-            f'{name:<15} {layout_of(weight).value:<8} {layout_of(x).value:<8} '
-            f'{layout_of(activation["out"]).value:<11} {layout_of(weight.grad).value:<11}'
-        )
+        _print_layouts(name, model, optimizers[name], x, labels)
 
-    times = time_interleaved(
+    timings = time_interleaved(
         {
             name: functools.partial(_train_step, model, optimizers[name], x, labels)
             for name, (model, x) in variants.items()
         },
         rounds=steps,
         warmup=0,
-    ).seconds
+    )
+    print(f'\n{"variant":<15} {"min ms":>8} {"median ms":>10}   ({steps} interleaved steps)')
+    for name, samples in timings.seconds.items():
+        print(f'{name:<15} {min(samples) * 1e3:8.2f} {statistics.median(samples) * 1e3:10.2f}')
+    print(speedup_line(timings.ratio('NCHW', 'channels last')))
+    return timings.seconds
 
-    base = statistics.median(times['NCHW'])
-    print(f'\n{"variant":<15} {"min ms":>8} {"median ms":>10} {"speedup":>8}   ({steps} interleaved steps)')
-    for name, samples in times.items():
-        median = statistics.median(samples)
-        print(f'{name:<15} {min(samples) * 1e3:8.2f} {median * 1e3:10.2f} {base / median:7.2f}x')
-    return times
+
+def speedup_line(ratio: Ratio) -> str:
+    """The demo's speedup, with the steps it rests on and how far their noise reaches.
+
+    Example:
+        >>> speedup_line(Ratio(1.3, 0.05, None, 3, 0.95))  # doctest: +ELLIPSIS
+        'channels last vs NCHW: 1.30x, the median of 3 paired steps; too few steps for an interval...'
+    """
+    if ratio.interval is None:
+        spread = 'too few steps for an interval (--steps 6 or more give one)'
+    else:
+        spread = f'95% interval {ratio.interval[0]:.2f}x to {ratio.interval[1]:.2f}x'
+    return (
+        f'channels last vs NCHW: {ratio.median:.2f}x, the median of {ratio.rounds} paired steps; {spread}. '
+        'A few steps on a shared machine are noisy: a demonstration, not a measurement (see benchmarks/)'
+    )

@@ -8,6 +8,8 @@ Example:
     Traceback (most recent call last):
     ...
     ValueError: 'resnet5O' is no torchvision model name (...) and no module.path:callable. Did you mean resnet50, ...?
+    >>> input_shape_problem(model, (2, 1, 64, 64), 'resnet18')
+    "resnet18's first convolution conv1 takes 3 channels; give N,3,H,W"
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ import difflib
 import functools
 import importlib
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
 
-__all__ = ['build_model', 'model_builder']
+__all__ = ['build_model', 'first_convolution', 'input_shape_problem', 'model_builder']
 
 
 def model_builder(spec: str) -> Callable[..., Any]:
@@ -61,3 +63,28 @@ def build_model(spec: str, num_classes: Optional[int] = None) -> torch.nn.Module
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f'{spec!r} built a {type(model).__name__}, not a torch.nn.Module')
     return model
+
+
+def first_convolution(model: torch.nn.Module) -> Optional[tuple[str, torch.nn.Module]]:
+    """The path and module of the first convolution registered in ``model`` (its stem in torchvision's
+    and timm's models), or None when it has none."""
+    convolutions = (item for item in model.named_modules() if isinstance(item[1], torch.nn.modules.conv._ConvNd))
+    return next(convolutions, None)
+
+
+def input_shape_problem(model: torch.nn.Module, shape: Sequence[int], name: str) -> Optional[str]:
+    """Why ``shape`` cannot be an input of ``model`` named ``name``: the rank or the channel count its first
+    convolution (:func:`first_convolution`) takes; None when it fits or there is no convolution to ask."""
+    found = first_convolution(model)
+    if found is None:
+        return None
+    path, conv = found
+    spatial = len(conv.kernel_size)
+    channels = conv.in_channels  # 0 for a lazy convolution, which takes any
+    wanted = f'N,{channels or "C"},{",".join("L" if spatial == 1 else "DHW"[-spatial:])}'
+    where = f"{name}'s first convolution {path or '(the model itself)'}"
+    if len(shape) != spatial + 2:
+        return f'{where} is a {type(conv).__name__}, which takes {spatial + 2}D input; give {wanted}'
+    if channels and shape[1] != channels:
+        return f'{where} takes {channels} channels; give {wanted}'
+    return None

@@ -1,10 +1,11 @@
 """The recipe schema: typed sections, the rule each key must satisfy, and Composer time strings.
 
-Every key of a recipe is declared once here, with its type and a *rule* (a range, a set of
-choices, a time string's units, a format string's placeholders). :func:`recipe_from_dict`
-checks a parsed YAML mapping against the schema before anything is built and raises
-:class:`RecipeError` with the key path and what would be valid. Nothing here needs Composer or
-torch: time strings such as ``'36ep'`` are parsed by :func:`parse_time`.
+Every key of a recipe is declared once here, with its type, a *rule* (a range, a set of
+choices, a time string's units, a format string's placeholders) and what it means, from which
+:mod:`~channels_last_algo.app.recipe_keys` prints the reference (``channels-last train --help-keys``).
+:func:`recipe_from_dict` checks a parsed YAML mapping against the schema before anything is built
+and raises :class:`RecipeError` with the key path and what would be valid. Nothing here needs
+Composer or torch: time strings such as ``'36ep'`` are parsed by :func:`parse_time`.
 
 Example:
     >>> recipe = recipe_from_dict({'name': 'r', 'train': {'max_duration': '2ep'}}, 'r.yaml')
@@ -70,10 +71,21 @@ def parse_time(text: str) -> tuple[Union[int, float], str]:
 # --- rules -----------------------------------------------------------------------------------------
 
 
+def _rule(expected: str, problem: Rule) -> Rule:
+    """``problem`` with the text of what it accepts (``rule.expected``), which the key reference prints."""
+    problem.expected = expected  # type: ignore[attr-defined]
+    return problem
+
+
+def _number(bound: float) -> str:
+    """A bound as written: ``4294967295``, ``0.5``."""
+    return str(int(bound)) if bound == int(bound) else f'{bound:g}'
+
+
 def _between(low: float, high: float = math.inf, *, open_low: bool = False, open_high: bool = False) -> Rule:
     """A finite number in a range (``open_*``: the bound itself excluded)."""
-    above = f'> {low:g}' if open_low else f'>= {low:g}'
-    below = '' if high == math.inf else (f' and < {high:g}' if open_high else f' and <= {high:g}')
+    above = f'> {_number(low)}' if open_low else f'>= {_number(low)}'
+    below = '' if high == math.inf else (f' and < {_number(high)}' if open_high else f' and <= {_number(high)}')
 
     def rule(value: float) -> Optional[str]:
         inside = (value > low if open_low else value >= low) and (value < high if open_high else value <= high)
@@ -82,11 +94,24 @@ def _between(low: float, high: float = math.inf, *, open_low: bool = False, open
         kind = 'a finite number' if isinstance(value, float) else 'an integer'
         return f'{value!r} is out of range; expected {kind} {above}{below}'
 
-    return rule
+    return _rule(above + below, rule)
 
 
 def _choices(*options: str) -> Rule:
-    return lambda value: None if value in options else f'{value!r} is not one of {", ".join(options)}'
+    expected = f'one of {", ".join(options)}'
+    return _rule(expected, lambda value: None if value in options else f'{value!r} is not {expected}')
+
+
+def _count_or(special: Any, meaning: str) -> Rule:
+    """An integer >= 1, or ``special`` (meaning ``meaning``)."""
+    expected = f'{special!r} ({meaning}) or an integer >= 1'
+
+    def rule(value: Any) -> Optional[str]:
+        if value == special or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return None
+        return f'{value!r} is {"out of range" if isinstance(value, int) else "not valid"}; expected {expected}'
+
+    return _rule(expected, rule)
 
 
 def _time(units: str, allow_zero: bool = False) -> Rule:
@@ -95,7 +120,7 @@ def _time(units: str, allow_zero: bool = False) -> Rule:
     allowed = units.split()
     examples = {'ep': '36ep', 'ba': '100ba', 'sp': '50000sp', 'dur': '0.1dur'}
     expected = (
-        f'expected a {"non-negative" if allow_zero else "positive"} time in '
+        f'a {"non-negative" if allow_zero else "positive"} time in '
         f'{", ".join(TIME_UNITS[u] for u in allowed)}, '
         f'such as {" or ".join(repr(examples[u]) for u in allowed)}'
     )
@@ -104,14 +129,14 @@ def _time(units: str, allow_zero: bool = False) -> Rule:
         try:
             amount, unit = parse_time(value)
         except ValueError as error:
-            return f'{error}; {expected}'
+            return f'{error}; expected {expected}'
         if unit not in allowed:
-            return f'{value!r} is in a unit this key does not take; {expected}'
+            return f'{value!r} is in a unit this key does not take; expected {expected}'
         if amount < 0 or (amount == 0 and not allow_zero) or (unit == 'dur' and amount > 1):
-            return f'{value!r} is out of range; {expected}'
+            return f'{value!r} is out of range; expected {expected}'
         return None
 
-    return rule
+    return _rule(expected, rule)
 
 
 def _placeholders(*names: str) -> Rule:
@@ -128,7 +153,7 @@ def _placeholders(*names: str) -> Rule:
             return f'{value!r} has the unknown placeholder {{{unknown[0]}}}; the only placeholder is {allowed}'
         return None
 
-    return rule
+    return _rule(f'a path; the only placeholder is {allowed}', rule)
 
 
 def _file_name(value: str) -> Optional[str]:
@@ -137,13 +162,16 @@ def _file_name(value: str) -> Optional[str]:
     return f'{value!r} cannot name a run folder; use letters, digits, dots, dashes and underscores'
 
 
-def _key(default: Any, rule: Optional[Rule] = None) -> Any:
-    """A schema field with ``default`` (a mutable default becomes a factory) and its ``rule``."""
-    return dataclasses.field(default=default, metadata={'rule': rule})
+_rule('a folder name: letters, digits, dots, dashes and underscores', _file_name)
 
 
-def _section(cls: type) -> Any:
-    return dataclasses.field(default_factory=cls)
+def _key(default: Any, rule: Optional[Rule] = None, *, doc: str) -> Any:
+    """A schema field with ``default``, its ``rule`` and ``doc``, what it means (the key reference prints both)."""
+    return dataclasses.field(default=default, metadata={'rule': rule, 'doc': doc})
+
+
+def _section(cls: type, doc: str) -> Any:
+    return dataclasses.field(default_factory=cls, metadata={'doc': doc})
 
 
 # --- the schema --------------------------------------------------------------------------------------
@@ -157,8 +185,8 @@ _PIXELS = _between(8, 4096)
 class ModelConfig:
     """``model:`` a torchvision model name (built with ``weights=None``) or ``module:callable``."""
 
-    name: str = _key('resnet50')
-    num_classes: int = _key(1000, _between(1))
+    name: str = _key('resnet50', doc='a torchvision model name (built with weights=None) or module.path:callable')
+    num_classes: int = _key(1000, _between(1), doc="the classifier's outputs (and the synthetic data's classes)")
 
 
 @dataclasses.dataclass
@@ -170,14 +198,26 @@ class DataConfig:
     ``on_corrupt`` is what training *and* evaluation do with an image that cannot be decoded.
     """
 
-    path: Optional[str] = _key(None)
-    train_crop: int = _key(224, _PIXELS)
-    eval_crop: int = _key(224, _PIXELS)
-    eval_resize: Optional[int] = _key(None, _between(8, 8192))
-    workers: int = _key(0, _between(0, 256))
-    synthetic_train_samples: Optional[int] = _key(None, _between(1))
-    synthetic_eval_samples: Optional[int] = _key(None, _between(1))
-    on_corrupt: str = _key('raise', _choices('raise', 'skip'))
+    path: Optional[str] = _key(
+        None, doc='an ImageNet folder with train/ and val/ class folders (--data overrides it); null: synthetic data'
+    )
+    train_crop: int = _key(224, _PIXELS, doc='training crop in px (random resized crop and flip)')
+    eval_crop: int = _key(224, _PIXELS, doc='evaluation centre crop in px')
+    eval_resize: Optional[int] = _key(
+        None, _between(8, 8192), doc="evaluation: the short side's size before the crop; null: eval_crop * 232 / 224"
+    )
+    workers: int = _key(
+        0, _between(0, 256), doc='data loader worker processes per rank; 0: load in the training process'
+    )
+    synthetic_train_samples: Optional[int] = _key(
+        None, _between(1), doc="synthetic training images (without a path); null: ImageNet's 1,281,167"
+    )
+    synthetic_eval_samples: Optional[int] = _key(
+        None, _between(1), doc="synthetic evaluation images (without a path); null: ImageNet's 50,000"
+    )
+    on_corrupt: str = _key(
+        'raise', _choices('raise', 'skip'), doc='what training and evaluation do with an image that cannot be decoded'
+    )
 
 
 @dataclasses.dataclass
@@ -185,20 +225,26 @@ class OptimizerConfig:
     """``optimizer:`` Composer's DecoupledSGDW; ``lr`` is for ``reference_batch_size`` and is
     scaled linearly to the global batch size."""
 
-    name: str = _key('decoupled_sgdw', _choices('decoupled_sgdw'))
-    lr: float = _key(0.1, _between(0, open_low=True))
-    reference_batch_size: int = _key(256, _between(1))
-    momentum: float = _key(0.9, _between(0, 1, open_high=True))
-    weight_decay: float = _key(0.0, _between(0))
+    name: str = _key('decoupled_sgdw', _choices('decoupled_sgdw'), doc="the optimizer: Composer's DecoupledSGDW")
+    lr: float = _key(
+        0.1,
+        _between(0, open_low=True),
+        doc='the learning rate at reference_batch_size, scaled linearly to train.global_batch_size',
+    )
+    reference_batch_size: int = _key(256, _between(1), doc='the global batch size that lr is given for')
+    momentum: float = _key(0.9, _between(0, 1, open_high=True), doc='SGD momentum')
+    weight_decay: float = _key(0.0, _between(0), doc='decoupled weight decay')
 
 
 @dataclasses.dataclass
 class SchedulerConfig:
     """``scheduler:`` cosine decay after a linear warmup (Composer time strings: ``8ep``, ``100ba``)."""
 
-    name: str = _key('cosine_with_warmup', _choices('cosine_with_warmup'))
-    t_warmup: str = _key('0ba', _time('ep ba sp dur', allow_zero=True))
-    alpha_f: float = _key(0.0, _between(0, 1))
+    name: str = _key(
+        'cosine_with_warmup', _choices('cosine_with_warmup'), doc='the schedule: cosine decay after a linear warmup'
+    )
+    t_warmup: str = _key('0ba', _time('ep ba sp dur', allow_zero=True), doc='the linear warmup before the decay')
+    alpha_f: float = _key(0.0, _between(0, 1), doc='the final learning rate, as a fraction of the peak')
 
 
 @dataclasses.dataclass
@@ -209,31 +255,70 @@ class TrainConfig:
     ``save_folder`` may hold ``{name}``, the recipe's name.
     """
 
-    max_duration: str = _key('1ep', _time('ep ba sp'))
-    global_batch_size: int = _key(256, _between(1))
-    eval_batch_size: Optional[int] = _key(None, _between(1))
-    eval_interval: str = _key('1ep', _time('ep ba dur'))
-    gpu_precision: str = _key('amp_fp16', _choices('amp_fp16', 'amp_bf16', 'fp32'))
-    device: str = _key('auto', _choices('auto', 'cpu', 'gpu'))
-    seed: int = _key(17, _between(0, 2**32 - 1))
-    save_folder: str = _key('runs/{name}', _placeholders('name'))
-    save_interval: str = _key('1ep', _time('ep ba dur'))
-    save_num_checkpoints_to_keep: int = _key(
-        -1, lambda n: None if n == -1 or n >= 1 else f'{n!r} is out of range; expected -1 (keep all) or a count >= 1'
+    max_duration: str = _key('1ep', _time('ep ba sp'), doc='how long to train')
+    global_batch_size: int = _key(
+        256, _between(1), doc='images per optimizer step over all ranks (each rank loads global / world size)'
     )
+    device_train_microbatch_size: Union[int, str] = _key(
+        'auto',
+        _count_or('auto', 'fit the device'),
+        doc="images per forward and backward pass on each rank, for training and evaluation; a rank's batch is "
+        'split into microbatches and their gradients summed, one optimizer step per global batch (so the '
+        "learning rate stays that of the global batch). 'auto': Composer's, halving on CUDA out-of-memory, on a "
+        "GPU; on the CPU, which has no out-of-memory error to catch, 32 (or the rank's batch if smaller)",
+    )
+    eval_batch_size: Optional[int] = _key(
+        None, _between(1), doc='evaluation images per batch over all ranks; null: global_batch_size'
+    )
+    eval_subset_num_batches: int = _key(
+        -1, _count_or(-1, 'the whole set'), doc='evaluation batches per rank at each evaluation'
+    )
+    eval_interval: str = _key('1ep', _time('ep ba dur'), doc='evaluate this often, and at the end')
+    gpu_precision: str = _key(
+        'amp_fp16', _choices('amp_fp16', 'amp_bf16', 'fp32'), doc='the precision on a GPU (the CPU trains in fp32)'
+    )
+    device: str = _key(
+        'auto', _choices('auto', 'cpu', 'gpu'), doc='where to train; auto: the GPU when CUDA is visible, else the CPU'
+    )
+    seed: int = _key(17, _between(0, 2**32 - 1), doc='the seed of weights, data order and augmentation')
+    save_folder: str = _key(
+        'runs/{name}', _placeholders('name'), doc="the run's checkpoint folder, locked while it trains"
+    )
+    save_interval: str = _key(
+        '1ep', _time('ep ba dur'), doc='write a checkpoint this often, and at the end (before that evaluation)'
+    )
+    save_num_checkpoints_to_keep: int = _key(
+        -1, _count_or(-1, 'keep all'), doc='the newest checkpoints kept in save_folder; older ones are deleted'
+    )
+
+
+# ``algorithms.channels_last`` options (checked by channels_last_algo.core.guard.OPTIONS): name -> (default, meaning)
+CHANNELS_LAST_OPTIONS: dict[str, tuple[Any, str]] = {
+    'mode': ('on', 'on: NHWC; off: nothing is done; auto: time both layouts on the first batch, keep the faster'),
+    'audit_steps': (0, 'audit this many first training steps for ops that drop NHWC (logged)'),
+    'strict': (False, 'stop with LayoutBreakError at the first audited layout break'),
+    'repair': (True, 'swap the layers that drop NHWC for ones that keep it'),
+    'fuse_eval': (False, 'evaluate on a fused copy (BatchNorm folded, convolutions fused)'),
+    'inputs': ('auto', 'which 4D/5D batch tensors go NHWC'),
+}
 
 
 @dataclasses.dataclass
 class Recipe:
     """A whole recipe. ``algorithms`` maps a registry name to its options (or true/false)."""
 
-    name: str = _key(dataclasses.MISSING, _file_name)
-    model: ModelConfig = _section(ModelConfig)
-    data: DataConfig = _section(DataConfig)
-    optimizer: OptimizerConfig = _section(OptimizerConfig)
-    scheduler: SchedulerConfig = _section(SchedulerConfig)
-    train: TrainConfig = _section(TrainConfig)
-    algorithms: dict[str, Any] = _section(dict)
+    name: str = _key(dataclasses.MISSING, _file_name, doc="the run's name: the {name} of train.save_folder")
+    model: ModelConfig = _section(ModelConfig, 'the network')
+    data: DataConfig = _section(DataConfig, 'the images')
+    optimizer: OptimizerConfig = _section(OptimizerConfig, 'the optimizer')
+    scheduler: SchedulerConfig = _section(SchedulerConfig, 'the learning-rate schedule')
+    train: TrainConfig = _section(TrainConfig, 'duration, batches, device and checkpoints')
+    algorithms: dict[str, Any] = _section(
+        dict,
+        "algorithm name -> its options, true (its defaults) or false (off): channels_last (this project's), "
+        "Composer's by package name (blurpool, ema, label_smoothing, progressive_resizing, cutmix, ...; "
+        "composer_channels_last is Composer's ChannelsLast), each option checked against the algorithm's signature",
+    )
     source: str = dataclasses.field(default='<recipe>', compare=False, metadata={'internal': True})
 
     def enabled_algorithms(self) -> dict[str, dict[str, Any]]:
@@ -259,19 +344,28 @@ def closest(key: str, options: list[str]) -> str:
 
 
 def type_problem(value: Any, annotation: Any) -> Optional[str]:
-    if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return None
-    if isinstance(value, annotation) and not (annotation is int and isinstance(value, bool)):
-        return None
-    return f'expected {annotation.__name__}, got {type(value).__name__} {value!r}'
+    """What is wrong with the type of ``value`` for ``annotation`` (a type, or a Union of types), or None.
+
+    Example:
+        >>> type_problem(2, Union[int, str]), type_problem(1.5, Union[int, str])
+        (None, 'expected int or str, got float 1.5')
+    """
+    options = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    for option in options:
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return None
+        if isinstance(value, option) and not (option is int and isinstance(value, bool)):
+            return None
+    return f'expected {" or ".join(option.__name__ for option in options)}, got {type(value).__name__} {value!r}'
 
 
 def _check_value(value: Any, annotation: Any, rule: Optional[Rule], where: str, error) -> Any:
-    """``value`` checked against ``annotation`` (a dataclass, Optional, dict, int, float, str) and ``rule``."""
+    """``value`` checked against ``annotation`` (a dataclass, Optional, Union, dict, int, float, str) and ``rule``."""
     if typing.get_origin(annotation) in (Union, types.UnionType):
-        if value is None:
+        inner = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None and len(inner) < len(typing.get_args(annotation)):
             return None
-        (annotation,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = inner[0] if len(inner) == 1 else annotation
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
             raise error(

@@ -59,6 +59,7 @@ __all__ = [
     'ModelConfig',
     'OptimizerConfig',
     'Recipe',
+    'SMOKE_OVERRIDES',
     'RecipeError',
     'SchedulerConfig',
     'TrainConfig',
@@ -68,7 +69,34 @@ __all__ = [
     'build_trainer',
     'device_and_precision',
     'load_recipe',
+    'microbatch_size',
 ]
+
+# --smoke: the recipe shrunk to a run of a minute or two on 2 CPU cores, data, evaluation, checkpoints and
+# duration together (16-image batches, 4 of them, one evaluation batch and one checkpoint at the end), in its
+# own folder so that the real run's is left alone; applied before --set, so the user's overrides win.
+SMOKE_OVERRIDES = (
+    'train.max_duration=4ba',
+    'train.global_batch_size=16',
+    'train.eval_batch_size=16',
+    'train.eval_subset_num_batches=1',
+    'train.eval_interval=1dur',
+    'train.save_interval=1dur',
+    'train.save_num_checkpoints_to_keep=1',
+    'train.save_folder=runs/{name}-smoke',
+    'scheduler.t_warmup=1ba',
+    'data.synthetic_train_samples=64',
+    'data.synthetic_eval_samples=16',
+)
+
+# The microbatch 'auto' takes on the CPU. Composer's 'auto' halves the microbatch on a CUDA out-of-memory
+# error and refuses any other device: on the CPU memory runs out without an error to catch (the kernel kills
+# the process). ResNet-50 in fp32 keeps about 40 MiB of activations per training image at 176 px and 65 MiB at
+# 224 px (measured: torch 2.7, oneDNN), so the shipped recipe's 2048-image batch would need about 80 GiB in one
+# pass; 32 images need 1.3 to 2.1 GiB. The gradients are summed over the microbatches, so the optimizer step and
+# the learning rate are those of the global batch; BatchNorm's statistics are over 32 images (as over each GPU's
+# share in data-parallel training).
+CPU_MICROBATCH = 32
 
 _ERRORS = (ValueError, TypeError, AssertionError, NotImplementedError)  # what a constructor raises for a bad option
 
@@ -306,6 +334,76 @@ def build_datasets(recipe: Recipe, data_path: Optional[str] = None):
     return train, val
 
 
+def microbatch_size(recipe: Recipe, device: str, rank_batch: int) -> Union[int, str]:
+    """The images of one forward and backward pass on each rank: ``train.device_train_microbatch_size``,
+    whose ``'auto'`` is Composer's on a GPU and :data:`CPU_MICROBATCH` (at most ``rank_batch``) on the CPU.
+
+    Example:
+        >>> recipe = load_recipe('recipes/resnet50_imagenet.yaml')
+        >>> microbatch_size(recipe, 'cpu', 2048), microbatch_size(recipe, 'cpu', 8), microbatch_size(recipe, 'gpu', 8)
+        (32, 8, 'auto')
+    """
+    size = recipe.train.device_train_microbatch_size
+    if size != 'auto':
+        return size
+    return 'auto' if device == 'gpu' else min(rank_batch, CPU_MICROBATCH)
+
+
+def _loaders(recipe: Recipe, data_path: Optional[str], device: str, batches: tuple[int, int]) -> tuple[Any, Any]:
+    """The training DataSpec and the evaluator, for the rank's ``batches`` (training, evaluation); the
+    evaluator splits its batches into microbatches as training does."""
+    from composer.core import Evaluator
+
+    from channels_last_algo.app.data import build_data_spec
+
+    train_batch, eval_batch = batches
+    train_data, eval_data = build_datasets(recipe, data_path)
+    options = dict(workers=recipe.data.workers, seed=recipe.train.seed)
+    try:
+        train_loader = build_data_spec(train_data, batch_size=train_batch, train=True, **options)
+    except ValueError as exc:  # fewer training images than one batch
+        raise RecipeError(f'{recipe.source}: train.global_batch_size: {exc}') from exc
+    subset = recipe.train.eval_subset_num_batches
+    evaluator = Evaluator(
+        label='eval',
+        dataloader=build_data_spec(eval_data, batch_size=eval_batch, train=False, **options),
+        subset_num_batches=subset,
+        device_eval_microbatch_size=microbatch_size(recipe, device, eval_batch),
+    )
+    return train_loader, evaluator
+
+
+def _model_and_checkpoints(recipe: Recipe, run: Any, start: Optional[Path], writer: bool) -> tuple[Any, Any]:
+    """The seeded ComposerClassifier of the recipe's model, and the callback that writes its checkpoints to ``run``."""
+    from composer.models import ComposerClassifier
+    from composer.utils import reproducibility
+
+    from channels_last_algo.app.checkpoints import RunCheckpoints
+    from channels_last_algo.app.models import build_model
+
+    reproducibility.seed_all(recipe.train.seed)
+    classes = recipe.model.num_classes
+    model = ComposerClassifier(build_model(recipe.model.name, num_classes=classes), num_classes=classes)
+    train = recipe.train
+    checkpoints = RunCheckpoints(
+        run, train.save_interval, keep=train.save_num_checkpoints_to_keep, resume_from=start, write=writer
+    )
+    return model, checkpoints
+
+
+def _schedule_options(recipe: Recipe, device: str, precision: str, train_batch: int) -> dict[str, Any]:
+    """The Trainer's options for duration, evaluation, device, precision, microbatches and seed."""
+    return dict(
+        max_duration=recipe.train.max_duration,
+        eval_interval=recipe.train.eval_interval,
+        device=device,
+        precision=precision,
+        device_train_microbatch_size=microbatch_size(recipe, device, train_batch),
+        seed=recipe.train.seed,
+        run_name=recipe.name,
+    )
+
+
 def build_trainer(
     recipe: Recipe,
     data_path: Optional[str] = None,
@@ -315,7 +413,8 @@ def build_trainer(
 ):
     """A Composer ``Trainer`` for ``recipe``: the model, NHWC loaders, the optimizer and schedule of
     :mod:`~channels_last_algo.app.optimizers`, the algorithms, fp32 on CPU and
-    ``train.gpu_precision`` on a GPU, and atomic checkpoints in the recipe's save folder.
+    ``train.gpu_precision`` on a GPU, microbatches of :func:`microbatch_size`, and atomic
+    checkpoints in the recipe's save folder.
 
     The folder is locked for the run first (:class:`~channels_last_algo.app.run_folder.RunFolder`,
     on rank 0, released by ``trainer.close()`` or when the process ends); an earlier run's
@@ -323,60 +422,31 @@ def build_trainer(
     that one) or ``overwrite``. ``trainer_options`` go to the Trainer.
     """
     from composer import Trainer
-    from composer.models import ComposerClassifier
-    from composer.utils import reproducibility
 
-    from channels_last_algo.app.checkpoints import RunCheckpoints
-    from channels_last_algo.app.data import build_data_spec
-    from channels_last_algo.app.models import build_model
     from channels_last_algo.app.optimizers import build_optimizer, build_scheduler
     from channels_last_algo.app.run_folder import RunFolder
 
     device, precision = device_and_precision(recipe)
-    train_batch, eval_batch = _batch_sizes(recipe)
+    batches = _batch_sizes(recipe)
     run = RunFolder(recipe.save_folder())
     writer = int(os.environ.get('RANK', 0)) == 0  # only rank 0 writes checkpoints
     if writer:
         run.lock()
     try:
-        start = (
-            run.prepare(resume, overwrite, recipe.train.max_duration)
-            if writer
-            else run.resume_point(resume, recipe.train.max_duration)
-        )
-        train_data, eval_data = build_datasets(recipe, data_path)
-        loader_options = dict(workers=recipe.data.workers, seed=recipe.train.seed)
-        try:
-            train_loader = build_data_spec(train_data, batch_size=train_batch, train=True, **loader_options)
-        except ValueError as exc:  # fewer training images than one batch
-            raise RecipeError(f'{recipe.source}: train.global_batch_size: {exc}') from exc
-        eval_loader = build_data_spec(eval_data, batch_size=eval_batch, train=False, **loader_options)
-        reproducibility.seed_all(recipe.train.seed)
-        model = ComposerClassifier(
-            build_model(recipe.model.name, num_classes=recipe.model.num_classes), num_classes=recipe.model.num_classes
-        )
-        checkpoints = RunCheckpoints(
-            run,
-            recipe.train.save_interval,
-            keep=recipe.train.save_num_checkpoints_to_keep,
-            resume_from=start,
-            write=writer,
-        )
+        max_duration = recipe.train.max_duration
+        start = run.prepare(resume, overwrite, max_duration) if writer else run.resume_point(resume, max_duration)
+        train_loader, evaluator = _loaders(recipe, data_path, device, batches)
+        model, checkpoints = _model_and_checkpoints(recipe, run, start, writer)
         return Trainer(
             model=model,
             train_dataloader=train_loader,
-            eval_dataloader=eval_loader,
-            eval_interval=recipe.train.eval_interval,
-            max_duration=recipe.train.max_duration,
+            eval_dataloader=evaluator,
             optimizers=build_optimizer(recipe, model.parameters()),
             schedulers=build_scheduler(recipe),
             algorithms=build_algorithms(recipe),
             callbacks=[checkpoints, *trainer_options.pop('callbacks', [])],
-            device=device,
-            precision=precision,
-            seed=recipe.train.seed,
             load_path=None if start is None else str(start),
-            run_name=recipe.name,
+            **_schedule_options(recipe, device, precision, batches[0]),
             **trainer_options,
         )
     except BaseException:

@@ -7,7 +7,8 @@ and closes it. Checkpoints are written atomically and before evaluation
 a Ctrl-C or a kill keeps every checkpoint it finished; a corrupt image ends it with
 :class:`RunError`, one line naming the file, the recipe key that skips such files, and the
 checkpoint to resume from. ``check_data`` decodes every image once before anything else
-(:func:`~channels_last_algo.app.datasets.scan_images`).
+(:func:`~channels_last_algo.app.datasets.scan_images`). It returns the last checkpoint and the
+metrics of the evaluation at the end (:class:`RunResult`).
 
 Example::
 
@@ -20,17 +21,36 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 from channels_last_algo.app.datasets import CorruptImageError, scan_images
 from channels_last_algo.app.recipes import Recipe, build_datasets, build_trainer
 
-__all__ = ['RunError', 'check_data_set', 'train_recipe']
+__all__ = ['RunError', 'RunResult', 'check_data_set', 'train_recipe']
 
 
 class RunError(RuntimeError):
     """A run that cannot start or go on because of its data; the message names the file, the fix
     and what was saved."""
+
+
+class RunResult(NamedTuple):
+    """What a finished run leaves: its last checkpoint (None if it wrote none), when it ended, and the
+    metrics of its evaluation at the end (empty when none ran) by name.
+
+    Example:
+        >>> print(RunResult(None, 'epoch 1, batch 6', {'eval/MulticlassAccuracy': 0.25}).format_metrics())
+          eval/MulticlassAccuracy  0.2500
+    """
+
+    checkpoint: Optional[Path]
+    end: str
+    metrics: dict[str, float]
+
+    def format_metrics(self) -> str:
+        """One metric a line, names aligned."""
+        width = max((len(name) for name in self.metrics), default=0)
+        return '\n'.join(f'  {name:<{width}}  {value:.4f}' for name, value in self.metrics.items())
 
 
 def _one_line(error: BaseException) -> str:
@@ -69,8 +89,8 @@ def train_recipe(
     resume: Union[bool, str, os.PathLike] = False,
     overwrite: bool = False,
     check_data: bool = False,
-) -> Optional[Path]:
-    """Train ``recipe`` to ``train.max_duration``; return the last checkpoint written (None if none).
+) -> RunResult:
+    """Train ``recipe`` to ``train.max_duration``; return the last checkpoint written and the final metrics.
 
     ``resume``: True for the newest readable checkpoint in the save folder, a path for that one.
     ``overwrite``: replace an earlier run's checkpoints there instead of refusing the folder.
@@ -97,4 +117,9 @@ def train_recipe(
         raise
     finally:
         trainer.close()
-    return checkpoints.saved[-1] if checkpoints.saved else None
+    timestamp = trainer.state.timestamp
+    return RunResult(
+        checkpoints.saved[-1] if checkpoints.saved else None,
+        f'epoch {int(timestamp.epoch)}, batch {int(timestamp.batch)}',
+        {f'eval/{name}': float(value) for name, value in trainer.state.eval_metric_values.items()},
+    )

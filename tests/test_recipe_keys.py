@@ -1,0 +1,48 @@
+"""The recipe key reference: made from the schema, printed by `channels-last train --help-keys`, and
+docs/recipe_keys.md kept equal to it (no Composer needed)."""
+
+import dataclasses
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from channels_last_algo.app.cli import main
+from channels_last_algo.app.recipe_keys import recipe_keys_reference, schema_keys
+from channels_last_algo.app.recipe_schema import CHANNELS_LAST_OPTIONS, Recipe
+from channels_last_algo.core.guard import OPTIONS
+
+DOC = Path(__file__).resolve().parent.parent / 'docs' / 'recipe_keys.md'
+
+
+def test_the_doc_is_the_reference_regenerated():
+    assert DOC.read_text() == recipe_keys_reference(), (
+        'docs/recipe_keys.md is out of date: channels-last train --help-keys > docs/recipe_keys.md'
+    )
+
+
+def test_every_schema_key_has_a_meaning_and_an_entry():
+    text = recipe_keys_reference()
+    keys = schema_keys()
+    assert {'train.device_train_microbatch_size', 'data.synthetic_eval_samples', 'algorithms'} <= set(keys)
+    for key in keys + [f'algorithms.channels_last.{option}' for option in OPTIONS]:
+        assert f'- `{key}`: ' in text, key
+    hints = typing.get_type_hints(Recipe)
+    sections = [hints[f.name] for f in dataclasses.fields(Recipe) if dataclasses.is_dataclass(hints[f.name])]
+    assert len(keys) == 2 + sum(len(dataclasses.fields(section)) for section in sections)  # name, algorithms
+    for cls in [Recipe, *sections]:
+        for field in dataclasses.fields(cls):
+            assert field.metadata.get('internal') or field.metadata.get('doc'), f'{cls.__name__}.{field.name}'
+    assert set(CHANNELS_LAST_OPTIONS) == set(OPTIONS)  # the reference's option table follows the core's check
+
+
+def test_help_keys_needs_no_recipe_and_no_composer(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, 'composer', None)
+    with pytest.raises(SystemExit) as exit_info:
+        main(['train', '--help-keys'])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out == recipe_keys_reference()
+    assert '- `train.device_train_microbatch_size`: images per forward and backward pass' in out
+    assert "  int or str; default: `auto`; accepts: 'auto' (fit the device) or an integer >= 1" in out
