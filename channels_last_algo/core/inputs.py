@@ -54,7 +54,6 @@ from torch.utils._pytree import (
     GetAttrKey,
     MappingKey,
     SequenceKey,
-    tree_flatten,
     tree_flatten_with_path,
     tree_leaves,
     tree_unflatten,
@@ -98,16 +97,6 @@ def _plain(entry: Any) -> Hashable:
     if isinstance(entry, GetAttrKey):
         return entry.name
     return str(entry)
-
-
-def _candidates(batch: Any) -> list[tuple[Path, torch.Tensor]]:
-    """The 4D/5D tensors of ``batch`` with their paths (tuples of keys and positions)."""
-    flat, _ = tree_flatten_with_path(batch)
-    return [
-        (tuple(_plain(entry) for entry in path), leaf)
-        for path, leaf in flat
-        if isinstance(leaf, torch.Tensor) and channels_last_format(leaf) is not None
-    ]
 
 
 def path_name(path: Path) -> str:
@@ -231,7 +220,15 @@ class InputSelection:
 
     @staticmethod
     def _structure_of(batch: Any) -> Any:
-        return str(tree_flatten(batch)[1]), tuple(path for path, _ in _candidates(batch))
+        """What the choice is kept for: the batch's tree and which of its leaves are 4D/5D tensors
+        (one flatten of the batch)."""
+        flat, spec = tree_flatten_with_path(batch)
+        candidates = tuple(
+            tuple(_plain(entry) for entry in path)
+            for path, leaf in flat
+            if isinstance(leaf, torch.Tensor) and channels_last_format(leaf) is not None
+        )
+        return str(spec), candidates
 
     def known(self, batch: Any) -> bool:
         """True when the tensors to convert in ``batch`` are known (always, except in ``'auto'``
