@@ -168,7 +168,10 @@ def test_composer_algorithm_validates_its_options_in_the_same_place():
             "algorithms.ema.half_life: 'soon' is not a time string; expected a time string such as '1000ba'",
         ),
         ("algorithms.blurpool.replace_convs='yes'", "algorithms.blurpool.replace_convs: expected bool, got str 'yes'"),
-        ('algorithms.ema.update_interval=sometimes', 'algorithms.ema.update_interval: EMA refuses it: '),
+        (
+            'algorithms.ema.update_interval=sometimes',
+            "algorithms.ema.update_interval: 'sometimes' is not a time string; expected a positive time in epochs",
+        ),
         ('algorithms.blurpol=true', "algorithms.blurpol: unknown algorithm; did you mean 'blurpool'?"),
         ('algorithms.ema.halflife=10ba', "algorithms.ema.halflife: unknown option of EMA; did you mean 'half_life'?"),
     ],

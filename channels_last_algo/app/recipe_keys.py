@@ -17,6 +17,7 @@ import dataclasses
 import typing
 from typing import Any
 
+from channels_last_algo.app.algorithm_ranges import ALGORITHM_RANGES
 from channels_last_algo.app.recipe_schema import CHANNELS_LAST_OPTIONS, TIME_UNITS, Recipe
 from channels_last_algo.app.recipes import SMOKE_OVERRIDES
 from channels_last_algo.core.guard import OPTIONS
@@ -96,11 +97,24 @@ def schema_keys() -> list[str]:
     return keys
 
 
+def _algorithm_ranges() -> str:
+    """Each Composer algorithm option's valid values (:data:`.algorithm_ranges.ALGORITHM_RANGES`)."""
+    lines = [
+        '## Composer algorithm options\n\nBeyond its type (from the constructor), each option of a Composer '
+        'algorithm is checked against its valid values:\n'
+    ]
+    for name, options in ALGORITHM_RANGES.items():
+        ranges = '; '.join(f'`{option}` {rule.expected}' for option, rule in options.items())
+        lines.append(f'- `algorithms.{name}`: {ranges or "no option with a range"}')
+    return '\n'.join(lines)
+
+
 def recipe_keys_reference() -> str:
     """The Markdown reference of every recipe key (what ``--help-keys`` prints and ``docs/recipe_keys.md`` holds)."""
     units = ', '.join(f'`{unit}` ({meaning})' for unit, meaning in TIME_UNITS.items())
     hints = typing.get_type_hints(Recipe)
     parts = [_HEADER.format(units=units), *(_section(field, hints[field.name]) for field in _fields(Recipe))]
+    parts.append(_algorithm_ranges())
     smoke = '\n'.join(f'- `{override}`' for override in SMOKE_OVERRIDES)
     parts.append(
         '## --smoke\n\n`channels-last train --smoke` and `channels-last compare --smoke` apply these '

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import yaml
+
 __all__ = [
     'DataConfig',
     'ModelConfig',
@@ -40,8 +42,14 @@ __all__ = [
     'RecipeError',
     'SchedulerConfig',
     'TrainConfig',
+    'between',
+    'check_durations',
+    'choices',
+    'count_or',
+    'described',
     'parse_time',
     'recipe_from_dict',
+    'time_string',
 ]
 
 Rule = Callable[[Any], Optional[str]]  # the problem with a value ('... expected ...'), or None when it is valid
@@ -71,7 +79,7 @@ def parse_time(text: str) -> tuple[Union[int, float], str]:
 # --- rules -----------------------------------------------------------------------------------------
 
 
-def _rule(expected: str, problem: Rule) -> Rule:
+def described(expected: str, problem: Rule) -> Rule:
     """``problem`` with the text of what it accepts (``rule.expected``), which the key reference prints."""
     problem.expected = expected  # type: ignore[attr-defined]
     return problem
@@ -82,27 +90,27 @@ def _number(bound: float) -> str:
     return str(int(bound)) if bound == int(bound) else f'{bound:g}'
 
 
-def _between(low: float, high: float = math.inf, *, open_low: bool = False, open_high: bool = False) -> Rule:
+def between(low: float, high: float = math.inf, *, open_low: bool = False, open_high: bool = False) -> Rule:
     """A finite number in a range (``open_*``: the bound itself excluded)."""
     above = f'> {_number(low)}' if open_low else f'>= {_number(low)}'
     below = '' if high == math.inf else (f' and < {_number(high)}' if open_high else f' and <= {_number(high)}')
 
     def rule(value: float) -> Optional[str]:
         inside = (value > low if open_low else value >= low) and (value < high if open_high else value <= high)
-        if math.isfinite(value) and inside:
+        if (isinstance(value, int) or math.isfinite(value)) and inside:  # math.isfinite overflows on 10**400
             return None
         kind = 'a finite number' if isinstance(value, float) else 'an integer'
         return f'{value!r} is out of range; expected {kind} {above}{below}'
 
-    return _rule(above + below, rule)
+    return described(above + below, rule)
 
 
-def _choices(*options: str) -> Rule:
+def choices(*options: str) -> Rule:
     expected = f'one of {", ".join(options)}'
-    return _rule(expected, lambda value: None if value in options else f'{value!r} is not {expected}')
+    return described(expected, lambda value: None if value in options else f'{value!r} is not {expected}')
 
 
-def _count_or(special: Any, meaning: str) -> Rule:
+def count_or(special: Any, meaning: str) -> Rule:
     """An integer >= 1, or ``special`` (meaning ``meaning``)."""
     expected = f'{special!r} ({meaning}) or an integer >= 1'
 
@@ -111,10 +119,10 @@ def _count_or(special: Any, meaning: str) -> Rule:
             return None
         return f'{value!r} is {"out of range" if isinstance(value, int) else "not valid"}; expected {expected}'
 
-    return _rule(expected, rule)
+    return described(expected, rule)
 
 
-def _time(units: str, allow_zero: bool = False) -> Rule:
+def time_string(units: str, allow_zero: bool = False) -> Rule:
     """A time string in one of ``units`` (e.g. ``'ep ba'``), positive (or zero if allowed); a
     ``dur`` fraction is at most 1."""
     allowed = units.split()
@@ -136,7 +144,7 @@ def _time(units: str, allow_zero: bool = False) -> Rule:
             return f'{value!r} is out of range; expected {expected}'
         return None
 
-    return _rule(expected, rule)
+    return described(expected, rule)
 
 
 def _placeholders(*names: str) -> Rule:
@@ -153,7 +161,7 @@ def _placeholders(*names: str) -> Rule:
             return f'{value!r} has the unknown placeholder {{{unknown[0]}}}; the only placeholder is {allowed}'
         return None
 
-    return _rule(f'a path; the only placeholder is {allowed}', rule)
+    return described(f'a path; the only placeholder is {allowed}', rule)
 
 
 def _file_name(value: str) -> Optional[str]:
@@ -162,7 +170,7 @@ def _file_name(value: str) -> Optional[str]:
     return f'{value!r} cannot name a run folder; use letters, digits, dots, dashes and underscores'
 
 
-_rule('a folder name: letters, digits, dots, dashes and underscores', _file_name)
+described('a folder name: letters, digits, dots, dashes and underscores', _file_name)
 
 
 def _key(default: Any, rule: Optional[Rule] = None, *, doc: str) -> Any:
@@ -178,7 +186,7 @@ def _section(cls: type, doc: str) -> Any:
 
 
 # 8 px: the smallest input a stride-32 net still maps to 1 x 1; 4096 px: 48 MiB a sample
-_PIXELS = _between(8, 4096)
+_PIXELS = between(8, 4096)
 
 
 @dataclasses.dataclass
@@ -186,7 +194,11 @@ class ModelConfig:
     """``model:`` a torchvision model name (built with ``weights=None``) or ``module:callable``."""
 
     name: str = _key('resnet50', doc='a torchvision model name (built with weights=None) or module.path:callable')
-    num_classes: int = _key(1000, _between(1), doc="the classifier's outputs (and the synthetic data's classes)")
+    # 100,000: beyond any classification set a conv net is trained on here (ImageNet-21k has 21,841 classes),
+    # and a ResNet-50 classifier of that size already holds 200 M parameters
+    num_classes: int = _key(
+        1000, between(1, 100_000), doc="the classifier's outputs (and the synthetic data's classes)"
+    )
 
 
 @dataclasses.dataclass
@@ -204,19 +216,19 @@ class DataConfig:
     train_crop: int = _key(224, _PIXELS, doc='training crop in px (random resized crop and flip)')
     eval_crop: int = _key(224, _PIXELS, doc='evaluation centre crop in px')
     eval_resize: Optional[int] = _key(
-        None, _between(8, 8192), doc="evaluation: the short side's size before the crop; null: eval_crop * 232 / 224"
+        None, between(8, 8192), doc="evaluation: the short side's size before the crop; null: eval_crop * 232 / 224"
     )
     workers: int = _key(
-        0, _between(0, 256), doc='data loader worker processes per rank; 0: load in the training process'
+        0, between(0, 256), doc='data loader worker processes per rank; 0: load in the training process'
     )
     synthetic_train_samples: Optional[int] = _key(
-        None, _between(1), doc="synthetic training images (without a path); null: ImageNet's 1,281,167"
+        None, between(1), doc="synthetic training images (without a path); null: ImageNet's 1,281,167"
     )
     synthetic_eval_samples: Optional[int] = _key(
-        None, _between(1), doc="synthetic evaluation images (without a path); null: ImageNet's 50,000"
+        None, between(1), doc="synthetic evaluation images (without a path); null: ImageNet's 50,000"
     )
     on_corrupt: str = _key(
-        'raise', _choices('raise', 'skip'), doc='what training and evaluation do with an image that cannot be decoded'
+        'raise', choices('raise', 'skip'), doc='what training and evaluation do with an image that cannot be decoded'
     )
 
 
@@ -225,15 +237,15 @@ class OptimizerConfig:
     """``optimizer:`` Composer's DecoupledSGDW; ``lr`` is for ``reference_batch_size`` and is
     scaled linearly to the global batch size."""
 
-    name: str = _key('decoupled_sgdw', _choices('decoupled_sgdw'), doc="the optimizer: Composer's DecoupledSGDW")
+    name: str = _key('decoupled_sgdw', choices('decoupled_sgdw'), doc="the optimizer: Composer's DecoupledSGDW")
     lr: float = _key(
         0.1,
-        _between(0, open_low=True),
+        between(0, open_low=True),
         doc='the learning rate at reference_batch_size, scaled linearly to train.global_batch_size',
     )
-    reference_batch_size: int = _key(256, _between(1), doc='the global batch size that lr is given for')
-    momentum: float = _key(0.9, _between(0, 1, open_high=True), doc='SGD momentum')
-    weight_decay: float = _key(0.0, _between(0), doc='decoupled weight decay')
+    reference_batch_size: int = _key(256, between(1), doc='the global batch size that lr is given for')
+    momentum: float = _key(0.9, between(0, 1, open_high=True), doc='SGD momentum')
+    weight_decay: float = _key(0.0, between(0), doc='decoupled weight decay')
 
 
 @dataclasses.dataclass
@@ -241,10 +253,10 @@ class SchedulerConfig:
     """``scheduler:`` cosine decay after a linear warmup (Composer time strings: ``8ep``, ``100ba``)."""
 
     name: str = _key(
-        'cosine_with_warmup', _choices('cosine_with_warmup'), doc='the schedule: cosine decay after a linear warmup'
+        'cosine_with_warmup', choices('cosine_with_warmup'), doc='the schedule: cosine decay after a linear warmup'
     )
-    t_warmup: str = _key('0ba', _time('ep ba sp dur', allow_zero=True), doc='the linear warmup before the decay')
-    alpha_f: float = _key(0.0, _between(0, 1), doc='the final learning rate, as a fraction of the peak')
+    t_warmup: str = _key('0ba', time_string('ep ba sp dur', allow_zero=True), doc='the linear warmup before the decay')
+    alpha_f: float = _key(0.0, between(0, 1), doc='the final learning rate, as a fraction of the peak')
 
 
 @dataclasses.dataclass
@@ -255,40 +267,40 @@ class TrainConfig:
     ``save_folder`` may hold ``{name}``, the recipe's name.
     """
 
-    max_duration: str = _key('1ep', _time('ep ba sp'), doc='how long to train')
+    max_duration: str = _key('1ep', time_string('ep ba sp'), doc='how long to train')
     global_batch_size: int = _key(
-        256, _between(1), doc='images per optimizer step over all ranks (each rank loads global / world size)'
+        256, between(1), doc='images per optimizer step over all ranks (each rank loads global / world size)'
     )
     device_train_microbatch_size: Union[int, str] = _key(
         'auto',
-        _count_or('auto', 'fit the device'),
+        count_or('auto', 'fit the device'),
         doc="images per forward and backward pass on each rank, for training and evaluation; a rank's batch is "
         'split into microbatches and their gradients summed, one optimizer step per global batch (so the '
         "learning rate stays that of the global batch). 'auto': Composer's, halving on CUDA out-of-memory, on a "
         "GPU; on the CPU, which has no out-of-memory error to catch, 32 (or the rank's batch if smaller)",
     )
     eval_batch_size: Optional[int] = _key(
-        None, _between(1), doc='evaluation images per batch over all ranks; null: global_batch_size'
+        None, between(1), doc='evaluation images per batch over all ranks; null: global_batch_size'
     )
     eval_subset_num_batches: int = _key(
-        -1, _count_or(-1, 'the whole set'), doc='evaluation batches per rank at each evaluation'
+        -1, count_or(-1, 'the whole set'), doc='evaluation batches per rank at each evaluation'
     )
-    eval_interval: str = _key('1ep', _time('ep ba dur'), doc='evaluate this often, and at the end')
+    eval_interval: str = _key('1ep', time_string('ep ba dur'), doc='evaluate this often, and at the end')
     gpu_precision: str = _key(
-        'amp_fp16', _choices('amp_fp16', 'amp_bf16', 'fp32'), doc='the precision on a GPU (the CPU trains in fp32)'
+        'amp_fp16', choices('amp_fp16', 'amp_bf16', 'fp32'), doc='the precision on a GPU (the CPU trains in fp32)'
     )
     device: str = _key(
-        'auto', _choices('auto', 'cpu', 'gpu'), doc='where to train; auto: the GPU when CUDA is visible, else the CPU'
+        'auto', choices('auto', 'cpu', 'gpu'), doc='where to train; auto: the GPU when CUDA is visible, else the CPU'
     )
-    seed: int = _key(17, _between(0, 2**32 - 1), doc='the seed of weights, data order and augmentation')
+    seed: int = _key(17, between(0, 2**32 - 1), doc='the seed of weights, data order and augmentation')
     save_folder: str = _key(
         'runs/{name}', _placeholders('name'), doc="the run's checkpoint folder, locked while it trains"
     )
     save_interval: str = _key(
-        '1ep', _time('ep ba dur'), doc='write a checkpoint this often, and at the end (before that evaluation)'
+        '1ep', time_string('ep ba dur'), doc='write a checkpoint this often, and at the end (before that evaluation)'
     )
     save_num_checkpoints_to_keep: int = _key(
-        -1, _count_or(-1, 'keep all'), doc='the newest checkpoints kept in save_folder; older ones are deleted'
+        -1, count_or(-1, 'keep all'), doc='the newest checkpoints kept in save_folder; older ones are deleted'
     )
 
 
@@ -356,7 +368,35 @@ def type_problem(value: Any, annotation: Any) -> Optional[str]:
             return None
         if isinstance(value, option) and not (option is int and isinstance(value, bool)):
             return None
-    return f'expected {" or ".join(option.__name__ for option in options)}, got {type(value).__name__} {value!r}'
+    expected = f'expected {" or ".join(option.__name__ for option in options)}, got {type(value).__name__} {value!r}'
+    return expected + _number_as_text_hint(value, options)
+
+
+def _number_as_text_hint(value: Any, options: list[Any]) -> str:
+    """Why YAML read a number as text, and how to write it: YAML 1.1 takes ``1e-3`` and ``1.0e3`` as strings
+    (a float needs a dot and a signed exponent, ``1.0e-3``); '' when ``value`` is no such text.
+
+    Example:
+        >>> _number_as_text_hint('1e-3', [float]), _number_as_text_hint('1e3', [int])
+        ('; YAML reads 1e-3 as text: write 1.0e-3', '; YAML reads 1e3 as text: write 1000')
+    """
+    if not isinstance(value, str) or not ({int, float} & set(options)):
+        return ''
+    try:
+        number = float(value)
+    except ValueError:
+        return ''
+    if not math.isfinite(number) or (float not in options and number != int(number)):
+        return ''
+    if not isinstance(yaml.safe_load(value), str):
+        return f'; it is quoted: write {value} without quotes'
+    if float not in options:
+        written = str(int(number))
+    else:
+        mantissa, exponent = f'{number:e}'.split('e')
+        mantissa = mantissa.rstrip('0') + ('0' if mantissa.rstrip('0').endswith('.') else '')
+        written = mantissa + (f'e{int(exponent):+d}' if int(exponent) else '')
+    return f'; YAML reads {value} as text: write {written}'
 
 
 def _check_value(value: Any, annotation: Any, rule: Optional[Rule], where: str, error) -> Any:
@@ -405,32 +445,72 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str, error) -> Any:
 
 
 def _check_together(recipe: Recipe, error) -> None:
-    """The rules that tie two keys together."""
-    data, train = recipe.data, recipe.train
+    """The rules that tie two keys together; the durations too when the training set's size is in the recipe."""
+    data = recipe.data
     if data.eval_resize is not None and data.eval_resize < data.eval_crop:
         raise error(
             f'data.eval_resize: {data.eval_resize} is smaller than data.eval_crop {data.eval_crop}; '
             'the centre crop would pad the image: use eval_resize >= eval_crop'
         )
-    if data.synthetic_train_samples is not None and data.synthetic_train_samples < train.global_batch_size:
-        raise error(
-            f'train.global_batch_size: {train.global_batch_size} is more than the '
-            f'{data.synthetic_train_samples} samples of data.synthetic_train_samples, so no full batch '
-            'would be trained; lower the batch size or raise the sample count'
-        )
-    warmup, warmup_unit = parse_time(recipe.scheduler.t_warmup)
-    length, unit = parse_time(train.max_duration)
-    in_batches = {'ep', 'ba'}  # the scheduler counts epochs in batches
+    warmup_unit, unit = parse_time(recipe.scheduler.t_warmup)[1], parse_time(recipe.train.max_duration)[1]
+    in_batches = {'ep', 'ba'}  # Composer's scheduler counts epochs in batches, and refuses samples against those
     if warmup_unit != 'dur' and (warmup_unit in in_batches) != (unit in in_batches):
         raise error(
             f'scheduler.t_warmup: {recipe.scheduler.t_warmup!r} cannot be compared with train.max_duration '
-            f'{train.max_duration!r}; give both in samples, or both in epochs or batches (or t_warmup in dur)'
+            f'{recipe.train.max_duration!r}; give both in samples, or both in epochs or batches (or t_warmup in dur)'
         )
+    warmup, length = parse_time(recipe.scheduler.t_warmup)[0], parse_time(recipe.train.max_duration)[0]
     if (warmup_unit == unit and warmup >= length) or (warmup_unit == 'dur' and warmup >= 1):
         raise error(
             f'scheduler.t_warmup: {recipe.scheduler.t_warmup!r} is not shorter than train.max_duration '
-            f'{train.max_duration!r}; the cosine decay would never start'
+            f'{recipe.train.max_duration!r}; the cosine decay would never start'
         )
+    if data.path is None and data.synthetic_train_samples is not None:
+        check_durations(recipe, data.synthetic_train_samples, 'data.synthetic_train_samples', error)
+
+
+def check_durations(recipe: Recipe, train_samples: int, samples_from: str, error) -> None:
+    """The recipe's times measured in samples through the training set's size, ``train_samples`` images
+    (from ``samples_from``, for the message): one full batch an epoch, a warmup shorter than the run, and
+    evaluation and checkpoint intervals no longer than the run (each also happens at the end).
+
+    Example:
+        >>> recipe = recipe_from_dict({'name': 'r', 'train': {'max_duration': '3ba', 'global_batch_size': 4}}, 'r.yaml')
+        >>> check_durations(recipe, 16, 'data.synthetic_train_samples', RecipeError)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        channels_last_algo.app.recipe_schema.RecipeError: train.eval_interval: '1ep' (16 samples) is longer than ...
+    """
+    batch = recipe.train.global_batch_size
+    epoch = train_samples // batch
+    if epoch < 1:
+        raise error(
+            f'train.global_batch_size: {batch} is more than the {train_samples} samples of {samples_from}, so no '
+            'full batch would be trained; lower the batch size or add samples'
+        )
+    run = recipe.train.max_duration
+    per_unit = {'ep': epoch * batch, 'ba': batch, 'sp': 1}
+    length = parse_time(run)[0] * per_unit[parse_time(run)[1]]
+
+    def samples(text: str) -> float:
+        amount, unit = parse_time(text)
+        return amount * length if unit == 'dur' else amount * per_unit[unit]
+
+    scale = f'{batch} images a batch, {epoch} batches an epoch of the {train_samples} samples of {samples_from}'
+    warmup = recipe.scheduler.t_warmup
+    if samples(warmup) >= length and samples(warmup) > 0:
+        raise error(
+            f'scheduler.t_warmup: {warmup!r} ({samples(warmup):,.0f} samples) is not shorter than train.max_duration '
+            f'{run!r} ({length:,} samples; {scale}); the cosine decay would never start'
+        )
+    for key in ('eval_interval', 'save_interval'):
+        interval = getattr(recipe.train, key)
+        if samples(interval) > length:
+            raise error(
+                f'train.{key}: {interval!r} ({samples(interval):,.0f} samples) is longer than train.max_duration '
+                f'{run!r} ({length:,} samples; {scale}), so it would happen only at the end: give 1dur for that, '
+                'or a shorter interval'
+            )
 
 
 def recipe_from_dict(data: Any, source: str) -> Recipe:

@@ -37,8 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import yaml
-
+from channels_last_algo.app.algorithm_ranges import algorithm_cross_problem, algorithm_option_problem
 from channels_last_algo.app.recipe_schema import (
     DataConfig,
     ModelConfig,
@@ -47,11 +46,13 @@ from channels_last_algo.app.recipe_schema import (
     RecipeError,
     SchedulerConfig,
     TrainConfig,
+    check_durations,
     closest,
     parse_time,
     recipe_from_dict,
     type_problem,
 )
+from channels_last_algo.app.recipe_yaml import YamlError, parse_yaml, read_yaml_file
 from channels_last_algo.core.guard import OPTIONS
 
 __all__ = [
@@ -98,7 +99,9 @@ SMOKE_OVERRIDES = (
 # share in data-parallel training).
 CPU_MICROBATCH = 32
 
-_ERRORS = (ValueError, TypeError, AssertionError, NotImplementedError)  # what a constructor raises for a bad option
+# What a constructor raises for a bad option, or for one it cannot run with here (Composer's extras, as
+# MissingConditionalImportError); each becomes the one line naming the option.
+_ERRORS = (ValueError, TypeError, AssertionError, NotImplementedError, KeyError, ArithmeticError, ImportError)
 
 
 def _apply_override(data: dict[str, Any], override: str, error) -> None:
@@ -106,9 +109,9 @@ def _apply_override(data: dict[str, Any], override: str, error) -> None:
     if not sep or not path:
         raise error(f'--set {override!r}: expected KEY.PATH=VALUE, e.g. optimizer.lr=0.1')
     try:
-        value = yaml.safe_load(text) if text else None
-    except yaml.YAMLError as exc:
-        raise error(f'--set {override!r}: the value is not valid YAML ({exc.problem})') from exc
+        value = parse_yaml(text, 'the value') if text else None
+    except YamlError as exc:
+        raise error(f'--set {override!r}: {exc}') from None
     keys = path.split('.')
     node = data
     for depth, key in enumerate(keys[:-1]):
@@ -160,14 +163,21 @@ def _option_problem(cls: type, key: str, value: Any, default: Any) -> Optional[s
     return None
 
 
-def _check_composer_options(cls: type, options: dict[str, Any], where: str, error) -> None:
+def _check_composer_options(name: str, cls: type, options: dict[str, Any], where: str, error) -> None:
+    """Each option of the algorithm ``name`` by its signature, then by the range table, then the options together,
+    then by constructing it."""
     parameters = inspect.signature(cls).parameters
     for key, value in options.items():
         if key not in parameters:
             raise error(f'{where}.{key}: unknown option of {cls.__name__}{closest(str(key), list(parameters))}')
-        problem = _option_problem(cls, key, value, parameters[key].default)
+        problem = _option_problem(cls, key, value, parameters[key].default) or algorithm_option_problem(
+            name, key, value
+        )
         if problem:
             raise error(f'{where}.{key}: {problem}')
+    crossed = algorithm_cross_problem(name, cls, options)
+    if crossed:
+        raise error(f'{where}.{crossed[0]}: {crossed[1]}')
     try:
         cls(**options)
     except _ERRORS as exc:
@@ -191,8 +201,9 @@ def _check_algorithms(recipe: Recipe, error) -> None:
         where = f'algorithms.{name}'
         if registry is not None and name not in registry:
             raise error(f'{where}: unknown algorithm{closest(name, sorted(registry))}')
-        if isinstance(options, bool) or options is None:
+        if options in (False, None):
             continue
+        options = {} if options is True else options
         if not isinstance(options, dict):
             raise error(
                 f'{where}: expected a mapping of options, true or false, got {type(options).__name__} {options!r}'
@@ -200,16 +211,25 @@ def _check_algorithms(recipe: Recipe, error) -> None:
         if name == 'channels_last':
             _check_channels_last(options, where, error, signature_known=registry is not None)
         if registry is not None:
-            _check_composer_options(registry[name], options, where, error)
+            _check_composer_options(name, registry[name], options, where, error)
 
 
 def _check_model(recipe: Recipe, error) -> None:
     from channels_last_algo.app.models import model_builder
 
     try:
-        model_builder(recipe.model.name)
+        builder = model_builder(recipe.model.name)
     except ValueError as exc:
         raise error(f'model.name: {exc}') from exc
+    try:
+        inspect.signature(builder).bind_partial(num_classes=recipe.model.num_classes)
+    except TypeError:
+        raise error(
+            f'model.name: {recipe.model.name!r} does not take num_classes, which the recipe builds it with '
+            f'(model.num_classes: {recipe.model.num_classes}); give a callable with a num_classes argument'
+        ) from None
+    except ValueError:  # a builtin or extension callable without a signature: its call will tell
+        pass
 
 
 def load_recipe(path: Union[str, os.PathLike], overrides: Sequence[str] = ()) -> Recipe:
@@ -222,11 +242,9 @@ def load_recipe(path: Union[str, os.PathLike], overrides: Sequence[str] = ()) ->
     if not path.is_file():
         raise RecipeError(f'{path}: no such recipe file' + (' (it is a folder)' if path.is_dir() else ''))
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, 'problem_mark', None)
-        where = f' at line {mark.line + 1}, column {mark.column + 1}' if mark else ''
-        raise error(f'not valid YAML{where}: {getattr(exc, "problem", exc)}') from exc
+        data = read_yaml_file(path)
+    except YamlError as exc:
+        raise RecipeError(str(exc)) from None
     if not isinstance(data, dict):
         raise error(f'expected a mapping of recipe sections at the top, got {type(data).__name__}')
     for override in overrides:
@@ -349,6 +367,20 @@ def microbatch_size(recipe: Recipe, device: str, rank_batch: int) -> Union[int, 
     return 'auto' if device == 'gpu' else min(rank_batch, CPU_MICROBATCH)
 
 
+def _error(recipe: Recipe):
+    """The :class:`RecipeError` maker for ``recipe``: its message starts with the recipe file."""
+    return lambda message: RecipeError(f'{recipe.source}: {message}')
+
+
+def _training_set_name(recipe: Recipe, data_path: Optional[str]) -> str:
+    """Where the training images come from, as the recipe or the command line said it."""
+    if data_path is not None:
+        return f'--data {data_path}'
+    if recipe.data.path is not None:
+        return f'data.path {recipe.data.path}'
+    return 'data.synthetic_train_samples' if recipe.data.synthetic_train_samples else 'the synthetic ImageNet'
+
+
 def _loaders(recipe: Recipe, data_path: Optional[str], device: str, batches: tuple[int, int]) -> tuple[Any, Any]:
     """The training DataSpec and the evaluator, for the rank's ``batches`` (training, evaluation); the
     evaluator splits its batches into microbatches as training does."""
@@ -358,6 +390,7 @@ def _loaders(recipe: Recipe, data_path: Optional[str], device: str, batches: tup
 
     train_batch, eval_batch = batches
     train_data, eval_data = build_datasets(recipe, data_path)
+    check_durations(recipe, len(train_data), _training_set_name(recipe, data_path), _error(recipe))
     options = dict(workers=recipe.data.workers, seed=recipe.train.seed)
     try:
         train_loader = build_data_spec(train_data, batch_size=train_batch, train=True, **options)
@@ -383,7 +416,15 @@ def _model_and_checkpoints(recipe: Recipe, run: Any, start: Optional[Path], writ
 
     reproducibility.seed_all(recipe.train.seed)
     classes = recipe.model.num_classes
-    model = ComposerClassifier(build_model(recipe.model.name, num_classes=classes), num_classes=classes)
+    try:
+        network = build_model(recipe.model.name, num_classes=classes)
+    except Exception as exc:  # the user's callable, or a torchvision builder refusing the class count
+        message = (str(exc).strip().splitlines() or [''])[0]
+        raise RecipeError(
+            f'{recipe.source}: model.name: building {recipe.model.name!r} with num_classes={classes} failed: '
+            f'{type(exc).__name__}: {message}'
+        ) from exc
+    model = ComposerClassifier(network, num_classes=classes)
     train = recipe.train
     checkpoints = RunCheckpoints(
         run, train.save_interval, keep=train.save_num_checkpoints_to_keep, resume_from=start, write=writer
@@ -425,9 +466,11 @@ def build_trainer(
 
     from channels_last_algo.app.optimizers import build_optimizer, build_scheduler
     from channels_last_algo.app.run_folder import RunFolder
+    from channels_last_algo.app.step_memory import check_step_memory
 
     device, precision = device_and_precision(recipe)
     batches = _batch_sizes(recipe)
+    check_step_memory(recipe, device, precision, batches)  # a step that cannot fit is refused before the folder
     run = RunFolder(recipe.save_folder())
     writer = int(os.environ.get('RANK', 0)) == 0  # only rank 0 writes checkpoints
     if writer:

@@ -20,6 +20,7 @@ from typing import Union
 import torch
 from torch import nn
 
+from channels_last_algo.core.arguments import require_module
 from channels_last_algo.core.fuse.inference import fuse_for_inference
 from channels_last_algo.core.fuse.summary import FusionSummary
 from channels_last_algo.core.layout import to_channels_last
@@ -73,6 +74,7 @@ def export_for_inference(
     Raises:
         ValueError: ``model`` is in train mode, or a dynamic batch has an example batch of 1.
     """
+    require_module(model, 'export_for_inference')
     if dynamic_batch and example_input.shape[0] < 2:
         raise ValueError(
             f'export with a dynamic batch size needs an example batch of at least 2, got shape '

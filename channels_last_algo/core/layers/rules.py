@@ -48,6 +48,7 @@ from torch import nn
 from torchvision.models.mobilenetv2 import MobileNetV2
 from torchvision.models.shufflenetv2 import InvertedResidual
 
+from channels_last_algo.core.arguments import require_module
 from channels_last_algo.core.layers.bicubic import ChannelsLastBicubicUpsample, is_bicubic
 from channels_last_algo.core.layers.channel_shuffle import ChannelsLastInvertedResidual
 from channels_last_algo.core.layers.global_avg_pool import ChannelsLastAdaptiveAvgPool2d, is_global_pool
@@ -349,6 +350,7 @@ def repair_model(
         One :class:`RepairRecord` per replaced module, in ``named_modules`` order; empty
         when nothing matched (a repaired model matches nothing again).
     """
+    require_module(model, 'repair_model')
     device = _model_device(model) if device is None else torch.device(device)
     records = []
     for path, module in model.named_modules():

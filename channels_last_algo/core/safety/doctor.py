@@ -136,9 +136,13 @@ class DoctorReport:
 
 
 def _build(spec: ModelSpec) -> nn.Module:
+    if not isinstance(spec, nn.Module) and not callable(spec):
+        raise TypeError(
+            f'doctor: model is a {type(spec).__name__}; pass a torch.nn.Module or a callable that builds one'
+        )
     model = copy.deepcopy(spec) if isinstance(spec, nn.Module) else spec()
     if not isinstance(model, nn.Module):
-        raise TypeError(f'the model builder returned a {type(model).__name__}, not a torch.nn.Module')
+        raise TypeError(f'doctor: the model builder returned a {type(model).__name__}, not a torch.nn.Module')
     return model
 
 

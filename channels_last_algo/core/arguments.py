@@ -1,0 +1,64 @@
+"""The public functions' first check: a model argument that is not a module, refused in one line.
+
+Without it, ``apply_channels_last(MyNet)`` or ``audit_model(state_dict, x)`` ends in an
+``AttributeError`` from deep inside a module walk that names neither the call nor the fix.
+
+Example:
+    >>> require_module(torch.nn.Conv2d(3, 8, 3), 'apply_channels_last')
+    >>> require_module(torch.nn.Conv2d, 'apply_channels_last')
+    Traceback (most recent call last):
+    ...
+    TypeError: apply_channels_last: model is the class Conv2d, not a torch.nn.Module; pass an instance: Conv2d(...)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ['require_input', 'require_module']
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + '...'
+
+
+def _module_hint(value: Any) -> str:
+    """What the caller most likely meant to pass instead of ``value``."""
+    if isinstance(value, type) and issubclass(value, torch.nn.Module):
+        return f'pass an instance: {value.__name__}(...)'
+    if isinstance(value, dict):
+        return 'that looks like a state_dict: build the model, load_state_dict(it), and pass the model'
+    if callable(value):
+        return 'call it to build the model, and pass the model'
+    return 'pass the network (a torch.nn.Module)'
+
+
+def require_module(model: Any, caller: str) -> None:
+    """TypeError naming ``caller`` and the fix unless ``model`` is a ``torch.nn.Module``."""
+    if isinstance(model, torch.nn.Module):
+        return
+    if isinstance(model, type):
+        got = f'the class {model.__name__}'
+    else:
+        got = f'{type(model).__name__} {_shown(model)}'
+    raise TypeError(f'{caller}: model is {got}, not a torch.nn.Module; {_module_hint(model)}')
+
+
+def require_input(example_input: Any, caller: str) -> None:
+    """TypeError naming ``caller`` unless ``example_input`` is a tensor or a tuple of positional inputs.
+
+    Example:
+        >>> require_input([torch.zeros(1)], 'audit_model')
+        Traceback (most recent call last):
+        ...
+        TypeError: audit_model: example_input is a list; pass one tensor, or a tuple of the model's positional inputs
+    """
+    if isinstance(example_input, (torch.Tensor, tuple)):
+        return
+    raise TypeError(
+        f'{caller}: example_input is a {type(example_input).__name__}; pass one tensor, or a tuple of the '
+        "model's positional inputs"
+    )
