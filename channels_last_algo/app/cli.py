@@ -10,8 +10,10 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 from channels_last_algo import __version__
@@ -357,6 +359,8 @@ def _run_compare(args: argparse.Namespace) -> int:
 
     from channels_last_algo.app.compare import compare_recipe, format_comparison
 
+    if args.json:
+        _check_writable(args.json, '--json')
     recipe = _load(args)
     batches = args.batches if args.batches is not None else (3 if args.smoke else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
@@ -481,13 +485,25 @@ def _export_model(args: argparse.Namespace):
     return model
 
 
-def _run_export(args: argparse.Namespace) -> int:
-    from pathlib import Path
+def _check_writable(path: str, what: str) -> None:
+    """UsageError naming ``what`` (the argument) when the file ``path`` cannot be written: checked before any work."""
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        raise UsageError(f'{what} {path}: is a folder; give a file name in it')
+    if not folder.is_dir():
+        problem = 'is a file' if folder.exists() else 'does not exist'
+        raise UsageError(f'{what} {path}: its folder {folder} {problem}; create the folder or give another path')
+    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UsageError(f'{what} {path}: cannot be written here (permission denied); give a writable path')
 
+
+def _run_export(args: argparse.Namespace) -> int:
     import torch
 
     from channels_last_algo.core.fuse import export_for_inference
 
+    _check_writable(args.out, 'OUT')
     if len(args.input) != 4:
         raise UsageError(f'--input {",".join(map(str, args.input))}: export takes N,C,H,W (it fuses 2D convolutions)')
     try:

@@ -80,7 +80,8 @@ class _RecipeLoader(yaml.SafeLoader):
 
 def parse_yaml(text: str, source: str) -> Any:
     """The value of the YAML ``text`` (from ``source``, for messages); :class:`YamlError` if it is not valid
-    YAML, gives a key twice in one mapping, or expands through aliases to more than :data:`MAX_NODES` nodes."""
+    YAML, gives a key twice in one mapping, nests deeper than Python recurses, or expands through aliases to
+    more than :data:`MAX_NODES` nodes."""
     loader = _RecipeLoader(text)
     loader.source = source
     try:
@@ -94,6 +95,8 @@ def parse_yaml(text: str, source: str) -> Any:
                 'a recipe has a few hundred: write the values out, or use fewer nested aliases'
             )
         return loader.construct_document(node)
+    except RecursionError:
+        raise YamlError(f'{source}: the YAML nests too deeply to read; a recipe nests three levels') from None
     except yaml.YAMLError as error:
         mark = getattr(error, 'problem_mark', None)
         where = f' at line {mark.line + 1}, column {mark.column + 1}' if mark else ''

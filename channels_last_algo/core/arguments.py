@@ -21,8 +21,13 @@ __all__ = ['require_input', 'require_module']
 
 
 def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + '...'
+    """``value`` in a few words on one line: a scalar's repr, cut short; else its type."""
+    if isinstance(value, type):
+        return f'the class {value.__name__}'
+    if isinstance(value, (str, int, float, bool, type(None))):
+        text = repr(value).replace('\n', ' ')
+        return f'{type(value).__name__} {text if len(text) <= 60 else text[:57] + "..."}'
+    return f'a {type(value).__name__}'
 
 
 def _module_hint(value: Any) -> str:
@@ -40,11 +45,7 @@ def require_module(model: Any, caller: str) -> None:
     """TypeError naming ``caller`` and the fix unless ``model`` is a ``torch.nn.Module``."""
     if isinstance(model, torch.nn.Module):
         return
-    if isinstance(model, type):
-        got = f'the class {model.__name__}'
-    else:
-        got = f'{type(model).__name__} {_shown(model)}'
-    raise TypeError(f'{caller}: model is {got}, not a torch.nn.Module; {_module_hint(model)}')
+    raise TypeError(f'{caller}: model is {_shown(model)}, not a torch.nn.Module; {_module_hint(model)}')
 
 
 def require_input(example_input: Any, caller: str) -> None:

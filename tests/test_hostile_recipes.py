@@ -1,0 +1,279 @@
+"""Hostile recipes, --set values, command arguments and Python API calls: each is refused before any
+work with exit code 2 (or a TypeError for the API) and one line naming the file, key or argument and
+the fix; never a traceback, never a run folder written."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from recipe_runs import RECIPE, TINY, sets
+
+import channels_last_algo
+from channels_last_algo.app.cli import main
+
+HAS_COMPOSER = importlib.util.find_spec('composer') is not None
+BASE = Path(RECIPE).read_text()
+LAUGHS = 'a: &a [x, x, x, x, x, x, x, x, x, x]\n' + ''.join(
+    f'{chr(98 + i)}: &{chr(98 + i)} [{", ".join(["*" + chr(97 + i)] * 10)}]\n' for i in range(8)
+)
+
+
+def _refused(capsys, argv: list[str], fragment: str, folder: Path) -> str:
+    """Run the CLI; assert exit 2, one error line holding ``fragment``, no traceback and no run folder."""
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert 'Traceback' not in err
+    lines = [line for line in err.splitlines() if 'error:' in line]
+    assert len(lines) == 1 and fragment in lines[0], err
+    assert not folder.exists(), f'{folder} was written'
+    return lines[0]
+
+
+def _train(recipe: str, folder: Path, *overrides: str) -> list[str]:
+    return ['train', recipe, *sets([*TINY, f'train.save_folder={folder}', *overrides])]
+
+
+# --- the recipe file --------------------------------------------------------------------------------------
+
+RECIPE_FILES = {
+    'a section given twice': (
+        BASE + '\ntrain:\n  max_duration: 2ep\n',
+        "the key 'train' is given twice (first on line",
+    ),
+    'a key given twice in a section': (
+        BASE.replace('optimizer:\n', 'optimizer:\n  lr: 0.5\n', 1),
+        "the key 'lr' is given twice",
+    ),
+    'billion laughs': (BASE + '\nlaughs:\n' + textwrap.indent(LAUGHS, '  '), 'aliases'),
+    'an alias that contains itself': (BASE + '\nextra: &loop [*loop]\n', 'expands (through its aliases'),
+    'nesting deeper than Python recurses': (BASE + '\nextra: ' + '[' * 20000 + ']' * 20000 + '\n', 'nests too deeply'),
+    'a Python object tag': (BASE + '\nextra: !!python/object/apply:os.system [echo]\n', 'not valid YAML at line'),
+    'a tab indent': (BASE + '\nextra:\n\tseed: 1\n', 'not valid YAML at line'),
+    'an unclosed bracket': (BASE + '\nextra: [1, 2\n', 'not valid YAML at line'),
+    'an empty file': ('', 'expected a mapping of recipe sections at the top, got NoneType'),
+    'a list at the top': ('- name: r\n', 'expected a mapping of recipe sections at the top, got list'),
+    'a scalar at the top': ('just text\n', 'expected a mapping of recipe sections at the top, got str'),
+    'a misspelt section': (BASE + '\ntrian: {seed: 1}\n', "trian: unknown key; did you mean 'train'?"),
+    'a number as a key': (BASE + '\n1: x\n', '1: unknown key'),
+    'lr written 1e-3': (BASE.replace('lr: 2.048', 'lr: 1e-3'), "optimizer.lr: expected float, got str '1e-3'"),
+    'lr quoted': (BASE.replace('lr: 2.048', "lr: '0.5'"), 'it is quoted: write 0.5 without quotes'),
+    'a section that is a list': (
+        BASE.replace('optimizer:\n  name: decoupled_sgdw\n', 'optimizer: [sgd]\nx:\n  name: decoupled_sgdw\n'),
+        "optimizer: expected a mapping of OptimizerConfig keys, got list ['sgd']",
+    ),
+    'no name': (BASE.replace('name: resnet50_imagenet', ''), 'name: required key is missing'),
+}
+
+
+@pytest.mark.parametrize('case', sorted(RECIPE_FILES))
+def test_a_hostile_recipe_file_is_refused_in_one_line(case, tmp_path, capsys):
+    text, fragment = RECIPE_FILES[case]
+    path = tmp_path / 'recipe.yaml'
+    path.write_text(text)
+    line = _refused(capsys, _train(str(path), tmp_path / 'run'), fragment, tmp_path / 'run')
+    assert str(path) in line
+
+
+@pytest.mark.parametrize(
+    'data, fragment',
+    [
+        (BASE.encode().replace(b'# ', b'# \xe9 ', 1), 'is not UTF-8 text; save the recipe as UTF-8'),
+        (BASE.encode('utf-16'), 'is not UTF-8 text'),
+        (BASE.encode() + b'\n# ' + b'x' * (1 << 20), 'is too large for a recipe'),
+    ],
+    ids=['latin-1 byte', 'utf-16', 'larger than 1 MiB'],
+)
+def test_a_recipe_that_is_not_small_utf8_text_is_refused(data, fragment, tmp_path, capsys):
+    path = tmp_path / 'recipe.yaml'
+    path.write_bytes(data)
+    _refused(capsys, _train(str(path), tmp_path / 'run'), fragment, tmp_path / 'run')
+
+
+def test_a_byte_order_mark_and_merge_keys_are_valid_yaml(tmp_path):
+    from channels_last_algo.app.recipes import load_recipe
+
+    path = tmp_path / 'recipe.yaml'
+    text = 'x_defaults: &defaults {seed: 3}\n' + BASE
+    path.write_bytes(b'\xef\xbb\xbf' + text.replace('train:\n', 'train:\n  <<: *defaults\n', 1).encode())
+    with pytest.raises(channels_last_algo.app.recipes.RecipeError, match='x_defaults: unknown key'):
+        load_recipe(path)  # the BOM is read, the merge key is taken; only the extra section is refused
+
+
+@pytest.mark.parametrize(
+    'path, fragment',
+    [('missing.yaml', 'no such recipe file'), ('.', 'no such recipe file (it is a folder)')],
+)
+def test_a_recipe_path_that_is_no_file_is_refused(path, fragment, tmp_path, capsys):
+    _refused(capsys, _train(str(tmp_path / path), tmp_path / 'run'), fragment, tmp_path / 'run')
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason='root reads files whatever their permissions')
+def test_an_unreadable_recipe_is_refused(tmp_path, capsys):
+    path = tmp_path / 'recipe.yaml'
+    path.write_text(BASE)
+    path.chmod(0)
+    _refused(capsys, _train(str(path), tmp_path / 'run'), 'cannot be read (Permission denied)', tmp_path / 'run')
+
+
+# --- --set values -----------------------------------------------------------------------------------------
+
+# Each row: the overrides after the tiny run's (16 synthetic images in batches of 4, 6 batches), the message.
+BAD_SETS = [
+    (['optimizer.lr=1e-3'], 'YAML reads 1e-3 as text: write 1.0e-3'),
+    (['train.global_batch_size=1e3'], 'YAML reads 1e3 as text: write 1000'),
+    (["optimizer.lr='0.5'"], 'it is quoted: write 0.5 without quotes'),
+    (['optimizer.lr=1.0e+400'], 'optimizer.lr: inf is out of range'),
+    (['train.seed=' + '9' * 400], 'train.seed: ' + '9' * 400 + ' is out of range'),
+    (
+        ['model.num_classes=1000000'],
+        'model.num_classes: 1000000 is out of range; expected an integer >= 1 and <= 100000',
+    ),
+    (['model.num_classes=' + '9' * 30], 'is out of range'),
+    (['data.workers=1099511627776'], 'data.workers: 1099511627776 is out of range'),
+    (['algorithms.ema={half_life: 10ba, half_life: 20ba}'], "the key 'half_life' is given twice"),
+    (['name=[*undefined]'], "found undefined alias 'undefined'"),
+    (['train=' + LAUGHS.replace('\n', ', ').rstrip(', ').join('{}')], 'aliases'),
+    (['optimizer=5'], 'optimizer: expected a mapping of OptimizerConfig keys, got int 5'),
+    (['optimizer.lr.value=1'], 'optimizer.lr is 2.048, not a mapping'),
+    (['=5'], 'expected KEY.PATH=VALUE'),
+    (['optimizer.lr'], 'expected KEY.PATH=VALUE'),
+    (['name='], 'name: expected str, got NoneType None'),
+    (['name=..'], "name: '..' cannot name a run folder"),
+    (['algorithms=[ema]'], 'algorithms: expected a mapping, got list'),
+    (['algorithms.channels_last=5'], 'algorithms.channels_last: expected a mapping of options, true or false'),
+    (['algorithms.channels_last.inputs=5'], 'algorithms.channels_last.inputs'),
+    (['algorithms.channels_last.mode=fast'], "algorithms.channels_last.mode: expected one of 'on', 'off', 'auto'"),
+    (['scheduler.t_warmup=2ep'], "scheduler.t_warmup: '2ep' (32 samples) is not shorter than train.max_duration '6ba'"),
+    (['train.eval_interval=2ep'], "train.eval_interval: '2ep' (32 samples) is longer than train.max_duration '6ba'"),
+    (['train.save_interval=7ba'], "train.save_interval: '7ba' (28 samples) is longer than train.max_duration '6ba'"),
+    (
+        ['train.max_duration=1ep', 'train.save_interval=5ba'],
+        "train.save_interval: '5ba' (20 samples) is longer than train.max_duration '1ep'",
+    ),
+    (
+        ['train.max_duration=64sp', 'scheduler.t_warmup=64sp'],
+        "scheduler.t_warmup: '64sp' is not shorter than train.max_duration '64sp'",
+    ),
+    (['scheduler.t_warmup=1dur'], "scheduler.t_warmup: '1dur' is not shorter than train.max_duration"),
+    (['scheduler.t_warmup=100sp'], "scheduler.t_warmup: '100sp' cannot be compared with train.max_duration"),
+    (['data.synthetic_train_samples=3'], 'train.global_batch_size: 4 is more than the 3 samples'),
+    (['model.name=os:system'], "model.name: 'os:system' does not take num_classes"),
+    (['model.name=no_such_module_here:build'], "model.name: cannot load 'no_such_module_here:build'"),
+    (['model.name=torch:no_such_builder'], "model.name: cannot load 'torch:no_such_builder'"),
+    (['model.name=resnet5O'], "model.name: 'resnet5O' is no torchvision model name"),
+]
+
+
+@pytest.mark.parametrize('overrides, fragment', BAD_SETS, ids=[' '.join(o)[:50] for o, _ in BAD_SETS])
+def test_a_hostile_set_value_is_refused_in_one_line(overrides, fragment, tmp_path, capsys):
+    line = _refused(capsys, _train(RECIPE, tmp_path / 'run', *overrides), fragment, tmp_path / 'run')
+    assert RECIPE in line
+
+
+# --- the arguments of the commands -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    'out, fragment',
+    [
+        ('missing/model.pt2', 'its folder {tmp}/missing does not exist'),
+        ('', 'is a folder; give a file name in it'),
+        ('file/model.pt2', 'its folder {tmp}/file is a file'),
+    ],
+    ids=['folder missing', 'a folder', 'under a file'],
+)
+def test_export_refuses_an_output_it_cannot_write_before_building_anything(
+    out, fragment, tmp_path, capsys, monkeypatch
+):
+    (tmp_path / 'file').write_text('x')
+    built = []
+    monkeypatch.setattr('channels_last_algo.app.cli._build', lambda *a, **k: built.append(a))
+    _refused(capsys, ['export', 'resnet18', str(tmp_path / out)], fragment.format(tmp=tmp_path), tmp_path / 'run')
+    assert not built
+
+
+def test_compare_refuses_a_json_path_it_cannot_write_before_loading_the_recipe(tmp_path, capsys):
+    argv = ['compare', RECIPE, '--json', str(tmp_path / 'missing' / 'out.json')]
+    _refused(capsys, argv, '--json', tmp_path / 'run')
+
+
+# --- the Python API -----------------------------------------------------------------------------------------
+
+
+def _guard_on_init(model):
+    return channels_last_algo.LayoutGuard().on_init(model)
+
+
+API_CALLS = {
+    'apply_channels_last(int)': (lambda: channels_last_algo.apply_channels_last(42), 'model is int 42'),
+    'apply_channels_last(None)': (lambda: channels_last_algo.apply_channels_last(None), 'model is NoneType None'),
+    'apply_channels_last(class)': (
+        lambda: channels_last_algo.apply_channels_last(torch.nn.Conv2d),
+        'model is the class Conv2d, not a torch.nn.Module; pass an instance: Conv2d(...)',
+    ),
+    'apply_channels_last(state_dict)': (
+        lambda: channels_last_algo.apply_channels_last(torch.nn.Conv2d(3, 3, 1).state_dict()),
+        'that looks like a state_dict',
+    ),
+    'apply_channels_last(builder)': (
+        lambda: channels_last_algo.apply_channels_last(lambda: torch.nn.Conv2d(3, 3, 1)),
+        'call it to build the model',
+    ),
+    'apply_channels_first(str)': (lambda: channels_last_algo.apply_channels_first('resnet50'), 'apply_channels_first'),
+    'LayoutGuard.on_init(str)': (lambda: _guard_on_init('resnet50'), 'LayoutGuard.on_init: model is str'),
+    'audit_model(list, x)': (
+        lambda: channels_last_algo.audit_model([torch.nn.Conv2d(3, 3, 1)], torch.zeros(1, 3, 4, 4)),
+        'audit_model: model is a list',
+    ),
+    'audit_model(model, list)': (
+        lambda: channels_last_algo.audit_model(torch.nn.Conv2d(3, 3, 1), [torch.zeros(1, 3, 4, 4)]),
+        'audit_model: example_input is a list',
+    ),
+    'fuse_for_inference(None)': (lambda: channels_last_algo.fuse_for_inference(None), 'fuse_for_inference'),
+    'export_for_inference(int)': (
+        lambda: channels_last_algo.export_for_inference(3, 'x.pt2', torch.zeros(1, 3, 4, 4)),
+        'export_for_inference: model is int 3',
+    ),
+    'repair_model(str)': (lambda: channels_last_algo.repair_model('x'), 'repair_model: model is str'),
+    'doctor(int)': (lambda: channels_last_algo.doctor(5, (1, 3, 8, 8)), 'doctor: model is a int'),
+}
+
+
+@pytest.mark.parametrize('case', sorted(API_CALLS))
+def test_the_api_refuses_what_is_not_a_model_in_one_line(case):
+    call, fragment = API_CALLS[case]
+    with pytest.raises(TypeError) as raised:
+        call()
+    assert fragment in str(raised.value) and '\n' not in str(raised.value)
+
+
+# --- what only Composer checks ----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not HAS_COMPOSER, reason='the algorithms and the model are built with Composer')
+@pytest.mark.parametrize(
+    'override, fragment',
+    [
+        ('algorithms.gated_linear_units=true', 'algorithms.gated_linear_units: GatedLinearUnits refuses it'),
+        ('algorithms.label_smoothing.smoothing=1.5', 'algorithms.label_smoothing.smoothing: 1.5 is out of range'),
+        ('algorithms.ema.half_life=0ba', "algorithms.ema.half_life: '0ba' is out of range"),
+        ('model.name=hostile_models:returns_an_int', "failed: ValueError: 'hostile_models:returns_an_int' built a int"),
+        ('model.name=hostile_models:raises', 'failed: RuntimeError: the builder broke'),
+        ('model.name=hostile_models:takes_nothing', "'hostile_models:takes_nothing' does not take num_classes"),
+    ],
+)
+def test_what_composer_builds_is_refused_in_one_line(override, fragment, tmp_path, capsys, monkeypatch):
+    (tmp_path / 'hostile_models.py').write_text(
+        'def returns_an_int(num_classes):\n    return 42\n'
+        'def raises(num_classes):\n    raise RuntimeError("the builder broke")\n'
+        'def takes_nothing():\n    return None\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _refused(capsys, _train(RECIPE, tmp_path / 'run', override), fragment, tmp_path / 'not-written')
+    assert not list((tmp_path / 'run').glob('*.pt'))
