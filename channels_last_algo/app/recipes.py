@@ -457,7 +457,8 @@ def build_trainer(
     ``train.gpu_precision`` on a GPU, microbatches of :func:`microbatch_size`, and atomic
     checkpoints in the recipe's save folder.
 
-    The folder is locked for the run first (:class:`~channels_last_algo.app.run_folder.RunFolder`,
+    A step that cannot fit the device's memory is refused first, before the folder is touched
+    (:func:`~channels_last_algo.app.step_memory.check_step_memory`). The folder is then locked for the run (:class:`~channels_last_algo.app.run_folder.RunFolder`,
     on rank 0, released by ``trainer.close()`` or when the process ends); an earlier run's
     checkpoints there are refused unless ``resume`` (True: the newest readable one; a path:
     that one) or ``overwrite``. ``trainer_options`` go to the Trainer.
