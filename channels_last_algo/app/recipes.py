@@ -461,7 +461,8 @@ def build_trainer(
     (:func:`~channels_last_algo.app.step_memory.check_step_memory`). The folder is then locked for
     the run (:class:`~channels_last_algo.app.run_folder.RunFolder`, on rank 0, released by
     ``trainer.close()`` or when the process ends); an earlier run's checkpoints there are refused
-    unless ``resume`` (True: the newest readable one; a path: that one) or ``overwrite``. ``trainer_options`` go to the Trainer.
+    unless ``resume`` (True: the newest readable one; a path: that one) or ``overwrite``.
+    ``trainer_options`` go to the Trainer.
     """
     from composer import Trainer
 
