@@ -277,3 +277,30 @@ def test_what_composer_builds_is_refused_in_one_line(override, fragment, tmp_pat
     monkeypatch.syspath_prepend(str(tmp_path))
     _refused(capsys, _train(RECIPE, tmp_path / 'run', override), fragment, tmp_path / 'not-written')
     assert not list((tmp_path / 'run').glob('*.pt'))
+
+
+@pytest.mark.parametrize(
+    'argv, fragment',
+    [
+        (['audit', 'resnet18', '--input', '64,3,2000,2000'], 'one training pass of resnet18 on it needs about'),
+        (['audit', 'resnet18', '--eval', '--input', '2,3,90000,90000'], 'one forward pass of resnet18 on it'),
+        (['doctor', 'resnet18', '--input', '64,3,2000,2000', '--device', 'cpu'], 'needs about'),
+        (['export', 'resnet18', '{tmp}/out.pt2', '--input', '2,3,90000,90000'], 'give a smaller input'),
+        (['audit', 'resnet18', '--input', '1,3,2,2'], 'fails on a random input of --input 1,3,2,2'),
+        (['audit', 'resnet18', '--input', '2,1,32,32'], "resnet18's first convolution conv1 takes 3 channels"),
+    ],
+    ids=['audit too large', 'eval too large', 'doctor too large', 'export too large', 'one value a channel', 'grey'],
+)
+def test_a_model_command_refuses_an_input_it_cannot_run_before_allocating_it(argv, fragment, tmp_path, capsys):
+    _refused(capsys, [arg.format(tmp=tmp_path) for arg in argv], fragment, tmp_path / 'out.pt2')
+
+
+def test_a_model_command_names_a_builder_that_fails(tmp_path, capsys, monkeypatch):
+    (tmp_path / 'hostile_builders.py').write_text('def broken():\n    raise KeyError("no such layer")\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _refused(
+        capsys,
+        ['audit', 'hostile_builders:broken', '--input', '2,3,32,32'],
+        "MODEL hostile_builders:broken: building it failed: KeyError: 'no such layer'",
+        tmp_path / 'out.pt2',
+    )

@@ -101,13 +101,21 @@ def _model_name(spec: str) -> str:
     return spec
 
 
+def _first_line(error: BaseException) -> str:
+    """``Type: the first line of the message``."""
+    return f'{type(error).__name__}: {(str(error).strip().splitlines() or [""])[0]}'
+
+
 def _build(spec: str, **options: Any):
     """The model MODEL names; UsageError when the callable builds something else."""
     import torch
 
     from channels_last_algo.app.models import model_builder
 
-    model = model_builder(spec)(**options)
+    try:
+        model = model_builder(spec)(**options)
+    except Exception as error:  # the user's callable, or a torchvision builder refusing an option
+        raise UsageError(f'MODEL {spec}: building it failed: {_first_line(error)}') from error
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f'MODEL built a {type(model).__name__}, not a torch.nn.Module')
     return model
@@ -120,6 +128,26 @@ def _check_input(model: Any, shape: Sequence[int], name: str) -> None:
     problem = input_shape_problem(model, shape, name)
     if problem is not None:
         raise UsageError(f'--input {",".join(map(str, shape))}: {problem}')
+
+
+def _build_for(spec: str, shape: Sequence[int], train: bool, **options: Any):
+    """The model MODEL names, once ``shape`` (``--input``) is known to fit its memory and its first convolution:
+    a pass too large for this machine's free memory is refused before anything is allocated."""
+    import functools
+
+    from channels_last_algo.app.models import model_builder
+    from channels_last_algo.app.step_memory import REFUSE_ABOVE, available_bytes, input_pass_bytes, size_text
+
+    available = available_bytes('cpu')
+    need = input_pass_bytes(functools.partial(model_builder(spec), **options), tuple(shape), train)
+    if available is not None and need is not None and need > REFUSE_ABOVE * available:
+        raise UsageError(
+            f'--input {",".join(map(str, shape))}: one {"training" if train else "forward"} pass of {spec} on it '
+            f'needs about {size_text(need)}, more than the {size_text(available)} free here; give a smaller input'
+        )
+    model = _build(spec, **options)
+    _check_input(model, shape, spec)
+    return model
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,13 +199,19 @@ def _run_audit(args: argparse.Namespace) -> int:
     from channels_last_algo.core.convert import apply_channels_last
     from channels_last_algo.core.layout import to_channels_last
 
-    model = _build(args.model)
-    _check_input(model, args.input, args.model)
+    model = _build_for(args.model, args.input, train=not args.eval)
     model.train(not args.eval)
     apply_channels_last(model, repair=not args.no_repair)
     torch.manual_seed(0)
     example = to_channels_last(torch.randn(args.input))
-    report = audit_model(model, example, backward=not args.eval)
+    try:
+        report = audit_model(model, example, backward=not args.eval)
+    except Exception as error:  # the model's own refusal of this input (a BatchNorm over a single value, ...)
+        where = 'eval forward' if args.eval else 'train-mode forward and backward'
+        raise UsageError(
+            f'MODEL {args.model} fails on a random input of --input {",".join(map(str, args.input))} '
+            f'({where}): {_first_line(error)}; give an input shape the model takes'
+        ) from error
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -215,7 +249,7 @@ def _run_doctor(args: argparse.Namespace) -> int:
     from channels_last_algo.app.models import model_builder
     from channels_last_algo.core.safety.doctor import doctor
 
-    _check_input(_build(args.model), args.input, args.model)  # here, before the child processes start
+    _build_for(args.model, args.input, train=True)  # here, before the child processes start
     try:
         report = doctor(
             model_builder(args.model), args.input, device=args.device, strict=args.strict, timeout=args.timeout
@@ -475,8 +509,9 @@ def _export_model(args: argparse.Namespace):
         model = model_from_checkpoint(recipe, args.checkpoint, ema=not args.training_weights)
         _check_input(model, args.input, recipe.model.name)
         return model
-    model = _build(args.model, **({} if args.num_classes is None else {'num_classes': args.num_classes}))
-    _check_input(model, args.input, args.model)
+    model = _build_for(
+        args.model, args.input, train=False, **({} if args.num_classes is None else {'num_classes': args.num_classes})
+    )
     if args.weights:
         try:
             model.load_state_dict(_read_weights(args.weights))

@@ -51,6 +51,8 @@ __all__ = [
     'available_bytes',
     'check_step_memory',
     'estimate_step',
+    'input_pass_bytes',
+    'size_text',
     'model_footprints',
 ]
 
@@ -126,13 +128,13 @@ class Footprint(NamedTuple):
         return Footprint(int(self.fixed * factor), int(self.per_image * factor))
 
 
-def _pass_peak(model: torch.nn.Module, images: int, crop: int, train: bool, device: str) -> int:
-    """The peak bytes :class:`LiveBytes` sees in one pass of ``images`` images at ``crop`` px, the input
-    batch included: a forward and backward with the gradients already there (as at a step's second
+def _pass_peak(model: torch.nn.Module, shape: tuple[int, ...], train: bool, device: str) -> int:
+    """The peak bytes :class:`LiveBytes` sees in one pass over an input of ``shape``, the input batch
+    included: a forward and backward with the gradients already there (as at a step's second
     microbatch), or a forward without gradients."""
     model.train(train)
     with LiveBytes() as live:
-        batch = torch.empty(images, 3, crop, crop, device=device)
+        batch = torch.empty(shape, device=device)
         if not train:
             with torch.no_grad():
                 model(batch)
@@ -143,7 +145,7 @@ def _pass_peak(model: torch.nn.Module, images: int, crop: int, train: bool, devi
 
 
 def _footprint(model: torch.nn.Module, crop: int, train: bool, device: str) -> Footprint:
-    small, large = (_pass_peak(model, images, crop, train, device) for images in PROBE_IMAGES)
+    small, large = (_pass_peak(model, (images, 3, crop, crop), train, device) for images in PROBE_IMAGES)
     per_image = max(0, (large - small) // (PROBE_IMAGES[1] - PROBE_IMAGES[0]))
     return Footprint(max(0, small - PROBE_IMAGES[0] * per_image), per_image)
 
@@ -183,6 +185,27 @@ def model_footprints(
     train = Footprint(train.fixed, train.per_image * train_crop**2 // crops[0] ** 2)
     evaluation = Footprint(evaluation.fixed, evaluation.per_image * eval_crop**2 // crops[1] ** 2)
     return train, evaluation, _weight_bytes(model)
+
+
+def input_pass_bytes(build: Callable[[], torch.nn.Module], shape: tuple[int, ...], train: bool) -> Optional[int]:
+    """The peak bytes of one pass of the model ``build`` returns over a random input of ``shape`` (forward and
+    backward when ``train``, with the weights, their gradients and the input), counted on ``meta``; None where
+    the model does not run there.
+
+    Example:
+        >>> from channels_last_algo.app.demo import TinyResNet
+        >>> input_pass_bytes(lambda: TinyResNet(num_classes=10), (2, 3, 32, 32), True) > 2 * 3 * 32 * 32 * 4
+        True
+    """
+    try:
+        with torch.device('meta'):
+            model = build()
+        if train:
+            for parameter in model.parameters():
+                parameter.grad = torch.zeros_like(parameter) if parameter.requires_grad else None
+        return _pass_peak(model, shape, train, 'meta') + _weight_bytes(model)[1] * (2 if train else 1)
+    except Exception:  # data-dependent code, or a model that makes its tensors on a device of its own
+        return None
 
 
 class StepEstimate(NamedTuple):
@@ -341,7 +364,8 @@ def available_bytes(device: str) -> Optional[int]:
     return max(0, total - held) // int(os.environ.get('LOCAL_WORLD_SIZE', 1))
 
 
-def _size(count: float) -> str:
+def size_text(count: float) -> str:
+    """Bytes in GiB, or MiB below one GiB: ``'63.8 GiB'``."""
     return f'{count / 2**30:.1f} GiB' if count >= 2**30 else f'{count / 2**20:.1f} MiB'
 
 
@@ -363,7 +387,7 @@ def _smaller_microbatch(recipe: Recipe, step: StepEstimate, microbatches: tuple[
         else f'one evaluation microbatch of {microbatches[1]} images at data.eval_crop {data.eval_crop} px'
     )
     return (
-        f'train.device_train_microbatch_size: {phase} with {recipe.model.name} needs about {_size(max(need))}, '
+        f'train.device_train_microbatch_size: {phase} with {recipe.model.name} needs about {size_text(max(need))}, '
         f'more than the {room}; the largest microbatch that fits is {fits}: '
         f'--set train.device_train_microbatch_size={fits}'
     )
@@ -374,11 +398,11 @@ def _refusal(recipe: Recipe, step: StepEstimate, microbatches: tuple[int, int], 
     ``available`` with the allocator's slack; else, where one image a microbatch does not, the batches or
     the crop."""
     budget, slack = available * SUGGEST_WITHIN, step.with_slack(ALLOCATOR_SLACK[device])
-    room = f'{_size(available)} this process can use on the {"CPU" if device == "cpu" else "GPU"}'
+    room = f'{size_text(available)} this process can use on the {"CPU" if device == "cpu" else "GPU"}'
     fits = slack.largest_microbatch(budget)
     if fits >= 1:
         return _smaller_microbatch(recipe, step, microbatches, room, int(fits))
-    one = f"{_size(max(step.need(1, 1)))} (up to {_size(max(slack.need(1, 1)))} with the allocator's slack)"
+    one = f"{size_text(max(step.need(1, 1)))} (up to {size_text(max(slack.need(1, 1)))} with the allocator's slack)"
     if step.held + max(slack.train.bytes(1), slack.evaluation.bytes(1)) <= budget:  # the loaded batches do not fit
         return (
             f'train.global_batch_size: the loaded batches of {recipe.train.global_batch_size} images '
