@@ -18,7 +18,8 @@ import typing
 from typing import Any
 
 from channels_last_algo.app.algorithm_ranges import ALGORITHM_RANGES
-from channels_last_algo.app.recipe_schema import CHANNELS_LAST_OPTIONS, TIME_UNITS, Recipe
+from channels_last_algo.app.recipe_rules import TIME_UNITS
+from channels_last_algo.app.recipe_schema import CHANNELS_LAST_OPTIONS, Recipe
 from channels_last_algo.app.recipes import SMOKE_OVERRIDES
 from channels_last_algo.core.guard import OPTIONS
 

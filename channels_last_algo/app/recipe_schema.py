@@ -1,11 +1,12 @@
 """The recipe schema: typed sections, the rule each key must satisfy, and Composer time strings.
 
-Every key of a recipe is declared once here, with its type, a *rule* (a range, a set of
-choices, a time string's units, a format string's placeholders) and what it means, from which
-:mod:`~channels_last_algo.app.recipe_keys` prints the reference (``channels-last train --help-keys``).
-:func:`recipe_from_dict` checks a parsed YAML mapping against the schema before anything is built
-and raises :class:`RecipeError` with the key path and what would be valid. Nothing here needs
-Composer or torch: time strings such as ``'36ep'`` are parsed by :func:`parse_time`.
+Every key of a recipe is declared once here, with its type, a *rule*
+(:mod:`~channels_last_algo.app.recipe_rules`: a range, a set of choices, a time string's units, a
+format string's placeholders) and what it means, from which :mod:`~channels_last_algo.app.recipe_keys`
+prints the reference (``channels-last train --help-keys``). :func:`recipe_from_dict` checks a parsed
+YAML mapping against the schema before anything is built, the keys that depend on each other too
+(:func:`check_durations` compares the times in samples), and raises :class:`RecipeError` with the
+key path and what would be valid. Nothing here needs Composer or torch.
 
 Example:
     >>> recipe = recipe_from_dict({'name': 'r', 'train': {'max_duration': '2ep'}}, 'r.yaml')
@@ -15,24 +16,28 @@ Example:
     Traceback (most recent call last):
     ...
     channels_last_algo.app.recipe_schema.RecipeError: r.yaml: optimizer.lr: -1.0 is out of range; expected a ... > 0
-    >>> parse_time('36ep'), parse_time('0.5dur')
-    ((36, 'ep'), (0.5, 'dur'))
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
-import re
-import string
 import types
 import typing
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import yaml
+from channels_last_algo.app.recipe_rules import (
+    Rule,
+    between,
+    choices,
+    closest,
+    count_or,
+    file_name,
+    parse_time,
+    placeholders,
+    time_string,
+    type_problem,
+)
 
 __all__ = [
     'DataConfig',
@@ -42,135 +47,13 @@ __all__ = [
     'RecipeError',
     'SchedulerConfig',
     'TrainConfig',
-    'between',
     'check_durations',
-    'choices',
-    'count_or',
-    'described',
-    'parse_time',
     'recipe_from_dict',
-    'time_string',
 ]
-
-Rule = Callable[[Any], Optional[str]]  # the problem with a value ('... expected ...'), or None when it is valid
-
-_TIME = re.compile(r'^([0-9]*\.?[0-9]+(?:e[0-9]+)?)(ep|ba|sp|tok|dur|iter)$')
-TIME_UNITS = {'ep': 'epochs', 'ba': 'batches', 'sp': 'samples', 'dur': 'a fraction of the whole run'}
 
 
 class RecipeError(ValueError):
     """A recipe that cannot be used; the message names the file, the key path and the fix."""
-
-
-def parse_time(text: str) -> tuple[Union[int, float], str]:
-    """A Composer time string as ``(value, unit)``: ``'36ep'`` -> ``(36, 'ep')``; integer values
-    for every unit but ``dur``. ValueError for anything Composer's ``Time.from_timestring`` would refuse."""
-    match = _TIME.match(text.strip().lower()) if isinstance(text, str) else None
-    if match is None:
-        raise ValueError(f'{text!r} is not a time string')
-    value, unit = float(match.group(1)), match.group(2)
-    if unit == 'dur':
-        return value, unit
-    if value != int(value):
-        raise ValueError(f'{text!r} needs a whole number of {unit}')
-    return int(value), unit
-
-
-# --- rules -----------------------------------------------------------------------------------------
-
-
-def described(expected: str, problem: Rule) -> Rule:
-    """``problem`` with the text of what it accepts (``rule.expected``), which the key reference prints."""
-    problem.expected = expected  # type: ignore[attr-defined]
-    return problem
-
-
-def _number(bound: float) -> str:
-    """A bound as written: ``4294967295``, ``0.5``."""
-    return str(int(bound)) if bound == int(bound) else f'{bound:g}'
-
-
-def between(low: float, high: float = math.inf, *, open_low: bool = False, open_high: bool = False) -> Rule:
-    """A finite number in a range (``open_*``: the bound itself excluded)."""
-    above = f'> {_number(low)}' if open_low else f'>= {_number(low)}'
-    below = '' if high == math.inf else (f' and < {_number(high)}' if open_high else f' and <= {_number(high)}')
-
-    def rule(value: float) -> Optional[str]:
-        inside = (value > low if open_low else value >= low) and (value < high if open_high else value <= high)
-        if (isinstance(value, int) or math.isfinite(value)) and inside:  # math.isfinite overflows on 10**400
-            return None
-        kind = 'a finite number' if isinstance(value, float) else 'an integer'
-        return f'{value!r} is out of range; expected {kind} {above}{below}'
-
-    return described(above + below, rule)
-
-
-def choices(*options: str) -> Rule:
-    expected = f'one of {", ".join(options)}'
-    return described(expected, lambda value: None if value in options else f'{value!r} is not {expected}')
-
-
-def count_or(special: Any, meaning: str) -> Rule:
-    """An integer >= 1, or ``special`` (meaning ``meaning``)."""
-    expected = f'{special!r} ({meaning}) or an integer >= 1'
-
-    def rule(value: Any) -> Optional[str]:
-        if value == special or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            return None
-        return f'{value!r} is {"out of range" if isinstance(value, int) else "not valid"}; expected {expected}'
-
-    return described(expected, rule)
-
-
-def time_string(units: str, allow_zero: bool = False) -> Rule:
-    """A time string in one of ``units`` (e.g. ``'ep ba'``), positive (or zero if allowed); a
-    ``dur`` fraction is at most 1."""
-    allowed = units.split()
-    examples = {'ep': '36ep', 'ba': '100ba', 'sp': '50000sp', 'dur': '0.1dur'}
-    expected = (
-        f'a {"non-negative" if allow_zero else "positive"} time in '
-        f'{", ".join(TIME_UNITS[u] for u in allowed)}, '
-        f'such as {" or ".join(repr(examples[u]) for u in allowed)}'
-    )
-
-    def rule(value: str) -> Optional[str]:
-        try:
-            amount, unit = parse_time(value)
-        except ValueError as error:
-            return f'{error}; expected {expected}'
-        if unit not in allowed:
-            return f'{value!r} is in a unit this key does not take; expected {expected}'
-        if amount < 0 or (amount == 0 and not allow_zero) or (unit == 'dur' and amount > 1):
-            return f'{value!r} is out of range; expected {expected}'
-        return None
-
-    return described(expected, rule)
-
-
-def _placeholders(*names: str) -> Rule:
-    """A ``str.format`` string whose only placeholders are ``names``."""
-    allowed = ', '.join('{' + name + '}' for name in names)
-
-    def rule(value: str) -> Optional[str]:
-        try:
-            fields = [field for _, field, _, _ in string.Formatter().parse(value) if field is not None]
-        except ValueError as error:
-            return f'{value!r} is not a valid format string ({error}); write braces only as {allowed}'
-        unknown = [field for field in fields if field not in names]
-        if unknown:
-            return f'{value!r} has the unknown placeholder {{{unknown[0]}}}; the only placeholder is {allowed}'
-        return None
-
-    return described(f'a path; the only placeholder is {allowed}', rule)
-
-
-def _file_name(value: str) -> Optional[str]:
-    if value and not set(value) & set('/\\\0{}') and value not in ('.', '..'):
-        return None
-    return f'{value!r} cannot name a run folder; use letters, digits, dots, dashes and underscores'
-
-
-described('a folder name: letters, digits, dots, dashes and underscores', _file_name)
 
 
 def _key(default: Any, rule: Optional[Rule] = None, *, doc: str) -> Any:
@@ -294,7 +177,7 @@ class TrainConfig:
     )
     seed: int = _key(17, between(0, 2**32 - 1), doc='the seed of weights, data order and augmentation')
     save_folder: str = _key(
-        'runs/{name}', _placeholders('name'), doc="the run's checkpoint folder, locked while it trains"
+        'runs/{name}', placeholders('name'), doc="the run's checkpoint folder, locked while it trains"
     )
     save_interval: str = _key(
         '1ep', time_string('ep ba dur'), doc='write a checkpoint this often, and at the end (before that evaluation)'
@@ -319,7 +202,7 @@ CHANNELS_LAST_OPTIONS: dict[str, tuple[Any, str]] = {
 class Recipe:
     """A whole recipe. ``algorithms`` maps a registry name to its options (or true/false)."""
 
-    name: str = _key(dataclasses.MISSING, _file_name, doc="the run's name: the {name} of train.save_folder")
+    name: str = _key(dataclasses.MISSING, file_name, doc="the run's name: the {name} of train.save_folder")
     model: ModelConfig = _section(ModelConfig, 'the network')
     data: DataConfig = _section(DataConfig, 'the images')
     optimizer: OptimizerConfig = _section(OptimizerConfig, 'the optimizer')
@@ -347,56 +230,6 @@ class Recipe:
 
 
 # --- checking ------------------------------------------------------------------------------------------
-
-
-def closest(key: str, options: list[str]) -> str:
-    """``'; did you mean ...'`` for the option closest to ``key``, or the list of valid options."""
-    close = difflib.get_close_matches(key, options, n=1)
-    return f"; did you mean '{close[0]}'?" if close else f'; valid keys: {", ".join(options)}'
-
-
-def type_problem(value: Any, annotation: Any) -> Optional[str]:
-    """What is wrong with the type of ``value`` for ``annotation`` (a type, or a Union of types), or None.
-
-    Example:
-        >>> type_problem(2, Union[int, str]), type_problem(1.5, Union[int, str])
-        (None, 'expected int or str, got float 1.5')
-    """
-    options = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    for option in options:
-        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return None
-        if isinstance(value, option) and not (option is int and isinstance(value, bool)):
-            return None
-    expected = f'expected {" or ".join(option.__name__ for option in options)}, got {type(value).__name__} {value!r}'
-    return expected + _number_as_text_hint(value, options)
-
-
-def _number_as_text_hint(value: Any, options: list[Any]) -> str:
-    """Why YAML read a number as text, and how to write it: YAML 1.1 takes ``1e-3`` and ``1.0e3`` as strings
-    (a float needs a dot and a signed exponent, ``1.0e-3``); '' when ``value`` is no such text.
-
-    Example:
-        >>> _number_as_text_hint('1e-3', [float]), _number_as_text_hint('1e3', [int])
-        ('; YAML reads 1e-3 as text: write 1.0e-3', '; YAML reads 1e3 as text: write 1000')
-    """
-    if not isinstance(value, str) or not ({int, float} & set(options)):
-        return ''
-    try:
-        number = float(value)
-    except ValueError:
-        return ''
-    if not math.isfinite(number) or (float not in options and number != int(number)):
-        return ''
-    if not isinstance(yaml.safe_load(value), str):
-        return f'; it is quoted: write {value} without quotes'
-    if float not in options:
-        written = str(int(number))
-    else:
-        mantissa, exponent = f'{number:e}'.split('e')
-        mantissa = mantissa.rstrip('0') + ('0' if mantissa.rstrip('0').endswith('.') else '')
-        written = mantissa + (f'e{int(exponent):+d}' if int(exponent) else '')
-    return f'; YAML reads {value} as text: write {written}'
 
 
 def _check_value(value: Any, annotation: Any, rule: Optional[Rule], where: str, error) -> Any:

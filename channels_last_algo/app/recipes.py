@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from channels_last_algo.app.algorithm_ranges import algorithm_cross_problem, algorithm_option_problem
+from channels_last_algo.app.recipe_rules import closest, parse_time, type_problem
 from channels_last_algo.app.recipe_schema import (
     DataConfig,
     ModelConfig,
@@ -47,10 +48,7 @@ from channels_last_algo.app.recipe_schema import (
     SchedulerConfig,
     TrainConfig,
     check_durations,
-    closest,
-    parse_time,
     recipe_from_dict,
-    type_problem,
 )
 from channels_last_algo.app.recipe_yaml import YamlError, parse_yaml, read_yaml_file
 from channels_last_algo.core.guard import OPTIONS

@@ -42,7 +42,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from channels_last_algo.app.recipe_schema import Recipe, RecipeError, parse_time
+from channels_last_algo.app.recipe_rules import parse_time
+from channels_last_algo.app.recipe_schema import Recipe, RecipeError
 
 __all__ = [
     'Footprint',
