@@ -145,6 +145,16 @@ def test_pre_flight_scan_names_every_image_that_cannot_be_decoded(image_root):
     assert scan_images(CheckedImageFolder(image_root / 'val')) == []
 
 
+def test_pre_flight_scan_plans_random_crops_without_moving_the_random_state(image_root):
+    """The scan plans each training crop as training will (torch's generator draws the boxes) and
+    leaves the generator where it was, so a checked run trains on the batches an unchecked one would."""
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    assert scan_images(imagenet_dataset('train', data_path=image_root, crop_size=32), workers=2) == []
+    assert torch.equal(torch.rand(3), expected)
+
+
 def test_a_corrupt_validation_image_loses_no_training(image_root, tmp_path, capfd):
     pytest.importorskip('composer')
     from channels_last_algo.app.cli import main
@@ -187,7 +197,8 @@ def test_a_corrupt_validation_image_loses_no_training(image_root, tmp_path, capf
         'is saved: continue with --resume'
     )
     assert read_state(folder / 'ep1-ba2-rank0.pt')['timestamp']['Timestamp']['epoch'] == 1
-    assert main(['train', RECIPE, '--resume', *overrides, '--set', 'data.on_corrupt=skip']) == 0
+    with pytest.warns(CorruptImageWarning, match=f'skipping corrupt image {broken}: '):
+        assert main(['train', RECIPE, '--resume', *overrides, '--set', 'data.on_corrupt=skip']) == 0
     assert read_state(folder / 'latest-rank0.pt')['timestamp']['Timestamp']['epoch'] == 2
 
 

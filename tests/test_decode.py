@@ -1,6 +1,7 @@
 """Decoding special files as Pillow does (corrupt, truncated, CMYK, grey, progressive, extra
-segments, trailing bytes, PNG modes), corrupt files in a checked folder through every path with
-the NHWC crops and with torchvision's PIL transforms, and the filled batches of ``__getitems__``."""
+segments, trailing bytes, PNG modes), JPEG data that libjpeg reports corrupt refused where Pillow
+would guess, corrupt files in a checked folder through every path with the NHWC crops and with
+torchvision's PIL transforms, and the filled batches of ``__getitems__``."""
 
 import contextlib
 import gc
@@ -13,8 +14,10 @@ import pytest
 import torch
 from image_folders import image_tree
 from PIL import Image
+from test_hostile_data import corrupt_data_jpegs
 from torch.utils.data import DataLoader, Subset, default_collate
 from torchvision import transforms
+from torchvision.datasets.folder import pil_loader
 
 from channels_last_algo.app.batch import FilledBatch
 from channels_last_algo.app.data import (
@@ -25,9 +28,10 @@ from channels_last_algo.app.data import (
     ToHWCUint8,
     build_loader,
     eval_transform,
+    scan_images,
     train_transform,
 )
-from channels_last_algo.app.decode import EncodedImage
+from channels_last_algo.app.decode import CorruptDataError, EncodedImage
 
 
 def pixels(height: int = 117, width: int = 150, seed: int = 0) -> np.ndarray:
@@ -89,6 +93,7 @@ def special_files() -> dict[str, bytes]:
 
 
 FILES = special_files()
+CORRUPT_DATA = corrupt_data_jpegs(Image.fromarray(pixels()))
 GOOD = [kind for kind in FILES if not kind.startswith(('garbage', 'JPEG header', 'truncated', 'cut', 'SOI'))]
 BAD = [kind for kind in FILES if kind not in GOOD]
 JPEGS = [kind for kind in FILES if not kind.startswith('png')]
@@ -159,7 +164,8 @@ def test_header_walk_reads_the_size_pillow_reads(kind, monkeypatch):
 
 def test_each_full_size_decoder_equals_pillow_on_what_it_takes():
     """Each fast decoder installed here, on every JPEG whose component count it claims: Pillow's pixels
-    exactly; on a corrupt or truncated one, a RuntimeError or ValueError (Pillow then decides)."""
+    exactly; on a corrupt or truncated one, a RuntimeError or ValueError (Pillow then decides) or
+    CorruptDataError (libjpeg's report of corrupt data: no other decoder is tried)."""
     from channels_last_algo.app.decode import FULL_SIZE_DECODERS
 
     assert FULL_SIZE_DECODERS, 'no fast decoder installed: simplejpeg or torchvision.io.decode_jpeg'
@@ -175,7 +181,87 @@ def test_each_full_size_decoder_equals_pillow_on_what_it_takes():
             if kind in GOOD:
                 np.testing.assert_array_equal(ours, pillow_decode(FILES[kind]), err_msg=f'{name} on {kind}')
             else:
-                assert isinstance(ours, tuple) and issubclass(ours[0], (RuntimeError, ValueError)), (name, kind, ours)
+                assert isinstance(ours, tuple), (name, kind, ours)
+                assert issubclass(ours[0], (RuntimeError, ValueError, CorruptDataError)), (name, kind, ours)
+
+
+@pytest.mark.parametrize('shrink', [1, 2, 4, 8])
+@pytest.mark.parametrize('kind', CORRUPT_DATA)
+def test_data_libjpeg_reports_corrupt_is_refused_where_pillow_guesses(kind, shrink, monkeypatch):
+    """Pillow (and so ImageFolder) decodes these files to guessed pixels without a word; here the
+    strict decoder's report stops the decode at every scale, and no fallback decodes it after."""
+    pytest.importorskip('simplejpeg')
+    data = CORRUPT_DATA[kind]
+    assert pillow_decode(data, shrink).shape[:2] == tuple(-(-side // shrink) for side in (117, 150))
+    with pytest.raises(CorruptDataError, match=r'^Corrupt JPEG data: .* \(libjpeg-turbo, through simplejpeg\)$'):
+        EncodedImage(data).decode(shrink)
+    monkeypatch.setattr('channels_last_algo.app.decode.decode_jpeg', lambda *args, **kwargs: pytest.fail('a fallback'))
+    with pytest.raises(CorruptDataError):
+        EncodedImage(data).decode(shrink)
+
+
+def test_pixels_of_another_size_than_the_header_declares_are_refused():
+    """The crop is planned from the header: pixels of another size would be cropped wrong, so they are refused."""
+    image = EncodedImage(FILES['png rgb'])
+    image.size = (100, 120)
+    with pytest.raises(CorruptDataError, match=r'^its header declares 120 x 100 pixels at 1/1 scale, but its data '):
+        image.decode()
+
+
+@pytest.mark.parametrize('shrink', [1, 2, 4, 8])
+@pytest.mark.parametrize('kind', ['baseline', 'progressive', 'grayscale'])
+def test_a_good_jpeg_is_decoded_once_without_pillow(kind, shrink, monkeypatch):
+    """The strict check costs nothing on a good file: one simplejpeg decode at the planned scale,
+    Pillow never opened."""
+    simplejpeg = pytest.importorskip('simplejpeg')
+    calls = []
+    decode = simplejpeg.decode_jpeg
+    monkeypatch.setattr(simplejpeg, 'decode_jpeg', lambda *args, **kwargs: calls.append(1) or decode(*args, **kwargs))
+    monkeypatch.setattr(Image, 'open', lambda *args, **kwargs: pytest.fail('Pillow opened a good JPEG'))
+    image = EncodedImage(FILES[kind])
+    assert image.decode(shrink).shape == (3, -(-117 // shrink), -(-150 // shrink)) and calls == [1]
+
+
+# --- special but good files in a folder ------------------------------------------------------------------
+
+
+def animated_gif() -> bytes:
+    frames = [Image.fromarray(pixels(40, 50, seed)).convert('P') for seed in range(3)]
+    return saved(frames[0], 'GIF', save_all=True, append_images=frames[1:])
+
+
+RGB = Image.fromarray(pixels(40, 50))
+GOOD_FILES = {
+    '16-bit grey PNG': ('x.png', saved(Image.fromarray(np.arange(2000, dtype=np.uint16).reshape(40, 50) * 30), 'PNG')),
+    'palette PNG with a transparent colour': ('x.png', saved(RGB.convert('P'), 'PNG', transparency=0)),
+    'grey PNG with alpha (LA)': ('x.png', saved(RGB.convert('LA'), 'PNG')),
+    '1-bit PNG': ('x.png', saved(RGB.convert('1'), 'PNG')),
+    'CMYK JPEG': ('x.jpg', saved(RGB.convert('CMYK'))),
+    'animated GIF named .jpg (its first frame)': ('x.jpg', animated_gif()),
+    '1 x 1 PNG, smaller than the crop': ('x.png', saved(Image.fromarray(pixels(1, 1)), 'PNG')),
+    '1 x 1 JPEG, smaller than the crop': ('x.jpg', saved(Image.fromarray(pixels(1, 1)))),
+    '3 x 500 JPEG (extreme aspect)': ('x.jpg', saved(Image.fromarray(pixels(500, 3)))),
+    '2000 x 2 PNG (extreme aspect)': ('x.png', saved(Image.fromarray(pixels(2, 2000)), 'PNG')),
+    'PNG named .jpg': ('x.jpg', saved(RGB, 'PNG')),
+    'float TIFF': ('x.tif', saved(RGB.convert('F'), 'TIFF')),
+    'WebP': ('x.webp', saved(RGB, 'WEBP')),
+}
+
+
+@pytest.mark.parametrize('case', GOOD_FILES)
+def test_special_but_good_image_in_a_folder_is_decoded_as_imagefolder_loads_it(tmp_path, case):
+    """Read from its content, not its extension: the pixels of torchvision's loader (Pillow's
+    ``convert('RGB')``), nothing reported by the pre-flight scan, both crops made, its own label."""
+    root = image_tree(tmp_path / 'data', per_class=2, splits=('train',)) / 'train'
+    name, data = GOOD_FILES[case]
+    (root / 'cat' / name).write_bytes(data)
+    decoded = EncodedImage.read(root / 'cat' / name).decode().permute(1, 2, 0).numpy()
+    np.testing.assert_array_equal(decoded, np.asarray(pil_loader(root / 'cat' / name)))
+    for transform in (eval_transform(32, 36), train_transform(32)):
+        data_set = CheckedImageFolder(root, transform)
+        assert scan_images(data_set) == []
+        image, label = data_set[2]
+        assert image.shape == (32, 32, 3) and label == 0
 
 
 # --- corrupt files in a checked folder -------------------------------------------------------------------

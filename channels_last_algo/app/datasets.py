@@ -2,10 +2,12 @@
 
 :class:`SyntheticImageNet` makes learnable ImageNet-shaped images on the fly (no files).
 :class:`CheckedImageFolder` is torchvision's ``ImageFolder`` that says what is wrong with a
-folder (missing, empty, an empty class, a directory symlink that would count a folder twice or
-loop forever) and does with a corrupt image what ``on_corrupt`` says, in training and
-evaluation alike. :func:`imagenet_dataset` picks one with the NHWC transforms, and
-:func:`scan_images` is the optional pre-flight check that decodes every image once.
+folder (missing, unreadable, empty, an empty class, images outside the class folders, a broken
+link, class names that differ only in Unicode normalisation, a directory symlink that would
+count a folder twice or loop forever) and does with a corrupt image what ``on_corrupt`` says,
+in training and evaluation alike. :func:`imagenet_dataset` picks one with the NHWC transforms,
+and :func:`scan_images` is the optional pre-flight check that reads, plans and decodes every
+image once, as training will. :func:`printable` shows a path on one line, whatever its name.
 
 Example:
     >>> data = imagenet_dataset('val', crop_size=64, synthetic_samples=10, num_classes=5)
@@ -17,11 +19,14 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
+import stat
+import unicodedata
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, NoReturn, Optional, Union
 
 import numpy as np
 import torch
@@ -31,7 +36,7 @@ from torchvision.datasets import ImageFolder
 from torchvision.datasets.folder import IMG_EXTENSIONS, has_file_allowed_extension
 
 from channels_last_algo.app.batch import WritesBatches
-from channels_last_algo.app.decode import EncodedImage
+from channels_last_algo.app.decode import EncodedImage, check_regular_file, pillow_errors
 from channels_last_algo.app.transforms import NHWCCrop, check_size, eval_transform, train_transform
 
 __all__ = [
@@ -41,6 +46,7 @@ __all__ = [
     'DataPathError',
     'SyntheticImageNet',
     'imagenet_dataset',
+    'printable',
     'scan_images',
 ]
 
@@ -57,11 +63,68 @@ class DataPathError(FileNotFoundError):
 
 
 class CorruptImageError(OSError):
-    """An image file that cannot be decoded (with ``on_corrupt='raise'``)."""
+    """An image file that cannot be decoded or is refused (with ``on_corrupt='raise'``): unreadable,
+    not an image, truncated, corrupt data, over the size limits (see :mod:`~channels_last_algo.app.decode`)."""
 
 
 class CorruptImageWarning(UserWarning):
     """An image file that cannot be decoded and was skipped (with ``on_corrupt='skip'``)."""
+
+
+def printable(path: PathLike) -> str:
+    """``path`` as text for a one-line message: as it is, or in ``ascii()`` escapes when it holds
+    a line break, another control character or bytes that are not UTF-8.
+
+    Example:
+        >>> print(printable('train/cat/1.jpg'), printable('train/cat/a\\nb.jpg'))
+        train/cat/1.jpg 'train/cat/a\\nb.jpg'
+    """
+    text = os.fspath(path)
+    return text if text.isprintable() else ascii(text)
+
+
+def _raise_unlistable(error: OSError) -> NoReturn:
+    """DataPathError for a folder that cannot be listed (``os.walk``'s ``onerror``: not a silent gap)."""
+    raise DataPathError(
+        f'cannot list the folder {printable(error.filename)}: {error.strerror}; make it readable, or remove it'
+    ) from error
+
+
+def _kind(path: Path) -> Optional[str]:
+    """``'folder'``, ``'file'`` (anything else) or None (nothing there) for ``path``, following
+    links; DataPathError when it cannot be looked at (a link loop, a parent folder without permission)."""
+    try:
+        return 'folder' if stat.S_ISDIR(os.stat(path).st_mode) else 'file'
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as error:
+        raise DataPathError(
+            f'cannot look at {printable(path)}: {error.strerror}; fix the path or its permissions'
+        ) from error
+
+
+def _entries(root: Path) -> list[os.DirEntry]:
+    """What the split folder ``root`` holds; DataPathError when it cannot be listed or holds a link
+    that leads nowhere (a class folder on a drive that is not mounted would be missing)."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError as error:
+        _raise_unlistable(error)
+    for entry in entries:
+        if entry.is_symlink() and not os.path.exists(entry.path):
+            raise DataPathError(
+                f'{printable(entry.path)} is a link to {printable(os.readlink(entry.path))}, which does not exist '
+                'or loops; the class folder it stands for would be missing. Fix its target, or remove the link'
+            )
+    return entries
+
+
+def _normalisation_twins(names: list[str]) -> list[list[str]]:
+    """The groups of two or more different ``names`` that are one name in Unicode NFC form."""
+    groups: dict[str, list[str]] = {}
+    for name in dict.fromkeys(names):
+        groups.setdefault(unicodedata.normalize('NFC', name), []).append(name)
+    return [group for group in groups.values() if len(group) > 1]
 
 
 def _link_in(*paths: str) -> Optional[Path]:
@@ -72,16 +135,16 @@ def _link_in(*paths: str) -> Optional[Path]:
 def _walk_once(top: str, seen: dict[tuple[int, int], str]) -> Iterator[tuple[str, list[str]]]:
     """``(folder, file names)`` under ``top``, following directory links, each real folder once:
     DataPathError naming the link when a folder is reached again (``seen`` spans the calls)."""
-    for folder, _, files in os.walk(top, followlinks=True):
+    for folder, _, files in os.walk(top, followlinks=True, onerror=_raise_unlistable):
         info = os.stat(folder)
         first = seen.setdefault((info.st_dev, info.st_ino), folder)
         if first != folder:
             link = _link_in(folder, first)
-            through = f' through the directory link {link} -> {os.readlink(link)}' if link else ''
+            through = f' through the directory link {printable(link)} -> {printable(os.readlink(link))}' if link else ''
             kind = 'a loop' if Path(folder).is_relative_to(first) else 'its images would be counted twice'
             raise DataPathError(
-                f'{folder} is the folder {first} again{through} ({kind}, under another label); '
-                'remove the link, or copy the files instead'
+                f'{printable(folder)} is the folder {printable(first)} again{through} ({kind}, under another '
+                'label); remove the link, or copy the files instead'
             )
         yield folder, files
 
@@ -178,13 +241,17 @@ class CheckedImageFolder(WritesBatches, ImageFolder):
       decodable image takes its place (with its own label), so batches keep their size.
 
     An :class:`NHWCCrop` transform reads each file's bytes and decodes only what its crop needs
-    (:class:`EncodedImage`), and fills whole batches in place (:class:`WritesBatches`); any
-    other transform gets the PIL image, as in ``ImageFolder``.
+    (:class:`EncodedImage`: corrupt JPEG data, decompression bombs and files that are no image
+    are refused), and fills whole batches in place (:class:`WritesBatches`); any other
+    transform gets the PIL image, as in ``ImageFolder``.
 
-    A missing or empty root, a root without class folders, a class folder without images (it
-    would shift the label of every class after it), or a directory link that loops or reaches
-    a folder a second time (its images would be repeated under another label) raise
-    :class:`DataPathError` naming the path.
+    Raise :class:`DataPathError` naming the path: a missing, unreadable or empty root, a root
+    without class folders or with image files outside them, a link there that leads nowhere,
+    class folders whose names differ only in Unicode normalisation (two classes that print the
+    same), a class folder without images (it would shift the label of every class after it),
+    a folder that cannot be listed, or a directory link that loops or reaches a folder a
+    second time (its images would be repeated under another label). Files without an image
+    extension are ignored, as ``ImageFolder`` ignores them.
 
     Example::
 
@@ -202,22 +269,22 @@ class CheckedImageFolder(WritesBatches, ImageFolder):
         if on_corrupt not in ON_CORRUPT:
             raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
         root = Path(root)
-        _check_has_class_folders(root)
+        _check_split_root(root)
         super().__init__(str(root), transform=transform, allow_empty=True)
         self.on_corrupt = on_corrupt
         self.corrupt_hint = corrupt_hint
         extensions = ' '.join(IMG_EXTENSIONS)
         if not self.samples:
             raise DataPathError(
-                f'image folder {root} has class folders but no images in them (extensions: '
-                f'{extensions}); expected {root}/<class>/<image>'
+                f'image folder {printable(root)} has class folders but no images in them (extensions: '
+                f'{extensions}); expected {printable(root)}/<class>/<image>'
             )
         counts = np.bincount(self.targets, minlength=len(self.classes))
         empty = [name for name, count in zip(self.classes, counts) if count == 0]
         if empty:
-            shown = ', '.join(str(root / name) for name in empty[:5]) + (' ...' if len(empty) > 5 else '')
+            shown = ', '.join(printable(root / name) for name in empty[:5]) + (' ...' if len(empty) > 5 else '')
             raise DataPathError(
-                f'{len(empty)} class folder(s) under {root} hold no images (extensions: '
+                f'{len(empty)} class folder(s) under {printable(root)} hold no images (extensions: '
                 f'{extensions}): {shown}. Add images or remove the folders; an empty class '
                 'would shift the label of every class after it.'
             )
@@ -231,7 +298,8 @@ class CheckedImageFolder(WritesBatches, ImageFolder):
         allow_empty: bool = False,
     ) -> list[tuple[str, int]]:
         """torchvision's ``(path, class index)`` list in its order, each real folder walked once:
-        a directory link that loops or reaches a folder twice raises :class:`DataPathError`."""
+        a directory link that loops or reaches a folder twice, or a folder that cannot be listed,
+        raises :class:`DataPathError`."""
         del allow_empty  # empty classes are reported by __init__
         valid = is_valid_file or (lambda path: has_file_allowed_extension(path, extensions or IMG_EXTENSIONS))
         seen: dict[tuple[int, int], str] = {}
@@ -248,31 +316,78 @@ class CheckedImageFolder(WritesBatches, ImageFolder):
             try:
                 if isinstance(self.transform, NHWCCrop):  # decoding happens in the crop: inside the try
                     return self.transform(EncodedImage.read(path), out=out), label
-                image = self.loader(path)
-            except (OSError, SyntaxError) as error:  # what PIL raises for unreadable or truncated files
+                check_regular_file(path)
+                with pillow_errors():
+                    image = self.loader(path)
+            except OSError as error:  # unreadable, not an image, truncated, corrupt, too large
                 if self.on_corrupt == 'raise':
                     raise CorruptImageError(
-                        f'cannot decode image {path}: {error}. Replace or delete the file, {self.corrupt_hint}.'
+                        f'cannot decode image {printable(path)}: {error}. Replace or delete the file, '
+                        f'{self.corrupt_hint}.'
                     ) from error
-                warnings.warn(f'skipping corrupt image {path}: {error}', CorruptImageWarning, stacklevel=2)
+                warnings.warn(f'skipping corrupt image {printable(path)}: {error}', CorruptImageWarning, stacklevel=2)
                 continue
             return (image if self.transform is None else self.transform(image)), label
-        raise CorruptImageError(f'no image under {self.root} can be decoded')
+        raise CorruptImageError(
+            f'no image under {printable(self.root)} can be decoded; replace the files the warnings name'
+        )
 
 
-def _check_has_class_folders(root: Path) -> None:
-    if not root.exists():
-        raise DataPathError(f'image folder {root} does not exist')
-    if not root.is_dir():
-        raise DataPathError(f'image folder {root} is a file, not a folder of class folders')
-    entries = list(os.scandir(root))
-    if not any(entry.is_dir() for entry in entries):
+def _class_folder_names(entries: list[os.DirEntry]) -> list[str]:
+    return sorted(entry.name for entry in entries if entry.is_dir())
+
+
+def _check_split_root(root: Path) -> None:
+    """DataPathError naming ``root`` unless it is a folder of class folders: missing, a file,
+    unreadable, empty, without class folders, with images outside them, with a link that leads
+    nowhere, or with class names that differ only in Unicode normalisation."""
+    kind = _kind(root)
+    if kind != 'folder':
+        state = 'is a file, not a folder of class folders' if kind else 'does not exist'
+        raise DataPathError(f'image folder {printable(root)} {state}')
+    entries = _entries(root)
+    classes = _class_folder_names(entries)
+    entries = [entry for entry in entries if not entry.is_dir()]
+    if not classes:
         found = 'holds files but no class folders' if entries else 'is empty'
-        raise DataPathError(f'image folder {root} {found}; expected {root}/<class>/<image>')
+        raise DataPathError(f'image folder {printable(root)} {found}; expected {printable(root)}/<class>/<image>')
+    loose = sorted(entry.name for entry in entries if has_file_allowed_extension(entry.name, IMG_EXTENSIONS))
+    if loose:
+        shown = ', '.join(printable(name) for name in loose[:3]) + (' ...' if len(loose) > 3 else '')
+        raise DataPathError(
+            f'image folder {printable(root)} holds {len(loose)} image file(s) outside its class folders '
+            f'({shown}), which would not be trained on; move each into its class folder '
+            f'({printable(root)}/<class>/<image>) or delete it'
+        )
+    twins = _normalisation_twins(classes)
+    if twins:
+        raise DataPathError(
+            f'image folder {printable(root)} holds class folders whose names differ only in Unicode '
+            f'normalisation: {", ".join(map(ascii, twins[0]))}; they print the same but would be different '
+            'classes. Merge them into one folder'
+        )
 
 
-def _class_folder_names(root: Path) -> list[str]:
-    return sorted(entry.name for entry in os.scandir(root) if entry.is_dir())
+def _check_same_classes(folder: Path, other: Path) -> None:
+    """DataPathError unless the split folders ``folder`` and ``other`` hold the same class folders
+    (names that differ only in Unicode normalisation are named as such, in ``ascii()`` escapes)."""
+    here, there = _class_folder_names(_entries(folder)), _class_folder_names(_entries(other))
+    if here == there:
+        return
+    only_here, only_there = sorted(set(here) - set(there)), sorted(set(there) - set(here))
+    twins = _normalisation_twins(only_here + only_there)
+    if twins:
+        spelled = '; '.join(f'{ascii(name)} in {(folder if name in only_here else other).name}/' for name in twins[0])
+        raise DataPathError(
+            f'{printable(folder)} and {printable(other)} spell a class folder name in different Unicode '
+            f'normalisations ({spelled}): they print the same but are different names, so the same label would '
+            'name different classes. Rename one to the other spelling (NFC: unicodedata.normalize("NFC", name))'
+        )
+    raise DataPathError(
+        f'{printable(folder)} and {printable(other)} hold different class folders (only in {folder.name}/: '
+        f'{only_here[:5]}; only in {other.name}/: {only_there[:5]}), so the same label would '
+        'name different classes. Give both splits the same class folders.'
+    )
 
 
 def imagenet_dataset(
@@ -293,8 +408,9 @@ def imagenet_dataset(
 
     With ``data_path``: a :class:`CheckedImageFolder` over ``data_path/split`` (the usual
     ``train/<wnid>/*.JPEG``, ``val/<wnid>/*.JPEG`` layout); when both split folders exist they
-    must hold the same class folders, and ``num_classes``, if given, must match them;
-    ``corrupt_hint`` ends the error of a corrupt image (say how to skip such files).
+    must be different folders that hold the same class folders (checked before the images are
+    listed), and ``num_classes``, if given, must match them; ``corrupt_hint`` ends the error of
+    a corrupt image (say how to skip such files).
     Without: a :class:`SyntheticImageNet` of ``num_classes`` (default 1000) classes and
     ``synthetic_samples`` images (default ImageNet's count for the split) of
     ``synthetic_image_size`` pixels (default ``crop_size * 256 / 224``, ImageNet's usual ratio).
@@ -311,61 +427,72 @@ def imagenet_dataset(
             seed=seed,
             transform=transform,
         )
-    data_path = Path(data_path)
-    if not data_path.is_dir():
-        state = 'is a file, not a folder' if data_path.exists() else 'does not exist'
-        raise DataPathError(
-            f'ImageNet data path {data_path} {state}; pass the folder that holds train/ and val/ '
-            'class folders, or no path for the synthetic set'
-        )
-    folder = data_path / split
-    if not folder.is_dir():
-        raise DataPathError(
-            f'ImageNet data path {data_path} has no {split}/ folder; expected '
-            f'{data_path}/train/<class>/<image> and {data_path}/val/<class>/<image>'
-        )
+    folder = _split_folder(Path(data_path), split)
     dataset = CheckedImageFolder(folder, transform, on_corrupt=on_corrupt, corrupt_hint=corrupt_hint)
-    other = data_path / SPLITS[1 - SPLITS.index(split)]
-    if other.is_dir():
-        other_classes = _class_folder_names(other)
-        if other_classes != dataset.classes:
-            only_here = sorted(set(dataset.classes) - set(other_classes))[:5]
-            only_there = sorted(set(other_classes) - set(dataset.classes))[:5]
-            raise DataPathError(
-                f'{folder} and {other} hold different class folders (only in {folder.name}/: '
-                f'{only_here}; only in {other.name}/: {only_there}), so the same label would '
-                'name different classes. Give both splits the same class folders.'
-            )
     if num_classes is not None and num_classes != len(dataset.classes):
         raise DataPathError(
-            f'{folder} holds {len(dataset.classes)} class folders but num_classes is {num_classes}; '
+            f'{printable(folder)} holds {len(dataset.classes)} class folders but num_classes is {num_classes}; '
             'set num_classes to the folder count'
         )
     return dataset
 
 
-def _decode_problem(path: str) -> Optional[str]:
-    """Why the image at ``path`` cannot be decoded, or None. A JPEG is decoded at 1/8 scale (all
-    of its data is still read, so truncation shows), other formats in full."""
+def _split_folder(data_path: Path, split: str) -> Path:
+    """``data_path/split``, checked against the other split's folder before its images are listed."""
+    kind = _kind(data_path)
+    if kind != 'folder':
+        state = 'is a file, not a folder' if kind else 'does not exist'
+        raise DataPathError(
+            f'ImageNet data path {printable(data_path)} {state}; pass the folder that holds train/ and val/ '
+            'class folders, or no path for the synthetic set'
+        )
+    folder, other = data_path / split, data_path / SPLITS[1 - SPLITS.index(split)]
+    kind = _kind(folder)
+    if kind != 'folder':
+        found = f': {split}/ is a file, not a folder' if kind else f' has no {split}/ folder'
+        raise DataPathError(
+            f'ImageNet data path {printable(data_path)}{found}; expected '
+            f'{printable(data_path)}/train/<class>/<image> and {printable(data_path)}/val/<class>/<image>'
+        )
+    if _kind(other) == 'folder':
+        if os.path.samefile(folder, other):
+            raise DataPathError(
+                f'{printable(folder)} and {printable(other)} are the same folder (through a link), so the model '
+                'would be evaluated on its training images; give val/ images of its own'
+            )
+        _check_split_root(folder)
+        _check_same_classes(folder, other)
+    return folder
+
+
+def _decode_problem(path: str, plan: Optional[Callable[[int, int], Any]]) -> Optional[str]:
+    """Why the image at ``path`` cannot be trained on, or None: it is read, sized, its crop planned
+    (``plan``, the transform's :meth:`NHWCCrop.checked_plan`, if any) and decoded as training does
+    it, a JPEG at the smallest scale (all of its data is still read, so corrupt data and truncation
+    show), other formats in full."""
     try:
-        with Image.open(path) as image:
-            image.draft('RGB', (max(1, image.width // 8), max(1, image.height // 8)))
-            image.load()
-    except (OSError, SyntaxError, ValueError) as error:  # what PIL raises for unreadable or truncated files
+        image = EncodedImage.read(path)
+        if plan is not None:
+            plan(*image.size)
+        image.decode(image.max_shrink(image.size, (1, 1)))
+    except OSError as error:  # unreadable, not an image, truncated, corrupt, too large
         return str(error) or type(error).__name__
     return None
 
 
 def scan_images(dataset: torch.utils.data.Dataset, workers: int = 0) -> list[tuple[str, str]]:
-    """Decode every image file of ``dataset`` once (the pre-flight check) and return ``(path,
-    problem)`` for each that cannot be decoded; ``[]`` for a set without files (the synthetic one).
-    ``workers`` threads decode side by side (0: one).
+    """Read, plan and decode every image file of ``dataset`` once, as training will (the pre-flight
+    check), and return ``(path, problem)`` for each that would be refused; ``[]`` for a set without
+    files (the synthetic one). ``workers`` threads decode side by side (0: one). The random crops'
+    draws leave torch's random state as it was. Show a path with :func:`printable`.
 
     Example:
         >>> scan_images(imagenet_dataset('val', crop_size=32, synthetic_samples=2, num_classes=2))
         []
     """
     paths = [path for path, _ in getattr(dataset, 'samples', [])]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        problems = list(pool.map(_decode_problem, paths))
+    transform = getattr(dataset, 'transform', None)
+    check = functools.partial(_decode_problem, plan=transform.checked_plan if isinstance(transform, NHWCCrop) else None)
+    with torch.random.fork_rng(devices=[]), concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+        problems = list(pool.map(check, paths))
     return [(path, problem) for path, problem in zip(paths, problems) if problem is not None]

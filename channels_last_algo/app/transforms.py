@@ -7,6 +7,9 @@ do, in this order:
 
 1. plan the crop from the image *size* alone (the header of a file): the same box and flip
    torchvision draws, from the same torch random calls (``RandomResizedCrop.get_params``);
+   a plan whose resize would exceed ``MAX_IMAGE_PIXELS`` (an evaluation resize of an image
+   hundreds of times longer than high) is refused before anything is decoded
+   (:meth:`NHWCCrop.checked_plan`);
 2. decode only as much resolution as the crop keeps (:meth:`EncodedImage.max_shrink`: a JPEG
    crop resized down by 2x or more is decoded at 1/2, 1/4 or 1/8 scale);
 3. resize the crop on uint8 NHWC with torch's antialiased bilinear kernel (within one grey
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torchvision import transforms
 
-from channels_last_algo.app.decode import as_image, rgb_pixels
+from channels_last_algo.app.decode import as_image, check_pixel_count, rgb_pixels
 
 __all__ = [
     'CropPlan',
@@ -113,11 +116,19 @@ class NHWCCrop(ABC):
     def plan(self, height: int, width: int) -> CropPlan:
         """Where the crop of an image of ``height`` x ``width`` comes from (random crops draw here)."""
 
+    def checked_plan(self, height: int, width: int) -> CropPlan:
+        """:meth:`plan`, refused with CorruptDataError when the resize it asks for is over
+        MAX_IMAGE_PIXELS (an image hundreds of times longer than high, whose short side an
+        evaluation resize scales up), before any pixel is decoded or resized."""
+        plan = self.plan(height, width)
+        check_pixel_count(*plan.resize, f'its crop would resize its {width} x {height} pixels to')
+        return plan
+
     def __call__(
         self, image: Any, out: Union[np.ndarray, torch.Tensor, None] = None
     ) -> Union[np.ndarray, torch.Tensor]:
         image = as_image(image)
-        plan = self.plan(*image.size)
+        plan = self.checked_plan(*image.size)
         if out is None:
             out = np.empty((self.size, self.size, 3), dtype=np.uint8)
         slot = torch.as_tensor(out)
