@@ -5,7 +5,8 @@ One thread, one process, every option over the same generated JPEGs (``imagenet_
 interleaved round by round:
 
     header   Pillow's Image.open (size only)  |  the start-of-frame walk (EncodedImage)
-    decode   Pillow full + np.asarray  |  EncodedImage at 1/2, 1/4, 1/8 (the scaled IDCT: simplejpeg, else Pillow draft)  |  each installed entry of
+    decode   Pillow full + np.asarray  |  EncodedImage at 1/2, 1/4, 1/8 (the scaled IDCT: simplejpeg,
+             else Pillow draft)  |  each installed entry of
              FULL_SIZE_DECODERS (simplejpeg, the ``jpeg`` extra; torchvision.io.decode_jpeg)
     resize   a random-resized-crop box to 224 px, and the whole image to a 232 px short side:
              Pillow (what torchvision runs on PIL images)  |  torch antialiased uint8 on the
@@ -52,9 +53,7 @@ def decode_options() -> dict[str, Callable[[bytes], object]]:
         'header: start-of-frame walk': lambda data: EncodedImage(data).size,
         'decode: Pillow full + asarray': lambda data: rgb_pixels(Image.open(io.BytesIO(data))),
         **{
-            f'decode: EncodedImage 1/{shrink} (scaled IDCT)': lambda data, shrink=shrink: EncodedImage(data).decode(
-                shrink
-            )
+            f'decode: EncodedImage 1/{shrink}': lambda data, shrink=shrink: EncodedImage(data).decode(shrink)
             for shrink in (2, 4, 8)
         },
     }
