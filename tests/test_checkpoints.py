@@ -1,8 +1,10 @@
 """Run folders and checkpoints: the lock, atomic writes, refusals, the choice of where to resume, and
-recipe runs that are interrupted, run twice at once, or resumed from the wrong checkpoint."""
+recipe runs that are interrupted, run twice at once, resumed from the wrong checkpoint, or whose
+checkpoint write fails."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
@@ -11,13 +13,14 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
 from recipe_runs import assert_same_run, final_state, train_args
 
-from channels_last_algo.app.run_folder import RunFolder, RunFolderError
+from channels_last_algo.app.run_folder import RunFolder, RunFolderError, read_state
 
 TESTS = Path(__file__).resolve().parent
 
@@ -70,6 +73,24 @@ def test_an_interrupted_write_leaves_the_earlier_checkpoints_whole(tmp_path):
     assert folder.latest().read_bytes() == b'first'
 
 
+def test_a_write_that_fails_in_the_file_system_names_the_checkpoint_the_cause_and_the_newest_whole_one(tmp_path):
+    folder = RunFolder(tmp_path)
+    folder.write('ep0-ba2-rank0.pt', lambda file: file.write(b'first'))
+
+    def fill_the_disk(file):
+        file.write(b'half of the seco')
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(RunFolderError) as refused:
+        folder.write('ep0-ba4-rank0.pt', fill_the_disk)
+    assert str(refused.value) == (
+        f'cannot write checkpoint ep0-ba4-rank0.pt in {tmp_path}: No space left on device (nothing is lost: the '
+        f'newest whole checkpoint is {tmp_path}/ep0-ba2-rank0.pt); free space on its disk, then continue with --resume'
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['ep0-ba2-rank0.pt', 'latest-rank0.pt']
+    assert folder.latest().read_bytes() == b'first'
+
+
 def test_a_folder_with_an_earlier_run_is_refused_unless_resumed_or_overwritten(tmp_path):
     folder = RunFolder(tmp_path)
     for batch in (2, 4):
@@ -98,7 +119,7 @@ def test_resume_takes_the_newest_readable_checkpoint_and_names_every_unusable_on
     newest = _fake_checkpoint(tmp_path / 'ep0-ba4-rank0.pt', 4)
     newest.write_bytes(newest.read_bytes()[:-100])  # truncated
     assert folder.resume_point(True, '8ba') == tmp_path / 'ep0-ba2-rank0.pt'
-    assert f'skipping {newest} is truncated or corrupt' in caplog.text
+    assert f'--resume: skipping an unusable checkpoint: {newest} is truncated or corrupt' in caplog.text
     with pytest.raises(RunFolderError, match=rf'^{newest} is truncated or corrupt: .*--resume PATH'):
         folder.resume_point(newest, '8ba')
     with pytest.raises(
@@ -236,6 +257,8 @@ def test_a_checkpoint_copied_into_a_new_folder_resumes_there(tmp_path, capfd, co
             'train.save_folder to the run to resume'
         )
     )
+    assert not folder.exists()  # refused before anything was written
+    folder.mkdir()
     shutil.copy(uninterrupted / 'ep0-ba2-rank0.pt', folder / 'latest-rank0.pt')  # all that survived of a run
     assert composer_main(train_args(folder, '--resume')) == 0
     assert_same_run(final_state(folder), final_state(uninterrupted))
@@ -316,9 +339,9 @@ def test_resume_refuses_a_finished_run_another_model_and_broken_files_in_one_lin
     )
     longer = ('train.max_duration=8ba',)
     assert refused('--resume', overrides=(*longer, 'model.num_classes=5')).endswith(
-        f"{newest} holds another model ('module.head.weight' is [10, 32] there and [5, 32] here); resume it with the "
-        'recipe (model and algorithms) that wrote it, or train this recipe in a new folder '
-        '(--set train.save_folder=PATH)'
+        f"error: {newest} holds another model than this recipe builds ('module.head.weight' is [10, 32] there and "
+        f'[5, 32] here); {folder} holds the run of another recipe: give this run a new folder (--set '
+        'train.save_folder=PATH), or replace that run with --overwrite (without --resume)'
     )
     assert f'{newest} holds another model' in refused('--resume', overrides=(*longer, 'algorithms.blurpool=false'))
     assert refused().endswith(
@@ -337,3 +360,54 @@ def test_resume_refuses_a_finished_run_another_model_and_broken_files_in_one_lin
     assert composer_main(train_args(folder, '--resume', overrides=longer)) == 0
     assert final_state(folder, batch=6)['timestamp']['Timestamp']['batch'] == 6  # whole again
     assert (folder / 'latest-rank0.pt').resolve() == next(folder.glob('ep*-ba8-rank0.pt'))
+
+
+# A checkpoint write that fails in the file system: the `save`-th torch.save of the run writes into a file
+# that takes 4 KiB, then fails as a full disk (or a file size limit) does.
+
+
+def _filling(file, room: int, code: int) -> types.SimpleNamespace:
+    """``file``, whose writes fail with ``code`` (ENOSPC: the disk is full) once ``room`` bytes are written."""
+    written = []
+
+    def write(data) -> int:
+        if sum(written) + len(data) > room:
+            raise OSError(code, os.strerror(code))
+        written.append(len(data))
+        return file.write(data)
+
+    return types.SimpleNamespace(write=write, flush=file.flush)
+
+
+@pytest.mark.parametrize(
+    'save, code, written, fix',
+    [
+        (2, errno.ENOSPC, 'ep0-ba4-rank0.pt', 'free space on its disk, then continue with --resume'),
+        (1, errno.ENOSPC, 'ep0-ba2-rank0.pt', 'free space on its disk, then run again'),
+        (3, errno.EFBIG, 'ep1-ba6-rank0.pt', 'raise the file size limit (ulimit -f), then continue with --resume'),
+    ],
+    ids=['full disk at the second checkpoint', 'full disk at the first checkpoint', 'file size limit'],
+)
+def test_a_checkpoint_write_that_fails_names_it_the_cause_and_the_newest_whole_one(
+    save, code, written, fix, tmp_path, capfd, monkeypatch, composer_main
+):
+    real, calls = torch.save, []
+
+    def filling_save(obj, file, *args, **kwargs):
+        calls.append(file)
+        return real(obj, _filling(file, 4096, code) if len(calls) == save else file, *args, **kwargs)
+
+    monkeypatch.setattr(torch, 'save', filling_save)
+    folder = tmp_path / 'run'
+    assert composer_main(train_args(folder)) == 2
+    whole = sorted(folder.glob('ep*.pt'))
+    kept = f'the newest whole checkpoint is {whole[-1]}' if whole else 'no whole checkpoint is in it yet'
+    err = capfd.readouterr().err
+    assert 'Traceback' not in err and err.strip().splitlines()[-1].endswith(
+        f'error: cannot write checkpoint {written} in {folder}: {os.strerror(code)} (nothing is lost: {kept}); {fix}'
+    )
+    assert len(whole) == save - 1 and not [p for p in folder.iterdir() if p.name.endswith('.partial')]
+    assert [read_state(path)['timestamp']['Timestamp']['batch'] for path in whole] == [2, 4][: save - 1]
+    monkeypatch.setattr(torch, 'save', real)  # the space is freed: the advice finishes the run
+    assert composer_main(train_args(folder, *(['--resume'] if '--resume' in fix else []))) == 0
+    assert read_state(folder / 'latest-rank0.pt')['timestamp']['Timestamp']['batch'] == 6

@@ -33,34 +33,51 @@ from composer.utils import create_interval_scheduler, dist, reproducibility
 from channels_last_algo.app.recipe_schema import Recipe
 from channels_last_algo.app.run_folder import CHECKPOINT_NAME, RunFolder, RunFolderError, check_readable, read_state
 
-__all__ = ['RunCheckpoints', 'check_same_model', 'model_from_checkpoint']
+__all__ = ['RunCheckpoints', 'check_same_model', 'model_difference', 'model_from_checkpoint']
 
 _SAVE_EVENTS = {Event.BATCH_END, Event.EPOCH_END}  # both come before the evaluation of the same point
 
 
-def check_same_model(path: Union[str, os.PathLike], model: torch.nn.Module, saved: Optional[dict] = None) -> None:
-    """RunFolderError naming ``path`` and the first differing key unless the checkpoint's model
-    state has ``model``'s keys and shapes. ``saved``: that state, if already read."""
-    saved = read_state(Path(path))['model'] if saved is None else saved
+def _shape(value: Any) -> str:
+    return str(list(value.shape)) if isinstance(value, torch.Tensor) else f'a {type(value).__name__}'
+
+
+def model_difference(saved: dict[str, Any], model: torch.nn.Module) -> Optional[str]:
+    """The first key or shape in which a checkpoint's model state ``saved`` differs from ``model``'s
+    state_dict, in words; None when both have the same keys and shapes."""
     current = model.state_dict()
     difference = next((f'{key!r} is missing from it' for key in current if key not in saved), None)
     difference = difference or next(
         (f'it has {key!r}, which this model lacks' for key in saved if key not in current), None
     )
-    difference = difference or next(
+    return difference or next(
         (
-            f'{key!r} is {list(saved[key].shape)} there and {list(value.shape)} here'
+            f'{key!r} is {_shape(saved[key])} there and {list(value.shape)} here'
             for key, value in current.items()
-            if saved[key].shape != value.shape
+            if _shape(saved[key]) != str(list(value.shape))
         ),
         None,
     )
+
+
+def check_same_model(path: Union[str, os.PathLike], model: torch.nn.Module, saved: Optional[dict] = None) -> None:
+    """RunFolderError naming ``path`` and the first differing key unless the checkpoint's model
+    state has ``model``'s keys and shapes. ``saved``: that state, if already read."""
+    difference = model_difference(read_state(Path(path))['model'] if saved is None else saved, model)
     if difference:
         raise RunFolderError(
-            f'{path} holds another model ({difference}); resume it with the recipe (model and '
-            'algorithms) that wrote it, or train this recipe in a new folder '
-            '(--set train.save_folder=PATH)'
+            f'{path} holds another model ({difference})',
+            'use the recipe (model, algorithms and --set overrides) that wrote it',
         )
+
+
+def _holds(path: Path, model: torch.nn.Module) -> bool:
+    """Whether the checkpoint at ``path`` is whole and holds ``model`` (its keys and shapes)."""
+    try:
+        check_readable(path)
+        return model_difference(read_state(path)['model'], model) is None
+    except RunFolderError:
+        return False
 
 
 class RunCheckpoints(Callback):
@@ -87,9 +104,39 @@ class RunCheckpoints(Callback):
         self._last_batch: Optional[int] = None
 
     def before_load(self, state: State, logger: Logger) -> None:
-        del logger  # unused; Event.BEFORE_LOAD comes after the algorithms' surgery at Event.INIT
-        if self.resume_from is not None:
-            check_same_model(self.resume_from, state.model)
+        """RunFolderError naming the checkpoint to resume, what differs and the fix that fits, when it
+        holds another model. Event.BEFORE_LOAD comes after the algorithms' surgery at Event.INIT."""
+        del logger  # unused
+        if self.resume_from is None:
+            return
+        difference = model_difference(read_state(self.resume_from)['model'], state.model)
+        if difference:
+            problem = f'{self.resume_from} holds another model than this recipe builds ({difference})'
+            raise RunFolderError(problem, self._foreign_fix(state.model))
+
+    def _foreign_fix(self, model: torch.nn.Module) -> str:
+        """How to go on when the checkpoint to resume holds another model: from this recipe's own
+        newest checkpoint in the folder, in another folder, or over the other run."""
+        start = self.resume_from.resolve()  # type: ignore[union-attr]
+        others = [c for c in self.run.checkpoints() if c.path.resolve() != start]
+        own = next((c for c in reversed(others) if _holds(c.path, model)), None)
+        if own is not None:
+            later = [
+                'it' if c.path.resolve() == start else c.path.name
+                for c in self.run.checkpoints()
+                if c.batch > own.batch
+            ]
+            deleting = f' --overwrite (which deletes {", ".join(later)})' if later else ''
+            return f"continue from this recipe's own newest checkpoint with --resume {own.path}{deleting}"
+        if start.parent == self.run.folder.resolve():
+            return (
+                f'{self.run.folder} holds the run of another recipe: give this run a new folder '
+                '(--set train.save_folder=PATH), or replace that run with --overwrite (without --resume)'
+            )
+        return (
+            'resume it with the recipe (model, algorithms and --set overrides) that wrote it, or resume a '
+            'checkpoint of this recipe'
+        )
 
     def batch_end(self, state: State, logger: Logger) -> None:
         self._save_if_due(state, Event.BATCH_END)

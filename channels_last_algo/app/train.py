@@ -6,9 +6,13 @@ and closes it. Checkpoints are written atomically and before evaluation
 (:class:`~channels_last_algo.app.checkpoints.RunCheckpoints`), so a run stopped by a corrupt image,
 a Ctrl-C or a kill keeps every checkpoint it finished; a corrupt image ends it with
 :class:`RunError`, one line naming the file, the recipe key that skips such files, and the
-checkpoint to resume from. ``check_data`` decodes every image once before anything else
-(:func:`~channels_last_algo.app.datasets.scan_images`). It returns the last checkpoint and the
-metrics of the evaluation at the end (:class:`RunResult`).
+checkpoint to resume from. Any other failure while the run is built or trained ends it with
+:class:`RunError` too: one line naming the exception, the training time and the place it came
+from (:func:`failure_place`), and the newest whole checkpoint, with the full traceback written to
+a file of the save folder. Before any work, every refusal of the save folder and of the checkpoint
+to resume is made (:meth:`~channels_last_algo.app.run_folder.RunFolder.check`); then
+``check_data`` decodes every image once (:func:`~channels_last_algo.app.datasets.scan_images`).
+It returns the last checkpoint and the metrics of the evaluation at the end (:class:`RunResult`).
 
 Example::
 
@@ -18,20 +22,37 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import os
+import re
 import sys
+import sysconfig
+import tempfile
+import time
+import traceback
 from pathlib import Path
-from typing import NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
-from channels_last_algo.app.datasets import CorruptImageError, scan_images
-from channels_last_algo.app.recipes import Recipe, build_datasets, build_trainer
+from channels_last_algo.app.datasets import CorruptImageError, printable, scan_images
+from channels_last_algo.app.recipes import Recipe, RecipeError, build_datasets, build_trainer
+from channels_last_algo.app.run_folder import RunFolder, RunFolderError
 
-__all__ = ['RunError', 'RunResult', 'check_data_set', 'train_recipe']
+__all__ = ['RunError', 'RunResult', 'check_data_set', 'failure_place', 'train_recipe']
+
+# the modules whose frames say where a failure came from, besides the user's own: this package's
+# (but this one) and Composer's algorithms and callbacks, wherever they are installed
+_PLACES = re.compile(r'^(channels_last_algo|composer\.(algorithms|callbacks))\.')
+_LONGEST = 300  # characters of an exception's first line in the one-line message: the file holds the rest
+_PASSING_ON = ('__torch_dispatch__', '__torch_function__')
+_LIBRARIES = tuple({str(Path(sysconfig.get_path(key)).resolve()) + os.sep for key in ('stdlib', 'purelib', 'platlib')})
 
 
 class RunError(RuntimeError):
-    """A run that cannot start or go on because of its data; the message names the file, the fix
-    and what was saved."""
+    """A run that cannot start or go on: its data, or a failure while it was built or trained; the
+    message names what failed, where, the fix or the traceback file, and what was saved."""
+
+
+_REPORTED = (RecipeError, RunFolderError, RunError)  # their messages name the file and the fix in one line
 
 
 class RunResult(NamedTuple):
@@ -69,7 +90,9 @@ def check_data_set(recipe: Recipe, data_path: Optional[str] = None) -> int:
     images = sum(len(getattr(split, 'samples', [])) for split in (train, val))
     bad = scan_images(train, recipe.data.workers) + scan_images(val, recipe.data.workers)
     if bad:
-        shown = ', '.join(f'{path} ({problem})' for path, problem in bad[:3]) + (' ...' if len(bad) > 3 else '')
+        shown = ', '.join(f'{printable(path)} ({problem})' for path, problem in bad[:3]) + (
+            ' ...' if len(bad) > 3 else ''
+        )
         if recipe.data.on_corrupt == 'raise':
             raise RunError(
                 f'--check-data: {len(bad)} of {images} images cannot be decoded: {shown}; replace or '
@@ -83,6 +106,76 @@ def check_data_set(recipe: Recipe, data_path: Optional[str] = None) -> int:
     return images
 
 
+def _telling(frame: Any) -> bool:
+    """Whether ``frame`` says where a failure came from: a frame of this package (but this module),
+    of a Composer algorithm or callback, or of the user's own code (no installed library's), but
+    not a torch mode's, which only passes on the ops that the code around it calls."""
+    name = frame.f_globals.get('__name__', '')
+    if name == __name__ or frame.f_code.co_name in _PASSING_ON:
+        return False
+    if _PLACES.match(name):
+        return True
+    file = frame.f_code.co_filename
+    return not file.startswith('<') and not str(Path(file).resolve()).startswith(_LIBRARIES)
+
+
+def failure_place(error: BaseException) -> str:
+    """``module.function`` of the innermost frame of ``error``'s traceback in this package (but
+    this module), in a Composer algorithm or callback, or in the user's own code (a model given as
+    ``module.path:callable``); else of its innermost frame.
+
+    Example:
+        >>> def fail():
+        ...     raise ValueError('boom')
+        >>> try:
+        ...     fail()
+        ... except ValueError as error:
+        ...     failure_place(error).rsplit('.', 1)[-1]
+        'fail'
+    """
+    frames = [frame for frame, _ in traceback.walk_tb(error.__traceback__)]
+    if not frames:
+        return 'an unknown place'
+    chosen = next((frame for frame in reversed(frames) if _telling(frame)), frames[-1])
+    code = chosen.f_code
+    return f'{chosen.f_globals.get("__name__", "?")}.{getattr(code, "co_qualname", code.co_name)}'
+
+
+def _write_traceback(error: BaseException, folder: Path) -> str:
+    """Write ``error``'s full traceback to ``error-<time>.log`` in ``folder`` (else in the temporary
+    folder); the words that say where it is."""
+    text = ''.join(traceback.format_exception(error))
+    name = time.strftime('error-%Y%m%d-%H%M%S.log')
+    for place in (folder, Path(tempfile.gettempdir())):
+        try:
+            (place / name).write_text(text)
+        except OSError:
+            continue
+        return f'the full traceback is in {place / name}'
+    return 'the full traceback could not be written anywhere'
+
+
+def _failure(error: Exception, when: str, saved: str, folder: Path) -> RunError:
+    """The one-line RunError of an unexpected ``error``: what failed, when and where, what is saved,
+    and the file that holds its traceback."""
+    first = (str(error).strip().splitlines() or [''])[0][:_LONGEST]
+    what = f'{type(error).__name__}: {first}' if first else type(error).__name__
+    return RunError(f'{when} failed in {failure_place(error)}: {what}; {saved}; {_write_traceback(error, folder)}')
+
+
+def _build(recipe: Recipe, data_path: Optional[str], resume: Any, overwrite: bool) -> Any:
+    """:func:`build_trainer`, with an unexpected failure turned into a :func:`_failure`."""
+    try:
+        return build_trainer(recipe, data_path=data_path, resume=resume, overwrite=overwrite)
+    except _REPORTED:
+        raise
+    except Exception as error:
+        failure = _failure(error, 'building the run', 'nothing was trained', recipe.save_folder())
+        error.__traceback__ = None  # in the file now: the half-built Trainer goes, its progress bars closed first
+        gc.collect()
+        raise failure from error
+
+
 def train_recipe(
     recipe: Recipe,
     data_path: Optional[str] = None,
@@ -94,19 +187,26 @@ def train_recipe(
 
     ``resume``: True for the newest readable checkpoint in the save folder, a path for that one.
     ``overwrite``: replace an earlier run's checkpoints there instead of refusing the folder.
-    ``check_data``: :func:`check_data_set` first.
+    ``check_data``: :func:`check_data_set` first. A failure while the run is built or trained
+    raises :class:`RunError` (see the module docstring); Ctrl-C and SystemExit are re-raised.
     """
+    from composer.utils import dist
+
     from channels_last_algo.app.checkpoints import RunCheckpoints
 
+    if dist.get_global_rank() == 0:  # the rank that locks and writes the folder refuses it before any other work
+        RunFolder(recipe.save_folder()).check(resume, overwrite, recipe.train.max_duration)
     if check_data:
         check_data_set(recipe, data_path)
-    trainer = build_trainer(recipe, data_path=data_path, resume=resume, overwrite=overwrite)
+    trainer = _build(recipe, data_path, resume, overwrite)
     checkpoints = next(callback for callback in trainer.state.callbacks if isinstance(callback, RunCheckpoints))
 
     def saved() -> str:
-        if not checkpoints.saved:
-            return 'no checkpoint was written by this run'
-        return f'the training up to {checkpoints.saved[-1]} is saved: continue with --resume'
+        if checkpoints.saved:
+            return f'the training up to {checkpoints.saved[-1]} is saved: continue with --resume'
+        if checkpoints.resume_from is not None:
+            return f'no checkpoint was written by this run; {checkpoints.resume_from}, which it resumed, is whole'
+        return 'no checkpoint was written by this run'
 
     try:
         trainer.fit()
@@ -115,6 +215,12 @@ def train_recipe(
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C (Composer turns SIGINT and SIGTERM into SystemExit)
         print(f'channels-last train: stopped; {saved()}', file=sys.stderr)
         raise
+    except _REPORTED:
+        raise
+    except Exception as error:
+        timestamp = trainer.state.timestamp
+        when = f'training after {int(timestamp.batch)} batches (epoch {int(timestamp.epoch)})'
+        raise _failure(error, when, saved(), recipe.save_folder()) from error
     finally:
         trainer.close()
     timestamp = trainer.state.timestamp
