@@ -7,6 +7,7 @@ numbers are those of the NCHW model."""
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -115,6 +116,20 @@ def test_keys_positions_and_predicates_choose_without_a_first_batch():
     assert not is_channels_last(out[0]) and is_channels_last(out[1])
     out = LayoutGuard(inputs='all').on_batch(batch)
     assert is_channels_last(out['image']) and is_channels_last(out['frames'])
+
+
+@pytest.mark.parametrize(
+    'inputs, batch, named',
+    [
+        ([7], (torch.randn(2, 3, 4, 4), torch.zeros(2)), '7'),
+        (['imgae'], {'image': torch.randn(2, 3, 4, 4)}, "'imgae'"),
+        ([1], (torch.randn(2, 3, 4, 4), torch.zeros(2)), '1'),  # a tensor there, but not a 4D/5D one
+    ],
+)
+def test_a_named_input_that_is_not_in_the_batch_is_refused_at_the_first_batch(inputs, batch, named):
+    guard = LayoutGuard(inputs=inputs)
+    with pytest.raises(ValueError, match=rf'inputs=.*: {re.escape(named)} names no 4D or 5D tensor of the batch'):
+        guard.on_batch(batch)
 
 
 @pytest.mark.parametrize('bad', ['some', [], [True], 3, [1.5]])

@@ -214,6 +214,7 @@ class InputSelection:
         self._hooks: list[RemovableHandle] = []
         self._calls: list[bool] = []  # the module calls under way, each: followed inside or not
         self._compiled_seen = False  # a torch.compile'd module was called while following
+        self._named_checked: set[str] = set()  # the batch structures a list of inputs was checked against
 
     def __repr__(self) -> str:
         return repr(self.inputs) if not callable(self.inputs) else getattr(self.inputs, '__name__', 'predicate')
@@ -251,12 +252,28 @@ class InputSelection:
         they came); in ``'auto'`` mode the structure must be :meth:`known`."""
         structure = self._structure_of(batch) if self.inputs == 'auto' else None
         flat, spec = tree_flatten_with_path(batch)
-        leaves = []
+        leaves, candidates = [], []
         for path, leaf in flat:
             plain = tuple(_plain(entry) for entry in path)
             is_candidate = isinstance(leaf, torch.Tensor) and channels_last_format(leaf) is not None
+            candidates += [plain] if is_candidate else []
             leaves.append(restride(leaf) if is_candidate and self.selected(plain, leaf, structure) else leaf)
+        if isinstance(self.inputs, (list, tuple)) and str(spec) not in self._named_checked:
+            self._check_named(candidates)
+            self._named_checked.add(str(spec))
         return tree_unflatten(leaves, spec)
+
+    def _check_named(self, candidates: list[Path]) -> None:
+        """ValueError when an entry of the ``inputs`` list names no 4D/5D tensor of a batch whose 4D/5D
+        tensors are at ``candidates`` (a key or position that is not there: nothing would go NHWC)."""
+        for entry in self.inputs:
+            prefix = entry if isinstance(entry, tuple) else (entry,)
+            if not any(path[: len(prefix)] == prefix for path in candidates):
+                found = ', '.join(path_name(path) for path in candidates) or 'none'
+                raise ValueError(
+                    f'inputs={self.inputs!r}: {entry!r} names no 4D or 5D tensor of the batch (its 4D/5D tensors: '
+                    f"{found}); name the image tensors' keys or positions, or use inputs='auto'"
+                )
 
     def start(
         self, batch: Any, guess: Callable[[torch.Tensor], bool], restride: Callable[[torch.Tensor], torch.Tensor]
