@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import inspect
 import os
+import select
 import signal
 import traceback
 import warnings
@@ -139,6 +141,9 @@ def _require_onnx(dynamo):
     return ort
 
 
+CHILD_TIMEOUT = 600
+
+
 def _in_child(fn):
     """Run ``fn()`` in a forked child process, so that a crash (the TorchScript exporter has died from
     SIGSEGV on a layer it mistranslated) fails a test instead of ending the session; what went wrong
@@ -147,6 +152,9 @@ def _in_child(fn):
     pid = os.fork()
     if pid == 0:
         os.close(read)
+        # Garbage inherited from earlier tests (a gloo process group) must not be collected here: its
+        # destructor waits on threads the fork did not copy, and the child would hang.
+        gc.disable()
         try:
             torch.set_num_threads(1)  # nor does OpenMP's
             torch.cuda.is_available = lambda: False  # nor CUDA (the exports run on the CPU)
@@ -157,6 +165,10 @@ def _in_child(fn):
         os._exit(0)
     os.close(write)
     with os.fdopen(read) as pipe:
+        if not select.select([pipe], [], [], CHILD_TIMEOUT)[0]:  # a hang guard, far beyond any export here
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return f'the process hung for {CHILD_TIMEOUT} s and was killed'
         error = pipe.read()
     status = os.waitpid(pid, 0)[1]
     if os.WIFSIGNALED(status):
