@@ -247,3 +247,37 @@ def test_a_compiled_fullgraph_forward_keeps_the_first_batch_guess():
         assert is_channels_last(images)
         compiled(images)
     assert guard.inputs.chosen and all(chosen == {()} for chosen in guard.inputs.chosen.values())
+
+
+class FailsBeforeAnyConvolution(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(7)  # the batch's last dimension is 8: this raises first
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        return self.conv(self.norm(x))
+
+
+@pytest.mark.parametrize('audit_steps', [0, 1])
+@pytest.mark.parametrize(
+    'model, error',
+    [
+        (FailsBeforeAnyConvolution, 'normalized_shape'),
+        (lambda: nn.Sequential(nn.Conv2d(1, 4, 3)), 'expected input.* to have 1 channels'),  # fails in the convolution
+    ],
+    ids=['before a convolution', 'in a convolution'],
+)
+def test_a_first_step_that_fails_shows_its_own_error_and_stops_following(model, error, audit_steps):
+    """The model's error comes out as it is (a hook taking itself off while torch unwinds the forward
+    once replaced it with "OrderedDict mutated during iteration"), and nothing of the failed step
+    follows later module calls of any model."""
+    model = model()
+    guard = LayoutGuard(audit_steps=audit_steps)
+    guard.on_init(model)
+    batch = guard.on_batch(torch.randn(2, 3, 8, 8))
+    with pytest.raises(RuntimeError, match=error), guard.step():
+        model(batch)
+    assert guard.inputs._flow is None
+    guard.on_batch(torch.randn(2, 3, 8, 8))  # the next batch takes the idle hooks off
+    assert not guard.inputs._hooks

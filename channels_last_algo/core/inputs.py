@@ -43,6 +43,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Optional, Union
@@ -165,28 +166,34 @@ class _Flow(TorchFunctionMode):
 
 
 def _hooks_on_every_module(selection: InputSelection) -> list[RemovableHandle]:
-    """Global module hooks that call ``selection`` around every module call; they hold it weakly
-    and take themselves off once it is gone (a guard dropped before its first forward)."""
+    """Global module hooks that call ``selection`` around every module call. They hold it weakly and
+    are taken off when it is collected, never from inside a hook: torch walks its global hooks while
+    a forward unwinds from an error, and a hook that took itself off there would replace that
+    error with "OrderedDict mutated during iteration"."""
     reference = weakref.ref(selection)
-    handles: list[RemovableHandle] = []
 
-    def call(method: str, module: torch.nn.Module) -> None:
+    def call(method: str, module: torch.nn.Module, *failed: bool) -> None:
         if torch.compiler.is_compiling():  # a hook traced into a compiled graph: nothing to do there
             return
         alive = reference()
-        if alive is not None and alive._flow is None:  # idle between batch structures
-            return
-        if alive is None:
-            while handles:
-                handles.pop().remove()
-            return
-        getattr(alive, method)(module)
+        if alive is not None and alive._flow is not None:  # else idle, between batch structures
+            getattr(alive, method)(module, *failed)
 
-    handles += [
+    handles = [
         register_module_forward_pre_hook(lambda module, *args: call('_module_called', module)),
-        register_module_forward_hook(lambda module, *args: call('_module_returned', module), always_call=True),
+        register_module_forward_hook(
+            # inside torch's ``except`` when the forward raised: the outermost failed call ends the following
+            lambda module, *args: call('_module_returned', module, sys.exc_info()[0] is not None),
+            always_call=True,
+        ),
     ]
+    weakref.finalize(selection, _remove, list(handles))
     return handles
+
+
+def _remove(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class InputSelection:
@@ -250,6 +257,7 @@ class InputSelection:
     def convert(self, batch: Any, restride: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         """``batch`` with ``restride`` applied to its selected tensors (new containers, the rest as
         they came); in ``'auto'`` mode the structure must be :meth:`known`."""
+        self._drop_idle_hooks()
         structure = self._structure_of(batch) if self.inputs == 'auto' else None
         flat, spec = tree_flatten_with_path(batch)
         leaves, candidates = [], []
@@ -281,6 +289,7 @@ class InputSelection:
         """``'auto'``: ``batch`` with ``restride`` applied to the 4D/5D tensors ``guess`` picks, and
         those tensors followed through what runs until :meth:`finish`."""
         self.finish()
+        self._drop_idle_hooks()
         self._structure = self._structure_of(batch)
         flat, spec = tree_flatten_with_path(batch)
         followed, leaves, guessed = [], [], set()
@@ -312,27 +321,28 @@ class InputSelection:
             self._flow.__exit__(None, None, None)
         self._calls.append(follow)
 
-    def _module_returned(self, module: torch.nn.Module) -> None:
+    def _module_returned(self, module: torch.nn.Module, failed: bool = False) -> None:
         follow = self._calls.pop()
         outer = self._calls[-1] if self._calls else False
         if follow and not outer:
             self._flow.__exit__(None, None, None)
         elif outer and not follow:
             self._flow.__enter__()
-        if not self._calls and self._flow.convolutions:  # the outermost call ran the network: enough seen
-            self.finish()
+        if not self._calls and (self._flow.convolutions or failed):  # the network ran, or the step failed
+            self.finish(in_hook=True)
 
-    def finish(self) -> None:
+    def finish(self, in_hook: bool = False) -> None:
         """Stop following and keep what was found for the batch structure; nothing if not started.
 
         Following runs inside module calls only (from the outermost module's call to its return),
         so it never outlives a forward; it ends by itself after the first outermost call that ran
-        a convolution."""
+        a convolution, or that failed. The hooks idle from then on; they come off at the next batch
+        (``in_hook``: called from one of them, where they cannot come off)."""
         flow, self._flow = self._flow, None
         if flow is None:
             return
-        while self._hooks and not self._compiled_seen:  # compiled graphs saw the hooks: they stay, idle
-            self._hooks.pop().remove()
+        if not in_hook:
+            self._drop_idle_hooks()
         if self._calls and self._calls[-1]:  # called from inside a followed module call
             flow.__exit__(None, None, None)
         self._calls = []
@@ -340,6 +350,11 @@ class InputSelection:
         self.chosen[self._structure] = (flow.fed if flow.convolutions else flow.guessed) - flow.viewed
         self._viewed[self._structure] = frozenset(flow.viewed)
         log.info('channels last inputs: %s', self._describe(self._structure))
+
+    def _drop_idle_hooks(self) -> None:
+        """Take the module hooks off while nothing is followed (compiled graphs saw them: they stay, idle)."""
+        while self._flow is None and self._hooks and not self._compiled_seen:
+            self._hooks.pop().remove()
 
     def describe(self, batch: Any) -> str:
         """Which tensors of ``batch`` go NHWC and why, in one line (for logs)."""
