@@ -206,3 +206,27 @@ def test_composer_console_writes_on_rank_zero_only(monkeypatch, capsys):
     monkeypatch.setattr(integration.dist, 'get_global_rank', lambda: 1)
     integration._write_to_console(logger, 'not shown')
     assert capsys.readouterr().err == 'shown\n'
+
+
+class _FailsInTraining(TinyResNet):
+    def forward(self, x):
+        if self.training:
+            raise RuntimeError('the model broke')
+        return super().forward(x)
+
+
+def test_an_audited_step_that_raises_leaves_no_audit_behind_once_the_trainer_closes():
+    """The audit of the first step is a dispatch mode over every op: a step that raises must not leave
+    it on for the rest of the process (a later ONNX export of another model failed under it)."""
+    trainer = Trainer(
+        model=ComposerClassifier(_FailsInTraining(), num_classes=10),
+        train_dataloader=tiny_loader(),
+        max_duration='2ba',
+        device='cpu',
+        algorithms=[ChannelsLast(audit_steps=1)],
+        progress_bar=False,
+    )
+    with pytest.raises(RuntimeError, match='the model broke'):
+        trainer.fit()
+    trainer.close()
+    assert no_dispatch_mode()

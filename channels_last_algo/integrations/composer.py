@@ -22,7 +22,7 @@ from channels_last_algo.integrations import GuardedIntegration, require
 
 require('composer', 'composer')
 
-from composer.core import Algorithm, Event, State
+from composer.core import Algorithm, Callback, Event, State
 from composer.core.precision import get_precision_context
 from composer.loggers import ConsoleLogger, Logger, ProgressBarLogger
 from composer.utils import dist
@@ -81,6 +81,18 @@ def _float_images(batch: Any) -> Any:
     return tree_map_only(
         torch.Tensor, lambda t: t.float() if t.dim() in (4, 5) and not t.is_floating_point() else t, batch
     )
+
+
+class _CloseGuard(Callback):
+    """Closes the guard when the Trainer closes: an audit (a dispatch mode over every op) left running by a
+    step that raised must not outlive the run. Composer closes callbacks, not algorithms."""
+
+    def __init__(self, guard: LayoutGuard) -> None:
+        self.guard = guard
+
+    def close(self, state: State, logger: Logger) -> None:
+        del state, logger  # unused
+        self.guard.close()
 
 
 class ChannelsLast(GuardedIntegration, Algorithm):
@@ -233,6 +245,7 @@ class ChannelsLast(GuardedIntegration, Algorithm):
     def _init(self, state: State, logger: Logger) -> None:
         """Convert the model as its parallel setting allows; checkpoints canonical; the console set."""
         self.guard.console = functools.partial(_write_to_console, logger)
+        state.callbacks.append(_CloseGuard(self.guard))
         weight_layout = weight_layout_for(state.model, fsdp_config=state.fsdp_config, tp_config=state.tp_config)
         self.guard.on_init(state.model, state.optimizers, weight_layout=weight_layout)
         logger.log_hyperparameters(self.guard.start_block.hyperparameters)
