@@ -304,3 +304,59 @@ def test_a_model_command_names_a_builder_that_fails(tmp_path, capsys, monkeypatc
         "MODEL hostile_builders:broken: building it failed: KeyError: 'no such layer'",
         tmp_path / 'out.pt2',
     )
+
+
+def _outputs(tmp_path: Path) -> None:
+    (tmp_path / 'ep1-ba6-rank0.pt').write_bytes(b'a checkpoint')
+    (tmp_path / 'link.pt2').symlink_to(tmp_path / 'ep1-ba6-rank0.pt')
+    os.mkfifo(tmp_path / 'fifo.pt2')
+    (tmp_path / 'recipe.yaml').write_text(BASE)
+    torch.save(torch.nn.Linear(2, 2).state_dict(), tmp_path / 'linear.pt')
+
+
+@pytest.mark.parametrize(
+    'argv, fragment',
+    [
+        (['export', 'resnet18', '{tmp}/ep1-ba6-rank0.pt'], 'exists and is no .pt2 file (it would be overwritten)'),
+        (['export', 'resnet18', '{tmp}/link.pt2'], 'is a link; writing would replace the file it points to'),
+        (['export', 'resnet18', '{tmp}/fifo.pt2'], 'is a pipe, socket or device, not a regular file'),
+        (['export', 'resnet18', '/dev/full'], 'is a pipe, socket or device'),
+        (['export', 'resnet18', '{tmp}/' + 'a' * 300 + '.pt2'], 'cannot be looked at (File name too long)'),
+        (['export', 'resnet18', '{tmp}/out.pt2', '--weights', '{tmp}/fifo.pt2'], 'it is no regular file'),
+        (['export', 'resnet18', '{tmp}/linear.pt', '--weights', '{tmp}/linear.pt'], 'is one of the files this command'),
+        (
+            ['export', 'resnet18', '{tmp}/out.pt2', '--weights', '{tmp}/linear.pt', '--input', '2,3,32,32'],
+            '--weights {tmp}/linear.pt: Missing key(s) in state_dict',
+        ),
+        (['compare', '{tmp}/recipe.yaml', '--json', '{tmp}/recipe.yaml'], 'is one of the files this command reads'),
+        (['compare', RECIPE, '--json', '{tmp}/ep1-ba6-rank0.pt'], 'exists and is no .json file'),
+    ],
+    ids=[
+        'export over a checkpoint',
+        'export through a link',
+        'export into a pipe',
+        'export into a device',
+        'a name too long',
+        'weights from a pipe',
+        'export over its weights',
+        'weights of another model',
+        'json over the recipe',
+        'json over a checkpoint',
+    ],
+)
+def test_an_output_that_would_destroy_a_file_or_hang_is_refused_first(argv, fragment, tmp_path, capsys):
+    _outputs(tmp_path)
+    before = {path.name: path.read_bytes() for path in tmp_path.iterdir() if path.is_file() and not path.is_symlink()}
+    _refused(capsys, [arg.format(tmp=tmp_path) for arg in argv], fragment.format(tmp=tmp_path), tmp_path / 'run')
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+
+
+def test_an_error_no_check_foresaw_is_one_line_with_its_traceback_in_a_file(tmp_path, capsys, monkeypatch):
+    def broken(args):
+        raise KeyError('an internal slip')
+
+    monkeypatch.setattr('channels_last_algo.app.cli._run_audit', broken)
+    monkeypatch.setattr('tempfile.tempdir', str(tmp_path))
+    line = _refused(capsys, ['audit', 'resnet18'], "KeyError: 'an internal slip' (in ", tmp_path / 'run')
+    log = Path(line.rsplit('the full traceback is in ', 1)[1])
+    assert log.parent == tmp_path and 'an internal slip' in log.read_text()

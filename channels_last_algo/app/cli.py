@@ -394,7 +394,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     from channels_last_algo.app.compare import compare_recipe, format_comparison
 
     if args.json:
-        _check_writable(args.json, '--json')
+        _check_writable(args.json, '--json', '.json', [args.recipe])
     recipe = _load(args)
     batches = args.batches if args.batches is not None else (3 if args.smoke else 10)
     warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 2)
@@ -474,6 +474,10 @@ def _read_weights(path: str) -> dict:
     prefix a ComposerModel's state_dict puts on every key."""
     import torch
 
+    if not Path(path).is_file():
+        raise ValueError(
+            f'cannot read weights from {path!r}: it is no regular file; give a file written with torch.save'
+        )
     try:
         state = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as error:  # missing file, not a torch file, or objects weights_only refuses
@@ -490,6 +494,21 @@ def _read_weights(path: str) -> dict:
     if state and all(key.startswith('module.') for key in state):
         state = {key[len('module.') :]: value for key, value in state.items()}
     return state
+
+
+def _state_dict_problem(error: Exception) -> str:
+    """``load_state_dict``'s many-line refusal in one line: its first problem, and how many more.
+
+    Example:
+        >>> error = RuntimeError('Error(s) in loading state_dict for Net:\\n\\tMissing key(s): "a".\\n\\tx')
+        >>> _state_dict_problem(error)
+        'Missing key(s): "a". (and 1 more problem)'
+    """
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith('Error(s) in loading state_dict'):
+        more = len(lines) - 2
+        return lines[1] + (f' (and {more} more problem{"s" if more > 1 else ""})' if more else '')
+    return lines[0] if lines else type(error).__name__
 
 
 def _export_model(args: argparse.Namespace):
@@ -516,21 +535,41 @@ def _export_model(args: argparse.Namespace):
         try:
             model.load_state_dict(_read_weights(args.weights))
         except (ValueError, RuntimeError) as error:
-            raise ValueError(f'--weights {args.weights}: {error}') from error
+            raise ValueError(f'--weights {args.weights}: {_state_dict_problem(error)}') from error
     return model
 
 
-def _check_writable(path: str, what: str) -> None:
-    """UsageError naming ``what`` (the argument) when the file ``path`` cannot be written: checked before any work."""
+def _check_writable(path: str, what: str, suffix: str, inputs: Sequence[Optional[str]] = ()) -> None:
+    """UsageError naming ``what`` (the argument) when the file ``path`` cannot be written, or writing it could
+    destroy something: a link (the write would replace its target), a pipe or device, one of the command's
+    ``inputs``, or an existing file that is no ``suffix`` file (a checkpoint, a recipe). Checked before any work."""
     target = Path(path)
-    folder = target.parent
+    try:
+        problem = _write_problem(target, suffix, [Path(p) for p in inputs if p])
+    except OSError as error:  # a name too long, a loop of links
+        problem = f'cannot be looked at ({error.strerror or error})'
+    if problem:
+        raise UsageError(f'{what} {path}: {problem}')
+
+
+def _write_problem(target: Path, suffix: str, inputs: list[Path]) -> Optional[str]:
+    if target.is_symlink():
+        return 'is a link; writing would replace the file it points to: give the path of a new file'
     if target.is_dir():
-        raise UsageError(f'{what} {path}: is a folder; give a file name in it')
-    if not folder.is_dir():
-        problem = 'is a file' if folder.exists() else 'does not exist'
-        raise UsageError(f'{what} {path}: its folder {folder} {problem}; create the folder or give another path')
-    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise UsageError(f'{what} {path}: cannot be written here (permission denied); give a writable path')
+        return 'is a folder; give a file name in it'
+    if not target.parent.is_dir():
+        found = 'is a file' if target.parent.exists() else 'does not exist'
+        return f'its folder {target.parent} {found}; create the folder or give another path'
+    if target.exists():
+        if not target.is_file():
+            return 'is a pipe, socket or device, not a regular file; give the path of a file'
+        if any(p.exists() and target.samefile(p) for p in inputs):
+            return 'is one of the files this command reads; give the path of a new file'
+        if target.suffix != suffix:
+            return f'exists and is no {suffix} file (it would be overwritten); give a new file name or remove it'
+    if not os.access(target.parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return 'cannot be written here (permission denied); give a writable path'
+    return None
 
 
 def _run_export(args: argparse.Namespace) -> int:
@@ -538,7 +577,7 @@ def _run_export(args: argparse.Namespace) -> int:
 
     from channels_last_algo.core.fuse import export_for_inference
 
-    _check_writable(args.out, 'OUT')
+    _check_writable(args.out, 'OUT', '.pt2', [args.weights, args.checkpoint, args.recipe])
     if len(args.input) != 4:
         raise UsageError(f'--input {",".join(map(str, args.input))}: export takes N,C,H,W (it fuses 2D convolutions)')
     try:
@@ -597,6 +636,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (UsageError, RecipeError, RunFolderError, RunError) as error:
         print(f'channels-last {args.command}: error: {error}', file=sys.stderr)
         return 2
+    except Exception as error:  # anything else: still one line, the traceback kept in a file
+        print(f'channels-last {args.command}: error: {_unexpected(error)}', file=sys.stderr)
+        return 2
+
+
+def _unexpected(error: Exception) -> str:
+    """An error no check foresaw, in one line: what, where, and the file with its traceback."""
+    import tempfile
+
+    from channels_last_algo.app.train import failure_place, write_traceback
+
+    where = failure_place(error)
+    return f'{_first_line(error)} (in {where}); {write_traceback(error, Path(tempfile.gettempdir()))}'
 
 
 if __name__ == '__main__':

@@ -37,7 +37,7 @@ from channels_last_algo.app.datasets import CorruptImageError, printable, scan_i
 from channels_last_algo.app.recipes import Recipe, RecipeError, build_datasets, build_trainer
 from channels_last_algo.app.run_folder import RunFolder, RunFolderError
 
-__all__ = ['RunError', 'RunResult', 'check_data_set', 'failure_place', 'train_recipe']
+__all__ = ['RunError', 'RunResult', 'check_data_set', 'failure_place', 'train_recipe', 'write_traceback']
 
 # the modules whose frames say where a failure came from, besides the user's own: this package's
 # (but this one) and Composer's algorithms and callbacks, wherever they are installed
@@ -141,7 +141,7 @@ def failure_place(error: BaseException) -> str:
     return f'{chosen.f_globals.get("__name__", "?")}.{getattr(code, "co_qualname", code.co_name)}'
 
 
-def _write_traceback(error: BaseException, folder: Path) -> str:
+def write_traceback(error: BaseException, folder: Path) -> str:
     """Write ``error``'s full traceback to ``error-<time>.log`` in ``folder`` (else in the temporary
     folder); the words that say where it is."""
     text = ''.join(traceback.format_exception(error))
@@ -160,7 +160,7 @@ def _failure(error: Exception, when: str, saved: str, folder: Path) -> RunError:
     and the file that holds its traceback."""
     first = (str(error).strip().splitlines() or [''])[0][:_LONGEST]
     what = f'{type(error).__name__}: {first}' if first else type(error).__name__
-    return RunError(f'{when} failed in {failure_place(error)}: {what}; {saved}; {_write_traceback(error, folder)}')
+    return RunError(f'{when} failed in {failure_place(error)}: {what}; {saved}; {write_traceback(error, folder)}')
 
 
 def _build(recipe: Recipe, data_path: Optional[str], resume: Any, overwrite: bool) -> Any:
