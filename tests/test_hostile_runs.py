@@ -484,3 +484,36 @@ def test_a_failure_at_run_time_says_what_where_and_the_newest_checkpoint_with_th
     assert log.read_text().startswith('Traceback (most recent call last):') and what in log.read_text()
     assert sorted(p.name for p in folder.glob('ep*.pt')) == files and all(read_state(folder / f) for f in files)
     assert_kept(before, snapshot(tmp_path))
+
+
+# --- checkpoints the run would have destroyed ------------------------------------------------------------
+
+
+def test_a_checkpoint_copied_in_as_latest_is_an_earlier_run_not_a_link_to_replace(trained, tmp_path, capfd):
+    folder = tmp_path / 'copied'
+    folder.mkdir()
+    shutil.copy(trained / 'ep1-ba6-rank0.pt', folder / 'latest-rank0.pt')
+    before = snapshot(tmp_path)
+    assert main(train_args(folder, overrides=('train.max_duration=4ba',))) == 2
+    assert f'{folder} holds the checkpoints of an earlier run (latest-rank0.pt)' in error_message(capfd)
+    assert_kept(before, snapshot(tmp_path))
+
+
+def test_keeping_the_newest_checkpoints_never_counts_a_file_resume_skipped(run, caplog, capfd):
+    torch.save(torch.zeros(3), run / 'ep3-ba12-rank0.pt')  # no training checkpoint, named newer than all
+    extra = ('--resume',)
+    overrides = ('train.max_duration=8ba', 'train.save_num_checkpoints_to_keep=1')
+    assert main(train_args(run, *extra, overrides=overrides)) == 0
+    assert sorted(p.name for p in run.glob('ep*.pt')) == ['ep1-ba8-rank0.pt', 'ep3-ba12-rank0.pt']
+    assert (run / 'latest-rank0.pt').resolve().name == 'ep1-ba8-rank0.pt'
+
+
+def test_a_checkpoint_named_for_another_batch_than_it_holds_is_refused_not_deleted(run, capfd):
+    shutil.copy(run / 'ep0-ba2-rank0.pt', run / 'ep5-ba20-rank0.pt')
+    before = snapshot(run)
+    for extra in (('--resume',), ('--resume', '--overwrite')):
+        assert main(train_args(run, *extra, overrides=('train.max_duration=30ba',))) == 2
+        assert f'{run}/ep5-ba20-rank0.pt is named batch 20 but holds batch 2; rename it ep0-ba2-rank0.pt' in (
+            error_message(capfd)
+        )
+        assert_kept(before, snapshot(run))

@@ -157,7 +157,7 @@ class RunCheckpoints(Callback):
         if self.write:
             name = CHECKPOINT_NAME.format(epoch=int(state.timestamp.epoch), batch=int(state.timestamp.batch))
             path = self.run.write(name, lambda file: torch.save(checkpoint, file))
-            self.run.keep_newest(self.keep)
+            self.run.keep_newest(self.keep, upto=int(state.timestamp.batch))
             self.saved.append(path)
         dist.barrier()
         return path

@@ -354,7 +354,14 @@ class RunFolder:
                 )
         start, batches = self._resume_point(resume, max_duration)
         ours = start is not None and start.resolve().parent == self.folder.resolve()
-        clashing = [c for c in self.checkpoints() if (not ours or c.batch > batches) and c.path not in self._unreadable]
+        clashing = [
+            c
+            for c in self.checkpoints()
+            if (not ours or c.batch > batches) and c.path not in self._unreadable and c.path != start
+        ]
+        latest = self.latest()
+        if latest.is_file() and not latest.is_symlink() and latest != start:  # a checkpoint copied in as `latest`
+            clashing.append(Checkpoint(latest, -1, -1))  # the first write would replace it with its link
         if clashing and not overwrite:
             raise self._clash(start, ours, clashing)
         return start, clashing
@@ -429,10 +436,12 @@ class RunFolder:
             f'{fix}, {then}'
         )
 
-    def keep_newest(self, count: int) -> None:
-        """Delete all but the ``count`` newest checkpoints (-1: keep all)."""
+    def keep_newest(self, count: int, upto: Optional[int] = None) -> None:
+        """Delete all but the ``count`` newest checkpoints (-1: keep all) of those up to batch ``upto`` (the
+        run's own: a file named later, which ``--resume`` skipped as unusable, neither counts nor goes)."""
         if count > 0:
-            for checkpoint in self.checkpoints()[:-count]:
+            ours = [c for c in self.checkpoints() if upto is None or c.batch <= upto]
+            for checkpoint in ours[:-count]:
                 checkpoint.path.unlink()
 
     # --- resuming ---------------------------------------------------------------------------------
@@ -464,6 +473,12 @@ class RunFolder:
             check_readable(path)
             state = read_state(path)
         done = progress(state)
+        named = _CHECKPOINT.match(path.name)
+        if named and int(named.group(2)) != done['ba']:  # the name orders the checkpoints: it must be true
+            raise RunFolderError(
+                f'{path} is named batch {named.group(2)} but holds batch {done["ba"]}; rename it '
+                f'{CHECKPOINT_NAME.format(epoch=done["ep"], batch=done["ba"])} or move it out'
+            )
         if max_duration is not None:
             length, unit = parse_time(max_duration)
             if unit in done and done[unit] >= length:
