@@ -517,3 +517,13 @@ def test_a_checkpoint_named_for_another_batch_than_it_holds_is_refused_not_delet
             error_message(capfd)
         )
         assert_kept(before, snapshot(run))
+
+
+def test_a_loss_that_is_not_finite_stops_the_run_before_a_weight_turns_nan(tmp_path, capfd):
+    folder = tmp_path / 'run'
+    assert main(train_args(folder, overrides=('optimizer.lr=1.0e+30',))) == 2
+    message = error_message(capfd)
+    assert 'FloatingPointError: the training loss is not finite at batch ' in message
+    assert 'lower optimizer.lr (it is 1e+30 at 2048 images)' in message
+    for path in folder.glob('ep*.pt'):
+        assert all(torch.isfinite(t).all() for t in read_state(path)['model'].values() if t.is_floating_point())

@@ -33,6 +33,9 @@ import traceback
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Union
 
+import torch
+from torch.utils._pytree import tree_leaves
+
 from channels_last_algo.app.datasets import CorruptImageError, printable, scan_images
 from channels_last_algo.app.recipes import Recipe, RecipeError, build_datasets, build_trainer
 from channels_last_algo.app.run_folder import RunFolder, RunFolderError
@@ -163,10 +166,31 @@ def _failure(error: Exception, when: str, saved: str, folder: Path) -> RunError:
     return RunError(f'{when} failed in {failure_place(error)}: {what}; {saved}; {write_traceback(error, folder)}')
 
 
+def _finite_loss_check(recipe: Recipe) -> Any:
+    """A Composer callback that stops the run when a training loss is not finite, before the backward that would
+    make every weight NaN (a learning rate too large, bad data): the run would otherwise end with exit 0."""
+    from composer import Callback
+
+    class FiniteLoss(Callback):
+        def after_loss(self, state: Any, logger: Any) -> None:
+            del logger  # unused
+            losses = [t for t in tree_leaves(state.loss) if isinstance(t, torch.Tensor)]
+            if losses and not all(bool(torch.isfinite(t.detach()).all()) for t in losses):
+                raise FloatingPointError(
+                    f'the training loss is not finite at batch {int(state.timestamp.batch) + 1}; lower optimizer.lr '
+                    f'(it is {recipe.optimizer.lr} at {recipe.optimizer.reference_batch_size} images) or check the '
+                    'data and the model'
+                )
+
+    return FiniteLoss()
+
+
 def _build(recipe: Recipe, data_path: Optional[str], resume: Any, overwrite: bool) -> Any:
     """:func:`build_trainer`, with an unexpected failure turned into a :func:`_failure`."""
     try:
-        return build_trainer(recipe, data_path=data_path, resume=resume, overwrite=overwrite)
+        return build_trainer(
+            recipe, data_path=data_path, resume=resume, overwrite=overwrite, callbacks=[_finite_loss_check(recipe)]
+        )
     except _REPORTED:
         raise
     except Exception as error:
