@@ -129,7 +129,12 @@ BAD_SETS = [
     (['train.global_batch_size=1e3'], 'YAML reads 1e3 as text: write 1000'),
     (["optimizer.lr='0.5'"], 'it is quoted: write 0.5 without quotes'),
     (['optimizer.lr=1.0e+400'], 'optimizer.lr: inf is out of range'),
-    (['train.seed=' + '9' * 400], 'train.seed: ' + '9' * 400 + ' is out of range'),
+    (['train.seed=' + '9' * 400], 'train.seed: an integer of 400 digits is out of range'),
+    (['train.seed=' + '9' * 5000], 'a value YAML cannot read: Exceeds the limit (4300 digits)'),
+    (['train.save_folder=runs/{name:>300}'], "'runs/{name:>300}' formats a placeholder"),
+    (['data.path="/tmp/a\\0b"'], "data.path: '/tmp/a\\x00b' holds a NUL byte"),
+    (['name=a b'], "name: 'a b' cannot name a run folder"),
+    (['algorithms={1: true}'], 'algorithms: 1 is no algorithm name'),
     (
         ['model.num_classes=1000000'],
         'model.num_classes: 1000000 is out of range; expected an integer >= 1 and <= 100000',

@@ -34,7 +34,7 @@ def model_builder(spec: str) -> Callable[..., Any]:
         module_name, _, attr = spec.partition(':')
         try:
             return functools.reduce(getattr, attr.split('.'), importlib.import_module(module_name))
-        except (ImportError, AttributeError) as error:
+        except Exception as error:  # not found, or the module's own code failed (a SyntaxError, a relative name)
             raise ValueError(
                 f'cannot load {spec!r} ({error}); give module.path:callable, importable from '
                 'here, where the callable returns the model'

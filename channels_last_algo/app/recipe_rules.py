@@ -39,7 +39,9 @@ __all__ = [
     'described',
     'file_name',
     'parse_time',
+    'path_text',
     'placeholders',
+    'shown',
     'time_string',
     'type_problem',
 ]
@@ -88,9 +90,27 @@ def between(low: float, high: float = math.inf, *, open_low: bool = False, open_
         if (isinstance(value, int) or math.isfinite(value)) and inside:  # math.isfinite overflows on 10**400
             return None
         kind = 'a finite number' if isinstance(value, float) else 'an integer'
-        return f'{value!r} is out of range; expected {kind} {above}{below}'
+        return f'{shown(value)} is out of range; expected {kind} {above}{below}'
 
     return described(above + below, rule)
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, but an integer too long to print whole (Python refuses over 4300 digits) by its size.
+
+    Example:
+        >>> shown(12), shown(10**5000)
+        ('12', 'an integer of 5001 digits')
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
+        return f'an integer of {len(str(abs(value))) if value.bit_length() < 14000 else _digits(value)} digits'
+    return repr(value)
+
+
+def _digits(value: int) -> int:
+    """The decimal digits of ``|value|``, for integers too long to turn into text."""
+    digits = int(abs(value).bit_length() * math.log10(2))
+    return digits + (abs(value) >= 10**digits)
 
 
 def choices(*options: str) -> Rule:
@@ -105,7 +125,7 @@ def count_or(special: Any, meaning: str) -> Rule:
     def rule(value: Any) -> Optional[str]:
         if value == special or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return None
-        return f'{value!r} is {"out of range" if isinstance(value, int) else "not valid"}; expected {expected}'
+        return f'{shown(value)} is {"out of range" if isinstance(value, int) else "not valid"}; expected {expected}'
 
     return described(expected, rule)
 
@@ -140,20 +160,33 @@ def placeholders(*names: str) -> Rule:
     allowed = ', '.join('{' + name + '}' for name in names)
 
     def rule(value: str) -> Optional[str]:
+        if '\0' in value:
+            return f'{value!r} holds a NUL byte, which no path can'
         try:
-            fields = [field for _, field, _, _ in string.Formatter().parse(value) if field is not None]
+            parts = [(field, spec, conversion) for _, field, spec, conversion in string.Formatter().parse(value)]
         except ValueError as error:
             return f'{value!r} is not a valid format string ({error}); write braces only as {allowed}'
+        fields = [field for field, _, _ in parts if field is not None]
         unknown = [field for field in fields if field not in names]
         if unknown:
             return f'{value!r} has the unknown placeholder {{{unknown[0]}}}; the only placeholder is {allowed}'
+        if any(field is not None and (spec or conversion) for field, spec, conversion in parts):
+            return f'{value!r} formats a placeholder (a : or ! inside braces); write it as {allowed}'
         return None
 
     return described(f'a path; the only placeholder is {allowed}', rule)
 
 
+def path_text(value: str) -> Optional[str]:
+    """A path: any text but a NUL byte, which no file system takes."""
+    return f'{value!r} holds a NUL byte, which no path can' if '\0' in value else None
+
+
+described('a path', path_text)
+
+
 def file_name(value: str) -> Optional[str]:
-    if value and not set(value) & set('/\\\0{}') and value not in ('.', '..'):
+    if re.fullmatch(r'[A-Za-z0-9._-]{1,200}', value) and value not in ('.', '..'):
         return None
     return f'{value!r} cannot name a run folder; use letters, digits, dots, dashes and underscores'
 
@@ -163,7 +196,7 @@ described('a folder name: letters, digits, dots, dashes and underscores', file_n
 
 def closest(key: str, options: list[str]) -> str:
     """``'; did you mean ...'`` for the option closest to ``key``, or the list of valid options."""
-    close = difflib.get_close_matches(key, options, n=1)
+    close = difflib.get_close_matches(str(key), [str(option) for option in options], n=1)
     return f"; did you mean '{close[0]}'?" if close else f'; valid keys: {", ".join(options)}'
 
 

@@ -34,6 +34,7 @@ from channels_last_algo.app.recipe_rules import (
     count_or,
     file_name,
     parse_time,
+    path_text,
     placeholders,
     time_string,
     type_problem,
@@ -94,7 +95,9 @@ class DataConfig:
     """
 
     path: Optional[str] = _key(
-        None, doc='an ImageNet folder with train/ and val/ class folders (--data overrides it); null: synthetic data'
+        None,
+        path_text,
+        doc='an ImageNet folder with train/ and val/ class folders (--data overrides it); null: synthetic data',
     )
     train_crop: int = _key(224, _PIXELS, doc='training crop in px (random resized crop and flip)')
     eval_crop: int = _key(224, _PIXELS, doc='evaluation centre crop in px')

@@ -95,6 +95,10 @@ def parse_yaml(text: str, source: str) -> Any:
                 'a recipe has a few hundred: write the values out, or use fewer nested aliases'
             )
         return loader.construct_document(node)
+    except YamlError:
+        raise
+    except ValueError as error:  # a value Python will not build: an integer of more than 4300 digits
+        raise YamlError(f'{source}: a value YAML cannot read: {str(error).splitlines()[0]}') from None
     except RecursionError:
         raise YamlError(f'{source}: the YAML nests too deeply to read; a recipe nests three levels') from None
     except yaml.YAMLError as error:

@@ -104,12 +104,13 @@ _ERRORS = (ValueError, TypeError, AssertionError, NotImplementedError, KeyError,
 
 def _apply_override(data: dict[str, Any], override: str, error) -> None:
     path, sep, text = override.partition('=')
+    named = f'--set {override if len(override) <= 100 else override[:97] + "..."!r}'
     if not sep or not path:
-        raise error(f'--set {override!r}: expected KEY.PATH=VALUE, e.g. optimizer.lr=0.1')
+        raise error(f'{named}: expected KEY.PATH=VALUE, e.g. optimizer.lr=0.1')
     try:
         value = parse_yaml(text, 'the value') if text else None
     except YamlError as exc:
-        raise error(f'--set {override!r}: {exc}') from None
+        raise error(f'{named}: {exc}') from None
     keys = path.split('.')
     node = data
     for depth, key in enumerate(keys[:-1]):
@@ -117,7 +118,7 @@ def _apply_override(data: dict[str, Any], override: str, error) -> None:
         if child is None or child is True:
             child = node[key] = {}
         if not isinstance(child, dict):
-            raise error(f'--set {override!r}: {".".join(keys[: depth + 1])} is {child!r}, not a mapping')
+            raise error(f'{named}: {".".join(keys[: depth + 1])} is {child!r}, not a mapping')
         node = child
     node[keys[-1]] = value
 
@@ -197,6 +198,8 @@ def _check_algorithms(recipe: Recipe, error) -> None:
     registry = algorithm_registry() if importlib.util.find_spec('composer') is not None else None
     for name, options in recipe.algorithms.items():
         where = f'algorithms.{name}'
+        if not isinstance(name, str):
+            raise error(f'algorithms: {name!r} is no algorithm name; name each by its snake name, such as blurpool')
         if registry is not None and name not in registry:
             raise error(f'{where}: unknown algorithm{closest(name, sorted(registry))}')
         if options in (False, None):
