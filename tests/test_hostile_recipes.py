@@ -172,6 +172,9 @@ BAD_SETS = [
     (['model.name=no_such_module_here:build'], "model.name: cannot load 'no_such_module_here:build'"),
     (['model.name=torch:no_such_builder'], "model.name: cannot load 'torch:no_such_builder'"),
     (['model.name=resnet5O'], "model.name: 'resnet5O' is no torchvision model name"),
+    (['algorithms.randaugment=true'], 'algorithms.randaugment: cannot run in a recipe: it transforms PIL images'),
+    (['algorithms.augmix={severity: 3}'], 'algorithms.augmix: cannot run in a recipe'),
+    (['algorithms.selective_backprop=true'], 'algorithms.selective_backprop: cannot run in a recipe: it scores'),
 ]
 
 

@@ -29,6 +29,7 @@ from channels_last_algo.app.recipe_rules import Rule, between, choices, count_or
 __all__ = [
     'ALGORITHM_CROSS_RULES',
     'ALGORITHM_RANGES',
+    'NOT_ON_THIS_DATA_PATH',
     'CrossRule',
     'algorithm_cross_problem',
     'algorithm_option_problem',
@@ -116,6 +117,15 @@ _COUNT = _whole(1)
 _CHANNELS = _whole(0)  # a layer-width threshold: layers at least this wide are changed (0: all)
 _SEVERITY = _whole(0, 10)  # Composer's augmentation intensity scale
 _AUGMENTATION_SETS = choices('all', 'safe', 'original')  # composer.algorithms.utils.augmentation_sets
+
+
+# Algorithms the recipes' data path cannot run, and why: it yields uint8 NHWC batches, normalised on the device
+# inside the model's first step (channels_last_algo.app.data), never PIL images.
+NOT_ON_THIS_DATA_PATH: dict[str, str] = {
+    'randaugment': 'it transforms PIL images in the dataset, and the recipe data path decodes to uint8 arrays',
+    'augmix': 'it transforms PIL images in the dataset, and the recipe data path decodes to uint8 arrays',
+    'selective_backprop': 'it scores the raw uint8 batch with the model before the device normalises it',
+}
 
 
 # --- the table -----------------------------------------------------------------------------------------

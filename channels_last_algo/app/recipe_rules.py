@@ -103,7 +103,8 @@ def shown(value: Any) -> str:
         ('12', 'an integer of 5001 digits')
     """
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 200:
-        return f'an integer of {len(str(abs(value))) if value.bit_length() < 14000 else _digits(value)} digits'
+        digits = len(str(abs(value))) if value.bit_length() < 14000 else _digits(value)
+        return f'{"a negative" if value < 0 else "an"} integer of {digits} digits'
     return repr(value)
 
 

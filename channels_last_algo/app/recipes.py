@@ -37,7 +37,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from channels_last_algo.app.algorithm_ranges import algorithm_cross_problem, algorithm_option_problem
+from channels_last_algo.app.algorithm_ranges import (
+    NOT_ON_THIS_DATA_PATH,
+    algorithm_cross_problem,
+    algorithm_option_problem,
+)
 from channels_last_algo.app.recipe_rules import closest, parse_time, type_problem
 from channels_last_algo.app.recipe_schema import (
     DataConfig,
@@ -204,6 +208,8 @@ def _check_algorithms(recipe: Recipe, error) -> None:
             raise error(f'{where}: unknown algorithm{closest(name, sorted(registry))}')
         if options in (False, None):
             continue
+        if name in NOT_ON_THIS_DATA_PATH:
+            raise error(f'{where}: cannot run in a recipe: {NOT_ON_THIS_DATA_PATH[name]}; remove it or set it false')
         options = {} if options is True else options
         if not isinstance(options, dict):
             raise error(
