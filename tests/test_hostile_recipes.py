@@ -264,6 +264,13 @@ def test_the_api_refuses_what_is_not_a_model_in_one_line(case):
 # --- what only Composer checks ----------------------------------------------------------------------------
 
 
+@pytest.mark.skipif(not HAS_COMPOSER, reason='compare runs Composer ChannelsLast beside this project')
+def test_compare_refuses_a_batch_it_cannot_hold_in_one_pass_before_building_anything(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr('channels_last_algo.app.compare._batches', lambda *args: pytest.fail('data were built'))
+    argv = ['compare', RECIPE, '--set', 'data.train_crop=176', '--set', 'train.global_batch_size=65536']
+    _refused(capsys, argv, 'train.global_batch_size: compare trains the whole batch of 65536 images', tmp_path / 'x')
+
+
 @pytest.mark.skipif(not HAS_COMPOSER, reason='the algorithms and the model are built with Composer')
 @pytest.mark.parametrize(
     'override, fragment',

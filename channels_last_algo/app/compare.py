@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import torch
 
-from channels_last_algo.app.recipes import Recipe, build_datasets, device_and_precision
+from channels_last_algo.app.recipes import Recipe, RecipeError, build_datasets, device_and_precision
 from channels_last_algo.core.audit import LayoutAudit
 from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.machine import describe_machine, machine_label
@@ -82,6 +82,9 @@ def _model(recipe: Recipe) -> torch.nn.Module:
     return model
 
 
+_VARIANTS = 3  # NCHW, Composer's ChannelsLast and this project's
+
+
 def _variants(base: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, bool, Callable[[Any], Any]]]:
     """Each variant's model, whether its loader gives NHWC batches, and what it does to a batch."""
     from composer.algorithms.channels_last import apply_channels_last as composer_apply
@@ -99,6 +102,34 @@ def _variants(base: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, bool, C
     }
 
 
+def _check_memory(recipe: Recipe, device: str, precision: str) -> None:
+    """RecipeError before any work when the comparison cannot fit: it trains the whole global batch in one
+    pass (no microbatches, so every variant times the same step) and holds three copies of the model."""
+    from channels_last_algo.app.step_memory import (
+        ALLOCATOR_SLACK,
+        REFUSE_ABOVE,
+        available_bytes,
+        estimate_step,
+        size_text,
+    )
+
+    batch = recipe.train.global_batch_size
+    available = available_bytes(device)
+    step = None if available is None else estimate_step(recipe, device, precision, (batch, batch))
+    if step is None:
+        return
+    need = _VARIANTS * step.held + step.loaded_train + step.train.bytes(batch)
+    if need > REFUSE_ABOVE * available:
+        budget = available / ALLOCATOR_SLACK[device] - _VARIANTS * step.held - step.loaded_train
+        fits = step.train.most_images(budget)
+        raise RecipeError(
+            f'{recipe.source}: train.global_batch_size: compare trains the whole batch of {batch} images in one pass '
+            f'(no microbatches) with {_VARIANTS} copies of {recipe.model.name}, which needs about '
+            f'{size_text(need)}, more than the {size_text(available)} free here; '
+            + (f'--set train.global_batch_size={int(fits)}' if fits >= 1 else 'lower data.train_crop')
+        )
+
+
 def compare_recipe(
     recipe: Recipe, batches: int = 10, warmup: int = 2, data_path: Optional[str] = None
 ) -> dict[str, Any]:
@@ -113,6 +144,7 @@ def compare_recipe(
     from channels_last_algo.app.optimizers import build_optimizer
 
     device_name, precision = device_and_precision(recipe)
+    _check_memory(recipe, device_name, precision)
     device = torch.device('cuda' if device_name == 'gpu' else 'cpu')
     if device.type == 'cuda':
         torch.backends.cudnn.benchmark = True
