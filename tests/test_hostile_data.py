@@ -470,6 +470,17 @@ def test_check_data_reports_a_skipped_file_and_trains_without_it(tmp_path, train
     assert list((tmp_path / 'run').glob('ep*-ba2-rank0.pt'))
 
 
+def test_check_data_refuses_to_skip_every_image_of_a_class(tmp_path, train_cli):
+    root = image_tree(tmp_path / 'data', per_class=2)
+    for image in (root / 'train' / 'cat').iterdir():
+        image.write_bytes(b'not an image')
+    code, err = train_cli(root, 'data.on_corrupt=skip')
+    assert code == 2 and err.count('\n') == 1, err
+    assert 'none of the images of the training class cat can be decoded' in err
+    assert 'data.on_corrupt: skip would train without the class' in err
+    assert not list((tmp_path / 'run').glob('ep*.pt'))
+
+
 @pytest.mark.parametrize('case', ['class names in NFC in train/ and NFD in val/', 'an image outside the class folders'])
 def test_a_hostile_folder_stops_the_cli_naming_data_path(tmp_path, train_cli, case):
     make, fragments = FOLDER_CASES[case]

@@ -250,7 +250,61 @@ API_CALLS = {
     ),
     'repair_model(str)': (lambda: channels_last_algo.repair_model('x'), 'repair_model: model is str'),
     'doctor(int)': (lambda: channels_last_algo.doctor(5, (1, 3, 8, 8)), 'doctor: model is a int'),
+    'apply_channels_last(optimizers=str)': (
+        lambda: channels_last_algo.apply_channels_last(torch.nn.Conv2d(3, 3, 1), optimizers='sgd'),
+        "optimizers must be a torch.optim.Optimizer or a list of them, got str 'sgd'",
+    ),
+    'LayoutGuard.on_init(optimizers=int)': (
+        lambda: channels_last_algo.LayoutGuard().on_init(torch.nn.Conv2d(3, 3, 1), optimizers=5),
+        'LayoutGuard.on_init: optimizers must be',
+    ),
+    'canonical_state(model)': (
+        lambda: channels_last_algo.canonical_state(torch.nn.Conv2d(3, 3, 1)),
+        'canonical_state: takes a state_dict, got a Conv2d: pass model.state_dict()',
+    ),
+    'canonical_state(int)': (lambda: channels_last_algo.canonical_state(5), 'canonical_state: takes a state_dict'),
+    'export_for_inference(path=int)': (
+        lambda: channels_last_algo.export_for_inference(torch.nn.Conv2d(3, 3, 1), 5, torch.zeros(2, 3, 4, 4)),
+        'export_for_inference: path must be a file path, got int 5',
+    ),
 }
+
+FLAG_CALLS = {
+    "apply_channels_last(kernel_safety='no')": (
+        lambda: channels_last_algo.apply_channels_last(torch.nn.Conv2d(3, 3, 1), kernel_safety='no'),
+        "apply_channels_last: kernel_safety must be True or False, got str 'no'",
+    ),
+    'apply_channels_last(repair=None)': (
+        lambda: channels_last_algo.apply_channels_last(torch.nn.Conv2d(3, 3, 1), repair=None),
+        'apply_channels_last: repair must be True or False, got NoneType None',
+    ),
+    "audit_model(strict='yes')": (
+        lambda: channels_last_algo.audit_model(torch.nn.Conv2d(3, 3, 1), torch.zeros(1, 3, 4, 4), strict='yes'),
+        'audit_model: strict must be True or False',
+    ),
+    "export_for_inference(dynamic_batch='no')": (
+        lambda: channels_last_algo.export_for_inference(
+            torch.nn.Conv2d(3, 3, 1), 'x.pt2', torch.zeros(2, 3, 4, 4), dynamic_batch='no'
+        ),
+        'export_for_inference: dynamic_batch must be True or False',
+    ),
+    "fuse_for_inference(traceable='yes')": (
+        lambda: channels_last_algo.fuse_for_inference(torch.nn.Conv2d(3, 3, 1), traceable='yes'),
+        'fuse_for_inference: traceable must be True or False',
+    ),
+    'LayoutGuard(inputs=lambda: True)': (
+        lambda: channels_last_algo.LayoutGuard(inputs=lambda: True),
+        "inputs must be 'auto'",
+    ),
+}
+
+
+@pytest.mark.parametrize('case', sorted(FLAG_CALLS))
+def test_the_api_refuses_a_flag_that_is_not_a_bool_and_a_predicate_of_the_wrong_shape(case):
+    call, fragment = FLAG_CALLS[case]
+    with pytest.raises(ValueError) as raised:
+        call()
+    assert fragment in str(raised.value) and '\n' not in str(raised.value)
 
 
 @pytest.mark.parametrize('case', sorted(API_CALLS))
@@ -303,8 +357,23 @@ def test_what_composer_builds_is_refused_in_one_line(override, fragment, tmp_pat
         (['export', 'resnet18', '{tmp}/out.pt2', '--input', '2,3,90000,90000'], 'give a smaller input'),
         (['audit', 'resnet18', '--input', '1,3,2,2'], 'fails on a random input of --input 1,3,2,2'),
         (['audit', 'resnet18', '--input', '2,1,32,32'], "resnet18's first convolution conv1 takes 3 channels"),
+        (['doctor', 'resnet18', '--input', '2,3,32,32', '--timeout', 'inf'], "--timeout: 'inf' is not a positive"),
+        (['doctor', 'resnet18', '--input', '2,3,32,32', '--timeout', '-1'], "--timeout: '-1' is not a positive"),
+        (['doctor', 'resnet18', '--input', '2,3,32,32', '--device', 'tpu'], "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        (['doctor', 'resnet18', '--input', '2,3,32,32', '--device', 'cuda:99'], 'no such CUDA device is visible'),
     ],
-    ids=['audit too large', 'eval too large', 'doctor too large', 'export too large', 'one value a channel', 'grey'],
+    ids=[
+        'audit too large',
+        'eval too large',
+        'doctor too large',
+        'export too large',
+        'one value a channel',
+        'grey',
+        'doctor timeout inf',
+        'doctor timeout negative',
+        'doctor device tpu',
+        'doctor device missing',
+    ],
 )
 def test_a_model_command_refuses_an_input_it_cannot_run_before_allocating_it(argv, fragment, tmp_path, capsys):
     _refused(capsys, [arg.format(tmp=tmp_path) for arg in argv], fragment, tmp_path / 'out.pt2')

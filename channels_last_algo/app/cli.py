@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -62,6 +63,17 @@ def _count(text: str) -> int:
         value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(f'{text!r} is not an integer >= 0')
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A finite number of seconds > 0, for argparse."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f'{text!r} is not a positive finite number of seconds')
     return value
 
 
@@ -237,7 +249,7 @@ def _add_doctor(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument('--device', help='where to train (default: cuda when available, else cpu)')
     parser.add_argument('--strict', action='store_true', help='also exit with code 1 if a layout break is left')
     parser.add_argument(
-        '--timeout', type=float, default=600.0, metavar='S', help='seconds each child process may run (default 600)'
+        '--timeout', type=_seconds, default=600.0, metavar='S', help='seconds each child process may run (default 600)'
     )
     parser.add_argument('--json', action='store_true', help='print the report as JSON (DoctorReport.to_dict())')
     parser.set_defaults(run=_run_doctor)

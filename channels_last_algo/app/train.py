@@ -84,6 +84,24 @@ def _one_line(error: BaseException) -> str:
     return last[len(name) :] if last.startswith(name) else last
 
 
+def _check_every_class_keeps_an_image(dataset: Any, bad: set[str]) -> None:
+    """RunError naming a class of the training set none of whose images can be decoded: skipping them all
+    would train a classifier that never saw the class."""
+    totals: dict[int, int] = {}
+    lost: dict[int, int] = {}
+    for path, label in getattr(dataset, 'samples', []):
+        totals[label] = totals.get(label, 0) + 1
+        lost[label] = lost.get(label, 0) + (path in bad)
+    empty = [label for label, count in totals.items() if lost[label] == count]
+    if empty:
+        names = [dataset.classes[label] for label in empty[:3]]
+        raise RunError(
+            f'--check-data: none of the images of the training class {printable(names[0])} can be decoded'
+            + (f' (nor of {len(empty) - 1} more)' if len(empty) > 1 else '')
+            + '; data.on_corrupt: skip would train without the class: replace its images or remove its folder'
+        )
+
+
 def check_data_set(recipe: Recipe, data_path: Optional[str] = None) -> int:
     """Decode every image of the recipe's train and eval sets once; return how many were checked.
 
@@ -91,7 +109,10 @@ def check_data_set(recipe: Recipe, data_path: Optional[str] = None) -> int:
     line on stderr naming them when it is ``skip`` (training will skip them)."""
     train, val = build_datasets(recipe, data_path)
     images = sum(len(getattr(split, 'samples', [])) for split in (train, val))
-    bad = scan_images(train, recipe.data.workers) + scan_images(val, recipe.data.workers)
+    bad_train = scan_images(train, recipe.data.workers)
+    bad = bad_train + scan_images(val, recipe.data.workers)
+    if bad and recipe.data.on_corrupt == 'skip':
+        _check_every_class_keeps_an_image(train, {path for path, _ in bad_train})
     if bad:
         shown = ', '.join(f'{printable(path)} ({problem})' for path, problem in bad[:3]) + (
             ' ...' if len(bad) > 3 else ''

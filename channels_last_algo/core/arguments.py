@@ -13,11 +13,12 @@ Example:
 
 from __future__ import annotations
 
+import collections.abc
 from typing import Any
 
 import torch
 
-__all__ = ['require_input', 'require_module']
+__all__ = ['require_flags', 'require_input', 'require_module', 'require_optimizers', 'require_state']
 
 
 def _shown(value: Any) -> str:
@@ -63,3 +64,50 @@ def require_input(example_input: Any, caller: str) -> None:
         f'{caller}: example_input is a {type(example_input).__name__}; pass one tensor, or a tuple of the '
         "model's positional inputs"
     )
+
+
+def require_flags(caller: str, **flags: Any) -> None:
+    """ValueError naming ``caller`` and the flag unless each is True or False (``'no'`` is truthy, ``None`` falsy:
+    either would silently mean what the caller did not write).
+
+    Example:
+        >>> require_flags('apply_channels_last', repair=True, kernel_safety='no')
+        Traceback (most recent call last):
+        ...
+        ValueError: apply_channels_last: kernel_safety must be True or False, got str 'no'
+    """
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f'{caller}: {name} must be True or False, got {type(value).__name__} {value!r}')
+
+
+def require_optimizers(optimizers: Any, caller: str) -> None:
+    """TypeError naming ``caller`` unless ``optimizers`` is None, an optimizer, or a list or tuple of them.
+
+    Example:
+        >>> require_optimizers([torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)], 'x')
+        >>> require_optimizers('sgd', 'apply_channels_last')
+        Traceback (most recent call last):
+        ...
+        TypeError: apply_channels_last: optimizers must be a torch.optim.Optimizer or a list of them, got str 'sgd'
+    """
+    entries = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+    if optimizers is None or all(isinstance(entry, torch.optim.Optimizer) for entry in entries):
+        return
+    wrong = next(entry for entry in entries if not isinstance(entry, torch.optim.Optimizer))
+    raise TypeError(f'{caller}: optimizers must be a torch.optim.Optimizer or a list of them, got {_shown(wrong)}')
+
+
+def require_state(state: Any, caller: str) -> None:
+    """TypeError naming ``caller`` unless ``state`` is a mapping (a ``state_dict``), a sequence or a tensor.
+
+    Example:
+        >>> require_state(torch.nn.Linear(2, 2), 'canonical_state')
+        Traceback (most recent call last):
+        ...
+        TypeError: canonical_state: takes a state_dict, got a Linear: pass model.state_dict()
+    """
+    if isinstance(state, (torch.Tensor, list, tuple, collections.abc.Mapping)):
+        return
+    hint = 'pass model.state_dict()' if isinstance(state, torch.nn.Module) else 'pass a state_dict'
+    raise TypeError(f'{caller}: takes a state_dict, got {_shown(state)}: {hint}')

@@ -70,7 +70,7 @@ from torch.nn.modules import module as _module_hooks
 from torch.utils import _python_dispatch
 from torch.utils._pytree import tree_flatten
 
-from channels_last_algo.core.arguments import require_input, require_module
+from channels_last_algo.core.arguments import require_flags, require_input, require_module
 from channels_last_algo.core.audit_report import AuditRecord, AuditReport, LayoutBreakError
 from channels_last_algo.core.layout import Layout, layout_of
 
@@ -452,6 +452,7 @@ def audit_model(
     """
     require_module(model, 'audit_model')
     require_input(example_input, 'audit_model')
+    require_flags('audit_model', backward=backward, strict=strict)
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)
     params = list(model.parameters())
     grads = [p.grad for p in params]

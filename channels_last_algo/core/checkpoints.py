@@ -40,6 +40,7 @@ from typing import TypeVar
 import torch
 from torch.utils._pytree import tree_map_only
 
+from channels_last_algo.core.arguments import require_state
 from channels_last_algo.core.layout import to_channels_first
 
 __all__ = ['canonical_state', 'is_canonical']
@@ -51,6 +52,7 @@ def canonical_state(state: State) -> State:
     """``state`` (a tensor, or dicts, lists and tuples of them and other values) with every 4D/5D
     tensor in the default contiguous order: a copy where it was not, itself where it was. The
     containers are new, so the live state (an optimizer's per-parameter dicts) is not touched."""
+    require_state(state, 'canonical_state')
     return tree_map_only(torch.Tensor, _canonical_tensor, state)
 
 

@@ -33,7 +33,7 @@ from typing import Optional, Union
 import torch
 from torch.nn.parameter import is_lazy
 
-from channels_last_algo.core.arguments import require_module
+from channels_last_algo.core.arguments import require_flags, require_module, require_optimizers
 from channels_last_algo.core.layers import RepairRecord, repair_model
 from channels_last_algo.core.layout import channels_last_format, to_channels_first, to_channels_last
 from channels_last_algo.core.parallel import weight_layout_for
@@ -174,6 +174,8 @@ def apply_channels_last(
             bare model, then wrap it), as :class:`~channels_last_algo.core.guard.LayoutGuard` refuses it.
     """
     require_module(model, 'apply_channels_last')
+    require_flags('apply_channels_last', repair=repair, kernel_safety=kernel_safety)
+    require_optimizers(optimizers, 'apply_channels_last')
     weight_layout_for(model)  # raises on a model already wrapped in DistributedDataParallel
     summary = _restride_model(model, to_channels_last, 'channels last', optimizers)
     if kernel_safety:
@@ -206,6 +208,7 @@ def apply_channels_first(
     gradient and optimizer state tensor back to the default contiguous (NCHW / NCDHW) strides,
     in place. Repaired layers stay: they compute the same numbers in either layout."""
     require_module(model, 'apply_channels_first')
+    require_optimizers(optimizers, 'apply_channels_first')
     return restride(model, channels_last=False, optimizers=optimizers)
 
 

@@ -27,7 +27,7 @@ from typing import Any, Optional, TypeVar, Union
 import torch
 from torch.utils._pytree import tree_map_only
 
-from channels_last_algo.core.arguments import require_module
+from channels_last_algo.core.arguments import require_module, require_optimizers
 from channels_last_algo.core.audit import AuditReport, LayoutAudit, LayoutBreakError
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
 from channels_last_algo.core.boundary import prune_boundaries, repair_breaks
@@ -242,6 +242,7 @@ class LayoutGuard:
         yet sharded, only the batches go NHWC, and auto mode becomes ``'on'``.
         """
         require_module(model, 'LayoutGuard.on_init')
+        require_optimizers(optimizers, 'LayoutGuard.on_init')
         if self.mode == 'off':
             return None
         self.weight_layout = weight_layout_for(model) if weight_layout is None else weight_layout

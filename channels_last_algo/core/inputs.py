@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import sys
 import weakref
@@ -82,12 +83,23 @@ def check_inputs(value: Any) -> bool:
     if isinstance(value, str):
         return value in _RULES
     if callable(value):
-        return True
+        return _takes_path_and_tensor(value)
     return (
         isinstance(value, (list, tuple))
         and len(value) > 0
         and all(isinstance(entry, (str, int, tuple)) and not isinstance(entry, bool) for entry in value)
     )
+
+
+def _takes_path_and_tensor(predicate: Callable[..., Any]) -> bool:
+    """Whether ``predicate`` can be called as ``predicate(path, tensor)`` (True where its signature is hidden)."""
+    try:
+        inspect.signature(predicate).bind(None, None)
+    except TypeError:
+        return False
+    except ValueError:  # a builtin without a signature: its first call will tell
+        pass
+    return True
 
 
 def _plain(entry: Any) -> Hashable:

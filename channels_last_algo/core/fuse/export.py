@@ -14,13 +14,14 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Union
 
 import torch
 from torch import nn
 
-from channels_last_algo.core.arguments import require_module
+from channels_last_algo.core.arguments import require_flags, require_module
 from channels_last_algo.core.fuse.inference import fuse_for_inference
 from channels_last_algo.core.fuse.summary import FusionSummary
 from channels_last_algo.core.layout import to_channels_last
@@ -75,6 +76,9 @@ def export_for_inference(
         ValueError: ``model`` is in train mode, or a dynamic batch has an example batch of 1.
     """
     require_module(model, 'export_for_inference')
+    require_flags('export_for_inference', dynamic_batch=dynamic_batch)
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f'export_for_inference: path must be a file path, got {type(path).__name__} {path!r}')
     if dynamic_batch and example_input.shape[0] < 2:
         raise ValueError(
             f'export with a dynamic batch size needs an example batch of at least 2, got shape '

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from channels_last_algo.core.arguments import require_module
+from channels_last_algo.core.arguments import require_flags, require_module
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.fuse.conv import FusedConv2d
 from channels_last_algo.core.fuse.graph import fuse_graph, trace
@@ -166,6 +166,7 @@ def fuse_for_inference(
             ``torch.compile`` fails on it.
     """
     require_module(model, 'fuse_for_inference')
+    require_flags('fuse_for_inference', traceable=traceable)
     _check_arguments(model, traceable, backend)
     inputs = example_input if isinstance(example_input, tuple) or example_input is None else (example_input,)
     prepack = not traceable and backend == 'eager'

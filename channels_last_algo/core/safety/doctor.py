@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
+import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Union
@@ -133,6 +135,22 @@ class DoctorReport:
             lines += ['  ' + line for line in str(self.audit).splitlines()]
         lines.append('result: ' + ('ok' if self.ok else 'problems found') + f' (exit code {self.exit_code})')
         return '\n'.join(lines)
+
+
+def _check_arguments(input_shape: Any, device: Any, timeout: Any) -> None:
+    """ValueError naming the argument of :func:`doctor` that cannot be used, before any child process starts."""
+    shape_ok = isinstance(input_shape, (tuple, list)) and len(input_shape) in (4, 5)
+    if not (shape_ok and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in input_shape)):
+        raise ValueError(f'doctor: input_shape must be 4 or 5 positive integers (N, C, H, W), got {input_shape!r}')
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not 0 < timeout < math.inf:
+        raise ValueError(f'doctor: timeout must be a positive number of seconds, got {timeout!r}')
+    if device is None:
+        return
+    if not isinstance(device, str) or not re.fullmatch(r'cpu|cuda(:\d+)?', device):
+        raise ValueError(f"doctor: device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    index = int(device.partition(':')[2] or 0)
+    if device.startswith('cuda') and not (torch.cuda.is_available() and index < torch.cuda.device_count()):
+        raise ValueError(f'doctor: device {device!r}: no such CUDA device is visible here; use cpu')
 
 
 def _build(spec: ModelSpec) -> nn.Module:
@@ -293,6 +311,7 @@ def doctor(
         strict: count layout breaks left after the safe paths and repair as problems.
         timeout: seconds each child process may run.
     """
+    _check_arguments(input_shape, device, timeout)
     device = device or ('cuda' if torch.cuda.is_available() else 'cpu')
     runtime = Runtime.current(device)
     built = _build(model)
