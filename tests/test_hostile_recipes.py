@@ -25,7 +25,10 @@ LAUGHS = 'a: &a [x, x, x, x, x, x, x, x, x, x]\n' + ''.join(
 
 def _refused(capsys, argv: list[str], fragment: str, folder: Path) -> str:
     """Run the CLI; assert exit 2, one error line holding ``fragment``, no traceback and no run folder."""
-    code = main(argv)
+    try:
+        code = main(argv)
+    except SystemExit as exit:  # argparse's refusal of an argument
+        code = exit.code
     err = capsys.readouterr().err
     assert code == 2, err
     assert 'Traceback' not in err
