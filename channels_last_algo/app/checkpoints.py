@@ -193,7 +193,10 @@ def model_from_checkpoint(recipe: Recipe, path: Union[str, os.PathLike], ema: bo
     from channels_last_algo.app.recipes import build_algorithms
 
     path = Path(path)
-    check_readable(path)
+    try:
+        check_readable(path)
+    except RunFolderError as error:  # its fix speaks of --resume: here the file is export's --checkpoint
+        raise RunFolderError(error.problem, 'give --checkpoint a checkpoint file its run wrote') from None
     saved = read_state(path)
     model = ComposerClassifier(
         build_model(recipe.model.name, num_classes=recipe.model.num_classes), num_classes=recipe.model.num_classes

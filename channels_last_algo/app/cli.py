@@ -80,10 +80,14 @@ def _seconds(text: str) -> float:
 def _run_demo(args: argparse.Namespace) -> int:
     from channels_last_algo.app.demo import run_demo
 
+    shape = (args.batch_size, 3, args.image_size, args.image_size)
+    _check_fits(
+        'channels_last_algo.app.demo:TinyResNet', shape, True, f'--batch-size {shape[0]} --image-size {shape[2]}'
+    )
     try:
         run_demo(steps=args.steps, batch_size=args.batch_size, image_size=args.image_size)
     except ValueError as error:
-        print(f'channels-last demo: error: {error}', file=sys.stderr)
+        print(f'channels-last demo: error: --batch-size {shape[0]} --image-size {shape[2]}: {error}', file=sys.stderr)
         return 2
     return 0
 
@@ -142,9 +146,9 @@ def _check_input(model: Any, shape: Sequence[int], name: str) -> None:
         raise UsageError(f'--input {",".join(map(str, shape))}: {problem}')
 
 
-def _build_for(spec: str, shape: Sequence[int], train: bool, **options: Any):
-    """The model MODEL names, once ``shape`` (``--input``) is known to fit its memory and its first convolution:
-    a pass too large for this machine's free memory is refused before anything is allocated."""
+def _check_fits(spec: str, shape: Sequence[int], train: bool, given: str, **options: Any) -> None:
+    """UsageError naming ``given`` (the arguments that set ``shape``) when one pass of the model ``spec`` names
+    over an input of ``shape`` cannot fit this machine's free memory, counted on ``meta`` before any allocation."""
     import functools
 
     from channels_last_algo.app.models import model_builder
@@ -154,9 +158,15 @@ def _build_for(spec: str, shape: Sequence[int], train: bool, **options: Any):
     need = input_pass_bytes(functools.partial(model_builder(spec), **options), tuple(shape), train)
     if available is not None and need is not None and need > REFUSE_ABOVE * available:
         raise UsageError(
-            f'--input {",".join(map(str, shape))}: one {"training" if train else "forward"} pass of {spec} on it '
-            f'needs about {size_text(need)}, more than the {size_text(available)} free here; give a smaller input'
+            f'{given}: one {"training" if train else "forward"} pass of {spec} on it needs about {size_text(need)}, '
+            f'more than the {size_text(available)} free here; give a smaller input'
         )
+
+
+def _build_for(spec: str, shape: Sequence[int], train: bool, **options: Any):
+    """The model MODEL names, once ``shape`` (``--input``) is known to fit its memory and its first convolution:
+    a pass too large for this machine's free memory is refused before anything is allocated."""
+    _check_fits(spec, shape, train, f'--input {",".join(map(str, shape))}', **options)
     model = _build(spec, **options)
     _check_input(model, shape, spec)
     return model
