@@ -361,7 +361,7 @@ def test_what_composer_builds_is_refused_in_one_line(override, fragment, tmp_pat
         (['audit', 'resnet18', '--input', '1,3,2,2'], 'fails on a random input of --input 1,3,2,2'),
         (['audit', 'resnet18', '--input', '2,1,32,32'], "resnet18's first convolution conv1 takes 3 channels"),
         (['demo', '--image-size', '100000', '--batch-size', '1'], '--batch-size 1 --image-size 100000: one training'),
-        (['demo', '--image-size', '2', '--batch-size', '1', '--steps', '1'], '--batch-size 1 --image-size 2: '),
+        (['demo', '--image-size', '2', '--batch-size', '1', '--steps', '1'], 'Expected more than 1 value per channel'),
         (['doctor', 'resnet18', '--input', '2,3,32,32', '--timeout', 'inf'], "--timeout: 'inf' is not a positive"),
         (['doctor', 'resnet18', '--input', '2,3,32,32', '--timeout', '-1'], "--timeout: '-1' is not a positive"),
         (['doctor', 'resnet18', '--input', '2,3,32,32', '--device', 'tpu'], "device must be 'cpu', 'cuda' or 'cuda:N'"),

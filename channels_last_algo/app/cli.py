@@ -87,7 +87,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     try:
         run_demo(steps=args.steps, batch_size=args.batch_size, image_size=args.image_size)
     except ValueError as error:
-        print(f'channels-last demo: error: --batch-size {shape[0]} --image-size {shape[2]}: {error}', file=sys.stderr)
+        print(f'channels-last demo: error: {error}', file=sys.stderr)
         return 2
     return 0
 

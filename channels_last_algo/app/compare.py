@@ -46,14 +46,13 @@ _AUTOCAST = {'amp_fp16': torch.float16, 'amp_bf16': torch.bfloat16}
 
 
 def _batches(
-    recipe: Recipe, count: int, device: torch.device, data_path: Optional[str]
+    recipe: Recipe, count: int, device: torch.device, train_data: Any
 ) -> list[dict[bool, tuple[torch.Tensor, torch.Tensor]]]:
-    """``count`` training batches of the recipe's data path, normalised on the device, each
+    """``count`` training batches of ``train_data``, normalised on the device, each
     both NHWC (as this project's loader gives it) and NCHW (as a ``ToTensor`` loader would),
     keyed by ``nhwc``; made before timing so that no variant pays for the other's layout."""
     from channels_last_algo.app.data import NormalizeBatch, build_loader
 
-    train_data, _ = build_datasets(recipe, data_path)
     loader = build_loader(
         train_data,
         batch_size=recipe.train.global_batch_size,
@@ -144,11 +143,12 @@ def compare_recipe(
     from channels_last_algo.app.optimizers import build_optimizer
 
     device_name, precision = device_and_precision(recipe)
+    train_data, _ = build_datasets(recipe, data_path)  # a data path that is not there is refused first
     _check_memory(recipe, device_name, precision)
     device = torch.device('cuda' if device_name == 'gpu' else 'cpu')
     if device.type == 'cuda':
         torch.backends.cudnn.benchmark = True
-    data = _batches(recipe, warmup + batches, device, data_path)
+    data = _batches(recipe, warmup + batches, device, train_data)
     smoothing = float(recipe.enabled_algorithms().get('label_smoothing', {}).get('smoothing', 0.0))
 
     variants = _variants(_model(recipe).to(device))
