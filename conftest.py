@@ -13,7 +13,7 @@ import pytest
 from channels_last_algo.integrations import INTEGRATIONS
 
 # Application modules that import Composer at the top: the checkpoints of recipe runs.
-COMPOSER_MODULES = ('channels_last_algo/app/checkpoints.py',)
+COMPOSER_MODULES = ('channels_last_algo/app/runs/checkpoints.py',)
 
 collect_ignore = sorted(
     {
@@ -26,9 +26,10 @@ collect_ignore = sorted(
 
 # Doctests (module or object names) that build Composer Trainers, DataSpecs or algorithms.
 COMPOSER_DOCTESTS = (
-    'channels_last_algo.app.recipes',
-    'channels_last_algo.app.compare',
-    'channels_last_algo.app.data.build_data_spec',
+    'channels_last_algo.app.recipes.loading',
+    'channels_last_algo.app.recipes.placement',
+    'channels_last_algo.app.runs.compare',
+    'channels_last_algo.app.data.loaders.build_data_spec',
 )
 
 

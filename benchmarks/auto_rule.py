@@ -19,12 +19,12 @@ import math
 import random
 import statistics
 import sys
-from pathlib import Path
 
 import torch
+from arguments import benchmark_parser  # benchmarks/, next to this script
+from results_writer import RunStart, run_record, write_results
 
 from channels_last_algo.core.auto import decide_layout
-from channels_last_algo.core.machine import write_results
 from channels_last_algo.core.timing import FakeClock
 
 NOISE = {'quiet': (0.05, 0.0), 'loaded': (0.15, 0.1), 'overloaded': (0.3, 0.2)}  # sigma, spike rate
@@ -85,14 +85,15 @@ def table(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], args: argparse.Namespace) -> str:
+def markdown(result: dict) -> str:
+    s = result['settings']
     lines = [
         "# Auto mode's evidence rule under simulated noise",
         '',
-        f'Command: `python benchmarks/auto_rule.py {" ".join(sys.argv[1:])}`'.rstrip(),
+        f'Command: `{result["command"]}`',
         '',
-        f'{args.seeds} decisions per cell, at most {args.max_rounds} paired rounds, 95% interval, tie band 2%. Noise '
-        f'per step: log-normal with sigma as given, times {args.spike} with the spike rate. "wrong": NCHW kept '
+        f'{s["seeds"]} decisions per cell, at most {s["max_rounds"]} paired rounds, 95% interval, tie band 2%. Noise '
+        f'per step: log-normal with sigma as given, times {s["spike"]} with the spike rate. "wrong": NCHW kept '
         'where channels last is faster, or channels last kept where it is slower (a tie counts as channels last); '
         'the former rule: 3 steps per layout, medians compared.',
         '',
@@ -101,7 +102,7 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
         '|---|---|---:|---:|---:|---:|---:|---:|---:|',
     ]
     percent = lambda value: '' if value is None else f'{value:.0%}'
-    for r in rows:
+    for r in result['rows']:
         lines.append(
             f'| {r["noise"]} | {r["sigma"]}, {r["spike_rate"]:.0%} | {r["speedup"]:.2f}x | '
             f'{percent(r["kept_nchw"])} | {percent(r["kept_channels_last"])} | {percent(r["tie"])} | '
@@ -111,18 +112,19 @@ def markdown(rows: list[dict], args: argparse.Namespace) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+    start = RunStart.now()
+    parser = benchmark_parser(__doc__, out='folder for auto_rule.json and auto_rule.md (else print only)', epilog=False)
     parser.add_argument('--speedups', type=float, nargs='+', default=[0.7, 0.81, 0.9, 0.95, 1.0, 1.05, 1.1, 1.41])
     parser.add_argument('--seeds', type=int, default=200)
     parser.add_argument('--max-rounds', type=int, default=60)
     parser.add_argument('--spike', type=float, default=2.5, help='how much slower a step hit by a burst of load is')
-    parser.add_argument('--out', type=Path, help='folder for auto_rule.json and auto_rule.md (else print only)')
     args = parser.parse_args(argv)
     rows = table(args)
-    text = markdown(rows, args)
+    result = run_record('auto_rule', start, argv, settings=vars(args) | {'out': str(args.out)}, rows=rows)
+    text = markdown(result)
     print(text)
     if args.out is not None:
-        write_results(args.out, 'auto_rule', {'settings': vars(args) | {'out': str(args.out)}, 'rows': rows}, text)
+        write_results(args.out, 'auto_rule', result, text)
     return 0
 
 

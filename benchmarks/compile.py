@@ -11,7 +11,7 @@ round in one process (channels_last_algo.core.timing):
 
 A step is forward, a loss, backward and an SGD step (benchmarks/zoo.py's training_step).
 Compilation happens in the warm-up rounds and is reported, not timed. A compile failure is a
-row that says why (inductor build errors explained by core/compile.py).
+row that says why (inductor build errors explained by core/inductor_errors.py).
 
     python benchmarks/compile.py                              # resnet50 and two zoo models
     python benchmarks/compile.py --models resnet50 --rounds 6
@@ -21,20 +21,20 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from zoo import training_step  # benchmarks/, next to this script
+from arguments import Option, benchmark_parser  # benchmarks/, next to this script
+from results_writer import RunStart, results_folder, run_record, write_results
+from zoo import training_step
+from zoo_models import TIMM_ZOO, TORCHVISION_ZOO, build
 from zoo_report import cell
 
-from channels_last_algo.app.zoo import TIMM_ZOO, TORCHVISION_ZOO, build
-from channels_last_algo.core.compile import explain_compile_failures
 from channels_last_algo.core.convert import apply_channels_last
-from channels_last_algo.core.machine import describe_machine, machine_label, machine_slug, write_results
+from channels_last_algo.core.inductor_errors import explain_compile_failures
+from channels_last_algo.core.machine_description import machine_label
 from channels_last_algo.core.timing import time_interleaved
 
 VARIANTS = ('nchw', 'channels_last', 'ours', 'compiled_nchw', 'compiled_ours')
@@ -97,7 +97,7 @@ def measure(model_name: str, args: argparse.Namespace) -> dict:
 
 
 def markdown(result: dict) -> str:
-    s = result['settings']
+    s, load = result['settings'], result['load_average_1min']
     lines = [
         '# Compile: training step time, eager and torch.compile, NCHW and channels last: '
         f'{machine_label(result["machine"])}',
@@ -107,8 +107,8 @@ def markdown(result: dict) -> str:
         '',
         f'Batch {s["batch_size"]} x {s["image_size"]} px, float32, {s["threads"]} torch threads, SGD with momentum; '
         f'{s["rounds"]} timed rounds after one warm-up round (where inductor compiles), variants interleaved. '
-        f'1-minute load average {result["load_average_1min"][0]:.1f} before, {result["load_average_1min"][1]:.1f} '
-        'after. Cells: median of per-round ratios over eager NCHW, its 95% interval, + / - beyond a 2% tie band.',
+        f'1-minute load average {load["before"]:.1f} before, {load["after"]:.1f} after. '
+        'Cells: median of per-round ratios over eager NCHW, its 95% interval, + / - beyond a 2% tie band.',
         '',
         '| model | NCHW ms (median) | ' + ' | '.join(VARIANTS[1:]) + ' | fastest | warm-up s | errors |',
         '|---|---:|' + '---:|' * (len(VARIANTS) - 1) + '---|---:|---|',
@@ -122,33 +122,32 @@ def markdown(result: dict) -> str:
     return '\n'.join(lines) + '\n'
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = benchmark_parser(
+        __doc__,
+        rounds=Option(8),
+        threads=Option(2),
+        out='results folder (default: benchmarks/results/<machine>)',
+        name=Option(f'compile-torch{".".join(torch.__version__.split(".")[:2])}'),
+        epilog=False,
+    )
     parser.add_argument('--models', nargs='+', default=['resnet50', 'mobilenet_v3_large', 'regnet_y_400mf'])
     parser.add_argument('--batch-size', type=int, default=16)
     parser.add_argument('--image-size', type=int, default=128)
-    parser.add_argument('--rounds', type=int, default=8)
-    parser.add_argument('--threads', type=int, default=2)
-    parser.add_argument('--out', type=Path)
-    parser.add_argument('--name', default=f'compile-torch{".".join(torch.__version__.split(".")[:2])}')
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    start = RunStart.now()
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    started, load = time.perf_counter(), os.getloadavg()[0]
     rows = []
     for name in args.models:
         rows.append(measure(name, args))
         print(rows[-1]['model'], {k: cell(v) for k, v in rows[-1]['ratios'].items()}, rows[-1]['errors'], flush=True)
-    result = {
-        'benchmark': 'compile',
-        'command': ' '.join(['python benchmarks/compile.py', *(sys.argv[1:] if argv is None else argv)]),
-        'machine': describe_machine(),
-        'settings': {k: getattr(args, k) for k in ('batch_size', 'image_size', 'rounds', 'threads')},
-        'date': time.strftime('%Y-%m-%d'),
-        'seconds': time.perf_counter() - started,
-        'load_average_1min': [load, os.getloadavg()[0]],
-        'rows': rows,
-    }
-    out = args.out or Path(__file__).resolve().parent / 'results' / machine_slug(result['machine'])
+    settings = {k: getattr(args, k) for k in ('batch_size', 'image_size', 'rounds', 'threads')}
+    result = run_record('compile', start, argv, settings=settings, rows=rows)
+    out = results_folder(args.out, result['machine'])
     text = markdown(result)
     write_results(out, args.name, result, text)
     print(text)

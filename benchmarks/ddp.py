@@ -4,7 +4,7 @@ For each world size (default 1 and 2) the script starts that many ranks with Com
 launcher (``python -m composer.cli.launcher -n W``, which sets RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, ...), each rank with ``--threads-per-rank`` torch threads (default 1: one core per
 rank, as one GPU per rank). Each rank builds the small ResNet-like net of the demo
-(:class:`channels_last_algo.app.demo.TinyResNet`: conv-BN-ReLU stem, max pooling, two residual
+(:class:`channels_last_algo.app.runs.demo.TinyResNet`: conv-BN-ReLU stem, max pooling, two residual
 blocks, global pooling, a linear head) from the same weights three times and wraps each copy in
 ``DistributedDataParallel``:
 
@@ -39,23 +39,27 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from arguments import Option, benchmark_parser  # benchmarks/, next to this script
+from results_writer import RunStart, run_record, write_results
 from torch import nn
 
-from channels_last_algo.app.demo import TinyResNet
+from channels_last_algo.app.runs.demo import TinyResNet
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.layout import to_channels_last
-from channels_last_algo.core.machine import describe_machine, machine_label, write_results
+from channels_last_algo.core.machine_description import machine_label
 from channels_last_algo.core.timing import Ratio, time_interleaved
 
 VARIANTS = ('nchw', 'channels_last', 'restrided_after_wrap')
 STRIDE_WARNING = 'Grad strides do not match bucket view strides'
+SETTINGS = ('global_batch', 'image_size', 'width', 'steps', 'rounds', 'warmup', 'threads_per_rank', 'seed')
+"""The settings a run records and hands on to each rank's command line."""
 
 
 # --- one rank -----------------------------------------------------------------------------------------
@@ -72,14 +76,8 @@ def build_variant(name: str, base: nn.Module) -> nn.Module:
     return wrapped
 
 
-def rank_program(args: argparse.Namespace) -> None:
-    """Time every variant on this rank; rank 0 writes ``args.rank_out``."""
-    world = int(os.environ['WORLD_SIZE'])
-    rank = int(os.environ['RANK'])
-    torch.set_num_threads(args.threads_per_rank)
-    dist.init_process_group('gloo')
-    torch.manual_seed(args.seed)
-    base = TinyResNet(num_classes=10, width=args.width)
+def rank_batch(args: argparse.Namespace, world: int, rank: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """This rank's share of the global batch: its images in each variant's layout, and its labels."""
     generator = torch.Generator().manual_seed(args.seed + 1 + rank)
     per_rank = args.global_batch // world
     images = torch.randn(per_rank, 3, args.image_size, args.image_size, generator=generator)
@@ -89,6 +87,11 @@ def rank_program(args: argparse.Namespace) -> None:
         'channels_last': to_channels_last(images),
         'restrided_after_wrap': to_channels_last(images),
     }
+    return batches, labels
+
+
+def training_steps(base: nn.Module, batches: dict[str, torch.Tensor], labels: torch.Tensor) -> dict[str, Callable]:
+    """Each variant's training step: zero_grad, forward, cross-entropy, backward (with DDP's allreduce), SGD."""
     models = {name: build_variant(name, base) for name in VARIANTS}
     optimizers = {name: torch.optim.SGD(models[name].parameters(), lr=0.01, momentum=0.9) for name in VARIANTS}
 
@@ -97,36 +100,65 @@ def rank_program(args: argparse.Namespace) -> None:
         nn.functional.cross_entropy(models[name](batches[name]), labels).backward()
         optimizers[name].step()
 
+    return {name: functools.partial(step, name) for name in VARIANTS}
+
+
+def warm_up(steps: dict[str, Callable], count: int) -> dict[str, bool]:
+    """``count`` untimed steps of each variant, in order; whether DDP warned about strides in each
+    (the warning fires once per process, so the order matters)."""
     warned = {}
-    for name in VARIANTS:  # warm-up, in this order: the stride warning fires once per process
+    for name, step in steps.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter('always')
-            for _ in range(args.warmup):
-                step(name)
+            for _ in range(count):
+                step()
         warned[name] = any(STRIDE_WARNING in str(w.message) for w in caught)
+    return warned
+
+
+def rank_program(args: argparse.Namespace) -> None:
+    """Time every variant on this rank; rank 0 writes ``args.rank_out``."""
+    world = int(os.environ['WORLD_SIZE'])
+    rank = int(os.environ['RANK'])
+    torch.set_num_threads(args.threads_per_rank)
+    dist.init_process_group('gloo')
+    torch.manual_seed(args.seed)
+    base = TinyResNet(num_classes=10, width=args.width)
+    batches, labels = rank_batch(args, world, rank)
+    steps = training_steps(base, batches, labels)
+    warned = warm_up(steps, args.warmup)
     # every rank runs the same rounds in the same order; the clock is read between barriers
-    timings = time_interleaved(
-        {name: functools.partial(step, name) for name in VARIANTS},
-        rounds=args.rounds,
-        warmup=0,
-        repeat=args.steps,
-        synchronize=dist.barrier,
-    )
+    timings = time_interleaved(steps, rounds=args.rounds, warmup=0, repeat=args.steps, synchronize=dist.barrier)
     if rank == 0:
-        Path(args.rank_out).write_text(
-            json.dumps(
-                {
-                    'seconds_per_step': timings.seconds,
-                    'stride_warning': warned,
-                    'threads_per_rank': torch.get_num_threads(),
-                    'images_per_rank': per_rank,
-                }
-            )
-        )
+        measured = {
+            'seconds_per_step': timings.seconds,
+            'stride_warning': warned,
+            'threads_per_rank': torch.get_num_threads(),
+            'images_per_rank': len(labels),
+        }
+        Path(args.rank_out).write_text(json.dumps(measured))
     dist.destroy_process_group()
 
 
 # --- the driver ---------------------------------------------------------------------------------------
+
+
+def launcher_command(world: int, args: argparse.Namespace, folder: Path, out: Path) -> list[str]:
+    """Composer's launcher starting ``world`` ranks of this script, each writing its log to ``folder``."""
+    options = [text for key in SETTINGS for text in (f'--{key.replace("_", "-")}', str(getattr(args, key)))]
+    return [
+        sys.executable,
+        '-m',
+        'composer.cli.launcher',
+        '-n',
+        str(world),
+        '--stdout',
+        str(folder / f'world{world}-rank{{rank}}.log'),
+        str(Path(__file__).resolve()),
+        '--rank-out',
+        str(out),
+        *options,
+    ]
 
 
 def launch(world: int, args: argparse.Namespace, folder: Path) -> dict:
@@ -138,38 +170,7 @@ def launch(world: int, args: argparse.Namespace, folder: Path) -> dict:
         if k not in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT')
     }
     env['OMP_NUM_THREADS'] = str(args.threads_per_rank)
-    options = [
-        '--global-batch',
-        args.global_batch,
-        '--image-size',
-        args.image_size,
-        '--width',
-        args.width,
-        '--steps',
-        args.steps,
-        '--rounds',
-        args.rounds,
-        '--warmup',
-        args.warmup,
-        '--threads-per-rank',
-        args.threads_per_rank,
-        '--seed',
-        args.seed,
-    ]
-    command = [
-        sys.executable,
-        '-m',
-        'composer.cli.launcher',
-        '-n',
-        str(world),
-        '--stdout',
-        str(folder / f'world{world}-rank{{rank}}.log'),
-        str(Path(__file__).resolve()),
-        '--rank-out',
-        str(out),
-        *map(str, options),
-    ]
-    process = subprocess.run(command, env=env, capture_output=True, text=True)
+    process = subprocess.run(launcher_command(world, args, folder, out), env=env, capture_output=True, text=True)
     if process.returncode != 0 or not out.exists():
         logs = '\n'.join(p.read_text()[-2000:] for p in sorted(folder.glob(f'world{world}-rank*.log')))
         raise RuntimeError(f'{world} ranks failed (exit {process.returncode}):\n{process.stderr[-4000:]}\n{logs}')
@@ -204,6 +205,14 @@ def summarise(measured: dict[int, dict], global_batch: int) -> list[dict]:
     return rows
 
 
+def table_row(row: dict) -> str:
+    return (
+        f'| {row["world_size"]} | {row["variant"]} | {row["min_ms"]:.1f} | {row["median_ms"]:.1f} | '
+        f'{row["images_per_s"]:.0f} | {row["speedup_vs_nchw"]:.2f}x | {row["scaling_vs_1_rank"]:.2f}x | '
+        f'{"yes" if row["stride_warning"] else "no"} |'
+    )
+
+
 def markdown(result: dict) -> str:
     s = result['settings']
     worlds = sorted({row['world_size'] for row in result['rows']})
@@ -229,13 +238,8 @@ def markdown(result: dict) -> str:
         '',
         '| ranks | variant | min ms | median ms | images/s | vs NCHW | vs 1 rank | warns |',
         '|---:|---|---:|---:|---:|---:|---:|---|',
+        *map(table_row, result['rows']),
     ]
-    for row in result['rows']:
-        lines.append(
-            f'| {row["world_size"]} | {row["variant"]} | {row["min_ms"]:.1f} | {row["median_ms"]:.1f} | '
-            f'{row["images_per_s"]:.0f} | {row["speedup_vs_nchw"]:.2f}x | {row["scaling_vs_1_rank"]:.2f}x | '
-            f'{"yes" if row["stride_warning"] else "no"} |'
-        )
     if len(worlds) > 1:
         lines += [
             '',
@@ -249,27 +253,24 @@ def markdown(result: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split('\n\n', 1)[1],
+    parser = benchmark_parser(
+        __doc__,
+        rounds=Option(7),
+        warmup=Option(3, 'untimed steps per variant first'),
+        threads=Option(
+            1,
+            'torch threads of each rank (default 1: one core per rank; more threads than free '
+            'cores make oneDNN steps many times slower on a busy machine)',
+            flag='--threads-per-rank',
+        ),
+        out='folder for ddp.json and ddp.md (else print only)',
     )
     parser.add_argument('--worlds', type=int, nargs='+', default=[1, 2], help='world sizes to run (ranks)')
     parser.add_argument('--global-batch', type=int, default=32, help='images per step over all ranks')
     parser.add_argument('--image-size', type=int, default=64)
     parser.add_argument('--width', type=int, default=32, help='TinyResNet channels')
     parser.add_argument('--steps', type=int, default=5, help='timed steps per variant and round')
-    parser.add_argument('--rounds', type=int, default=7)
-    parser.add_argument('--warmup', type=int, default=3, help='untimed steps per variant first')
-    parser.add_argument(
-        '--threads-per-rank',
-        type=int,
-        default=1,
-        help='torch threads of each rank (default 1: one core per rank; more threads than free '
-        'cores make oneDNN steps many times slower on a busy machine)',
-    )
     parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--out', type=Path, help='folder for ddp.json and ddp.md (else print only)')
     parser.add_argument('--rank-out', help=argparse.SUPPRESS)  # set by the driver for the rank program
     args = parser.parse_args(argv)
     for world in args.worlds:
@@ -279,25 +280,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    start = RunStart.now()
     args = parse_args(argv)
     if args.rank_out is not None:
         rank_program(args)
         return 0
-    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix='ddp-bench-') as tmp:
         measured = {world: launch(world, args, Path(tmp)) for world in sorted(args.worlds)}
     rows = summarise(measured, args.global_batch)
-    result = {
-        'command': ' '.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
-        'machine': {**describe_machine(), 'torch_threads': args.threads_per_rank},
-        'settings': {
-            key: getattr(args, key)
-            for key in ('global_batch', 'image_size', 'width', 'steps', 'rounds', 'warmup', 'threads_per_rank', 'seed')
-        },
-        'date': time.strftime('%Y-%m-%d'),
-        'load_average_1min': {'before': load_before, 'after': os.getloadavg()[0]},
-        'rows': rows,
-    }
+    settings = {key: getattr(args, key) for key in SETTINGS}
+    result = run_record('ddp', start, argv, {'torch_threads': args.threads_per_rank}, settings=settings, rows=rows)
     text = markdown(result)
     print(text)
     if args.out is not None:

@@ -1,5 +1,5 @@
 """Per-image cost of each way to read, decode and resize an ImageNet-like JPEG: the measurements
-behind the choices in ``channels_last_algo/app/decode.py`` and ``transforms.py``.
+behind the choices in ``channels_last_algo/app/data/decode.py`` and ``transforms.py``.
 
 One thread, one process, every option over the same generated JPEGs (``imagenet_jpegs.py``),
 interleaved round by round:
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -31,12 +30,13 @@ import PIL
 import PIL.features
 import torch
 import torch.nn.functional as F
+from arguments import Option, benchmark_parser  # benchmarks/, next to this script
 from imagenet_jpegs import write_imagenet_like_folder
 from PIL import Image
+from results_writer import RunStart, run_record, write_results
 from torchvision import transforms
 
-from channels_last_algo.app.decode import FULL_SIZE_DECODERS, EncodedImage, rgb_pixels
-from channels_last_algo.core.machine import run_record, write_results
+from channels_last_algo.app.data.decode import FULL_SIZE_DECODERS, EncodedImage, rgb_pixels
 from channels_last_algo.core.timing import time_interleaved
 
 try:
@@ -136,24 +136,22 @@ def markdown(result: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split('\n\n', 1)[1],
+    parser = benchmark_parser(
+        __doc__,
+        rounds=Option(7, 'timed rounds', flag='--repeats'),
+        out='folder for decode.json and decode.md (else print only)',
     )
     parser.add_argument('--images', type=int, default=64, help='JPEGs generated')
     parser.add_argument('--crop', type=int, default=224)
     parser.add_argument('--resize', type=int, default=232)
-    parser.add_argument('--repeats', type=int, default=7, help='timed rounds')
     parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--out', type=Path, help='folder for decode.json and decode.md (else print only)')
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
+    start = RunStart.now()
     args = parse_args(argv)
     torch.set_num_threads(1)
-    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix='decode-bench-') as tmp:
         data = write_imagenet_like_folder(Path(tmp), args.images, classes=1, seed=args.seed)
         rows = measure(Path(tmp), args)
@@ -165,7 +163,7 @@ def main(argv=None) -> int:
         'simplejpeg': getattr(simplejpeg, '__version__', None),
     }
     settings = {'crop': args.crop, 'resize': args.resize, 'repeats': args.repeats, 'seed': args.seed}
-    result = run_record(argv, load_before, machine, settings=settings, data=data, rows=rows)
+    result = run_record('decode', start, argv, machine, settings=settings, data=data, rows=rows)
     if args.out is not None:
         write_results(args.out, 'decode', result, markdown(result))
         print(f'wrote {args.out / "decode.json"} and {args.out / "decode.md"}')

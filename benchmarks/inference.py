@@ -43,21 +43,21 @@ import copy
 import gc
 import importlib.util
 import math
-import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
-from inference_report import inductor_verdicts, markdown, times  # benchmarks/, next to this script
+from arguments import Option, benchmark_parser  # benchmarks/, next to this script
+from inference_report import inductor_verdicts, markdown, times
+from results_writer import RunStart, run_record, write_results
 
-from channels_last_algo.app.models import build_model
+from channels_last_algo.app.recipes.models import build_model
 from channels_last_algo.core.fuse import export_for_inference, fuse_for_inference
-from channels_last_algo.core.machine import describe_machine, write_results
 from channels_last_algo.core.timing import synchronizer, time_interleaved
 
 VARIANTS = (
@@ -71,6 +71,7 @@ VARIANTS = (
     'fused (inductor)',
     'export',
 )
+SETTINGS = ('batch_size', 'image_size', 'warmup', 'rounds', 'iterations', 'min_seconds', 'device', 'seed', 'smoke')
 DTYPES = {'float32': torch.float32, 'bfloat16': torch.bfloat16, 'float16': torch.float16}
 MODELS = ('resnet50', 'mobilenet_v2', 'efficientnet_b0', 'regnet_y_400mf', 'densenet121')
 SMOKE = {'models': ['resnet18'], 'batch_size': 2, 'image_size': 32, 'warmup': 1, 'rounds': 2, 'iterations': 1}
@@ -101,117 +102,133 @@ def _inductor_freezing(model: torch.nn.Module) -> Callable[[torch.Tensor], Any]:
     return run
 
 
+class VariantBuilder:
+    """Builds each variant of one model on one batch in one dtype; ``notes`` collects the fusion
+    summary, the variants skipped and why, and the seconds to build each and make its first call."""
+
+    def __init__(self, model: torch.nn.Module, images: torch.Tensor, dtype: torch.dtype, workdir: Path) -> None:
+        self.model, self.images, self.dtype, self.workdir = model, images, dtype, workdir
+        self.device = images.device
+        self.nhwc = images.to(memory_format=torch.channels_last)
+        self.low = dtype != torch.float32
+        self.autocast_how = f'autocast {dtype}'.replace('torch.', '') if self.low else 'float32'
+        self.typed = str(dtype).replace('torch.', '')
+        self.notes: dict[str, Any] = {'skipped': {}, 'first_call_seconds': {}}
+        self._fused: Any = None
+
+    def under_autocast(self, module: Callable[[torch.Tensor], Any], inputs: torch.Tensor) -> Callable[[], Any]:
+        def run():
+            with _autocast(self.device, self.dtype):
+                return module(inputs)
+
+        return run
+
+    def nchw(self) -> Variant:
+        return Variant('nchw', self.under_autocast(self.model, self.images), f'eager, NCHW input, {self.autocast_how}')
+
+    def channels_last(self) -> Variant:
+        converted = copy.deepcopy(self.model).to(memory_format=torch.channels_last)
+        how = f'model.to(channels_last), NHWC input, {self.autocast_how}'
+        return Variant('channels_last', self.under_autocast(converted, self.nhwc), how)
+
+    def composer(self) -> Variant:
+        from composer.algorithms.channels_last import apply_channels_last as composer_channels_last
+
+        converted = copy.deepcopy(self.model)
+        composer_channels_last(converted)
+        how = f"Composer's apply_channels_last, NCHW input, {self.autocast_how}"
+        return Variant('composer', self.under_autocast(converted, self.images), how)
+
+    def torchscript(self) -> Variant:
+        scripted = torch.jit.script(copy.deepcopy(self.model).to(self.dtype))
+        frozen = torch.jit.optimize_for_inference(torch.jit.freeze(scripted))
+        inputs = self.images.to(self.dtype)
+        how = f'script + freeze + optimize_for_inference, {self.typed}'
+        return Variant('torchscript', lambda: frozen(inputs), how)
+
+    def inductor(self) -> Variant:
+        how = f'torch.compile(model.to(channels_last)), inductor freezing, NHWC input, {self.autocast_how}'
+        return Variant('inductor', self.under_autocast(_inductor_freezing(self.model), self.nhwc), how)
+
+    def fused_eager(self) -> Any:
+        """The eager fused copy, built once for the variants that share it."""
+        if self._fused is None:
+            self._fused = fuse_for_inference(self.model, self.images[:2])
+            self.notes['fusion'] = str(self._fused.summary)
+        return self._fused
+
+    def fused(self) -> Variant:
+        how = f'fuse_for_inference, NHWC input, {self.autocast_how}'
+        return Variant('fused', self.under_autocast(self.fused_eager(), self.nhwc), how)
+
+    def fused_copy(self) -> Variant:
+        converted = copy.deepcopy(self.fused_eager()).to(self.dtype)
+        inputs = self.nhwc.to(self.dtype)
+        how = f'fuse_for_inference(...).to({self.typed}), NHWC input'
+        return Variant('fused (copy)', lambda: converted(inputs), how)
+
+    def fused_inductor(self) -> Variant:
+        compiled = fuse_for_inference(self.model, self.images[:2], backend='inductor')  # checked in float32
+        how = f"fuse_for_inference(backend='inductor'), NHWC input, {self.autocast_how}"
+        return Variant('fused (inductor)', self.under_autocast(compiled, self.nhwc), how)
+
+    def export(self) -> Variant:
+        path = self.workdir / f'{type(self.model).__name__}.pt2'
+        export_for_inference(self.model, path, self.images[:2])
+        program = torch.export.load(path).module()
+        nhwc = self.nhwc
+        return Variant('export', lambda: program(nhwc), 'torch.export.load(fused .pt2), NHWC input')
+
+    def skip_reason(self, name: str) -> Optional[str]:
+        """Why variant ``name`` is not built for this dtype and device, or None."""
+        if name == 'composer' and not importlib.util.find_spec('composer'):
+            return 'Composer is not installed here'
+        if name == 'fused (copy)' and not self.low:
+            return 'a converted copy is the float32 model itself'
+        if name == 'export' and (self.low or self.device.type != 'cpu'):
+            return 'the exported program is traced in float32 on CPU'
+        return None
+
+    def build(self, name: str) -> Optional[Variant]:
+        """Variant ``name``, built and called once (compiling, if it compiles); None, with the
+        reason in the notes, where it is skipped or this torch cannot build it."""
+        reason = self.skip_reason(name)
+        if reason:
+            self.notes['skipped'][name] = reason
+            return None
+        start = time.perf_counter()
+        try:
+            variant = BUILDERS[name](self)
+            variant.run()
+        except Exception as error:  # a variant this torch cannot build (a compiler failure, say) is reported
+            self.notes['skipped'][name] = f'{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}'
+            return None
+        self.notes['first_call_seconds'][name] = time.perf_counter() - start
+        return variant
+
+
+BUILDERS: dict[str, Callable[[VariantBuilder], Variant]] = {
+    'nchw': VariantBuilder.nchw,
+    'channels_last': VariantBuilder.channels_last,
+    'composer': VariantBuilder.composer,
+    'torchscript': VariantBuilder.torchscript,
+    'inductor': VariantBuilder.inductor,
+    'fused': VariantBuilder.fused,
+    'fused (copy)': VariantBuilder.fused_copy,
+    'fused (inductor)': VariantBuilder.fused_inductor,
+    'export': VariantBuilder.export,
+}
+"""The :class:`VariantBuilder` method that builds each of :data:`VARIANTS`."""
+
+
 def build_variants(
     model: torch.nn.Module, images: torch.Tensor, dtype: torch.dtype, names: tuple[str, ...], workdir: Path
 ) -> tuple[list[Variant], dict[str, Any]]:
     """The variants of ``model`` on ``images`` in ``dtype``, and notes (fusion summary, skips,
     seconds to build and make the first call)."""
-    device = images.device
-    nhwc = images.to(memory_format=torch.channels_last)
-    low = dtype != torch.float32
-    autocast_how = f'autocast {dtype}'.replace('torch.', '') if low else 'float32'
-    typed = str(dtype).replace('torch.', '')
-    notes: dict[str, Any] = {'skipped': {}, 'first_call_seconds': {}}
-
-    def under_autocast(module: Callable[[torch.Tensor], Any], inputs: torch.Tensor) -> Callable[[], Any]:
-        def run():
-            with _autocast(device, dtype):
-                return module(inputs)
-
-        return run
-
-    def nchw() -> Variant:
-        return Variant('nchw', under_autocast(model, images), f'eager, NCHW input, {autocast_how}')
-
-    def channels_last() -> Variant:
-        converted = copy.deepcopy(model).to(memory_format=torch.channels_last)
-        return Variant(
-            'channels_last', under_autocast(converted, nhwc), f'model.to(channels_last), NHWC input, {autocast_how}'
-        )
-
-    def composer() -> Variant:
-        from composer.algorithms.channels_last import apply_channels_last as composer_channels_last
-
-        converted = copy.deepcopy(model)
-        composer_channels_last(converted)
-        return Variant(
-            'composer', under_autocast(converted, images), f"Composer's apply_channels_last, NCHW input, {autocast_how}"
-        )
-
-    def torchscript() -> Variant:
-        scripted = torch.jit.script(copy.deepcopy(model).to(dtype))
-        frozen = torch.jit.optimize_for_inference(torch.jit.freeze(scripted))
-        inputs = images.to(dtype)
-        return Variant('torchscript', lambda: frozen(inputs), f'script + freeze + optimize_for_inference, {typed}')
-
-    def inductor() -> Variant:
-        return Variant(
-            'inductor',
-            under_autocast(_inductor_freezing(model), nhwc),
-            f'torch.compile(model.to(channels_last)), inductor freezing, NHWC input, {autocast_how}',
-        )
-
-    fused_copies: dict[str, Any] = {}
-
-    def fused_eager() -> Any:
-        if 'eager' not in fused_copies:
-            fused_copies['eager'] = fuse_for_inference(model, images[:2])
-            notes['fusion'] = str(fused_copies['eager'].summary)
-        return fused_copies['eager']
-
-    def fused() -> Variant:
-        return Variant('fused', under_autocast(fused_eager(), nhwc), f'fuse_for_inference, NHWC input, {autocast_how}')
-
-    def fused_copy() -> Variant:
-        converted = copy.deepcopy(fused_eager()).to(dtype)
-        inputs = nhwc.to(dtype)
-        return Variant('fused (copy)', lambda: converted(inputs), f'fuse_for_inference(...).to({typed}), NHWC input')
-
-    def fused_inductor() -> Variant:
-        compiled = fuse_for_inference(model, images[:2], backend='inductor')  # checked in float32
-        return Variant(
-            'fused (inductor)',
-            under_autocast(compiled, nhwc),
-            f"fuse_for_inference(backend='inductor'), NHWC input, {autocast_how}",
-        )
-
-    def export() -> Variant:
-        path = workdir / f'{type(model).__name__}.pt2'
-        export_for_inference(model, path, images[:2])
-        program = torch.export.load(path).module()
-        return Variant('export', lambda: program(nhwc), 'torch.export.load(fused .pt2), NHWC input')
-
-    builders = {
-        'nchw': nchw,
-        'channels_last': channels_last,
-        'composer': composer,
-        'torchscript': torchscript,
-        'inductor': inductor,
-        'fused': fused,
-        'fused (copy)': fused_copy,
-        'fused (inductor)': fused_inductor,
-        'export': export,
-    }
-    reasons = {
-        'composer': None if importlib.util.find_spec('composer') else 'Composer is not installed here',
-        'fused (copy)': None if low else 'a converted copy is the float32 model itself',
-        'export': 'the exported program is traced in float32 on CPU' if low or device.type != 'cpu' else None,
-    }
-    variants = []
-    for name in names:
-        if reasons.get(name):
-            notes['skipped'][name] = reasons[name]
-            continue
-        start = time.perf_counter()
-        try:
-            variant = builders[name]()
-            variant.run()
-        except Exception as error:  # a variant this torch cannot build (a compiler failure, say) is reported
-            notes['skipped'][name] = f'{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}'
-            continue
-        notes['first_call_seconds'][name] = time.perf_counter() - start
-        variants.append(variant)
-    return variants, notes
+    builder = VariantBuilder(model, images, dtype, workdir)
+    variants = [builder.build(name) for name in names]
+    return [variant for variant in variants if variant is not None], builder.notes
 
 
 def _ratio_fields(timings: Any, reference: str, name: str, prefix: str) -> dict[str, Any]:
@@ -221,22 +238,53 @@ def _ratio_fields(timings: Any, reference: str, name: str, prefix: str) -> dict[
     return {f'{prefix}': ratio.median, f'{prefix}_interval': ratio.interval}
 
 
+def calls_per_measurement(baseline: Variant, sync: Optional[Callable[[], None]], args: argparse.Namespace) -> int:
+    """--iterations, or as many calls as make the baseline take --min-seconds, from one timed call."""
+    one = time.perf_counter()
+    baseline.run()
+    if sync is not None:
+        sync()
+    return args.iterations or max(1, math.ceil(args.min_seconds / (time.perf_counter() - one)))
+
+
+def group_rows(
+    model: str, dtype_name: str, variants: list[Variant], timings: Any, baseline: str, batch_size: int, skipped: dict
+) -> list[dict]:
+    """A row per variant timed; a variant without a timed round goes to ``skipped`` with its error."""
+    rows = []
+    for variant in variants:
+        own = timings.seconds[variant.name]
+        if not own:
+            skipped[variant.name] = timings.errors.get(variant.name, 'no timed round')
+            continue
+        rows.append(
+            {
+                'model': model,
+                'dtype': dtype_name,
+                'variant': variant.name,
+                'how': variant.how,
+                'seconds_per_batch': own,
+                'best_images_per_s': batch_size / min(own),
+                'median_images_per_s': batch_size / statistics.median(own),
+                **_ratio_fields(timings, baseline, variant.name, 'speedup_vs_nchw'),
+                **_ratio_fields(timings, 'inductor', variant.name, 'speedup_vs_inductor'),
+            }
+        )
+    return rows
+
+
 def measure(name: str, dtype_name: str, args: argparse.Namespace, workdir: Path) -> dict:
+    """One (model, dtype) group: its variants built, timed interleaved, and their rows."""
     start = time.perf_counter()
     device = torch.device(args.device)
-    dtype = DTYPES[dtype_name]
     torch.manual_seed(args.seed)
     model = build_model(name).eval().to(device)
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     with torch.inference_mode():
-        variants, notes = build_variants(model, images, dtype, tuple(args.variants), workdir)
+        variants, notes = build_variants(model, images, DTYPES[dtype_name], tuple(args.variants), workdir)
         baseline = next((v for v in variants if v.name == 'nchw'), variants[0])
         sync = synchronizer(device)
-        one = time.perf_counter()
-        baseline.run()
-        if sync is not None:
-            sync()
-        iterations = args.iterations or max(1, math.ceil(args.min_seconds / (time.perf_counter() - one)))
+        iterations = calls_per_measurement(baseline, sync, args)
         timings = time_interleaved(
             {v.name: v.run for v in variants},
             rounds=args.rounds,
@@ -245,25 +293,7 @@ def measure(name: str, dtype_name: str, args: argparse.Namespace, workdir: Path)
             synchronize=sync,
             catch=True,
         )
-    rows = []
-    for variant in variants:
-        own = timings.seconds[variant.name]
-        if not own:
-            notes['skipped'][variant.name] = timings.errors.get(variant.name, 'no timed round')
-            continue
-        rows.append(
-            {
-                'model': name,
-                'dtype': dtype_name,
-                'variant': variant.name,
-                'how': variant.how,
-                'seconds_per_batch': own,
-                'best_images_per_s': args.batch_size / min(own),
-                'median_images_per_s': args.batch_size / statistics.median(own),
-                **_ratio_fields(timings, baseline.name, variant.name, 'speedup_vs_nchw'),
-                **_ratio_fields(timings, 'inductor', variant.name, 'speedup_vs_inductor'),
-            }
-        )
+    rows = group_rows(name, dtype_name, variants, timings, baseline.name, args.batch_size, notes['skipped'])
     del variants, model
     gc.collect()
     return {
@@ -278,10 +308,11 @@ def measure(name: str, dtype_name: str, args: argparse.Namespace, workdir: Path)
 
 def parse_args(argv=None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split('\n\n', 1)[1],
+    parser = benchmark_parser(
+        __doc__,
+        warmup=Option(2, 'untimed rounds first (default 2)'),
+        rounds=Option(7, 'timed interleaved rounds (default 7)'),
+        out='folder for inference-torch<X.Y>.json and .md (else print only)',
     )
     parser.add_argument(
         '--models', nargs='+', default=list(MODELS), help='torchvision model names (default: %(default)s)'
@@ -296,8 +327,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--variants', nargs='+', choices=VARIANTS, default=list(VARIANTS))
     parser.add_argument('--batch-size', type=int, default=16)
     parser.add_argument('--image-size', type=int, default=224)
-    parser.add_argument('--warmup', type=int, default=2, help='untimed rounds first (default 2)')
-    parser.add_argument('--rounds', type=int, default=7, help='timed interleaved rounds (default 7)')
     parser.add_argument(
         '--iterations',
         type=int,
@@ -306,14 +335,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--min-seconds', type=float, default=0.3)
     parser.add_argument('--device', default='cuda' if cuda else 'cpu')
     parser.add_argument('--seed', type=int, default=0)
+    smoke = ', '.join(f'{k}={v}' for k, v in SMOKE.items())
     parser.add_argument(
         '--smoke',
         action='store_true',
-        help='check that the script runs: '
-        + ', '.join(f'{k}={v}' for k, v in SMOKE.items())
-        + ' (timings meaningless; nothing is written unless --out is given)',
+        help=f'check that the script runs: {smoke} (timings meaningless; nothing is written unless --out is given)',
     )
-    parser.add_argument('--out', type=Path, help='folder for inference-torch<X.Y>.json and .md (else print only)')
     args = parser.parse_args(argv)
     if args.smoke:
         for key, value in SMOKE.items():
@@ -321,46 +348,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def print_group(group: dict) -> None:
+    """Each measured variant's throughput, each variant not measured and why, and the group's time."""
+    name, dtype_name = group['model'], group['dtype']
+    for row in group['rows']:
+        print(
+            f'{name:16} {dtype_name:9} {row["variant"]:17} best {row["best_images_per_s"]:7.1f} img/s  '
+            f'median {row["median_images_per_s"]:7.1f}  ({times(row, "speedup_vs_nchw")} NCHW, '
+            f'{times(row, "speedup_vs_inductor")} inductor)',
+            flush=True,
+        )
+    for variant, why in group['skipped'].items():
+        print(f'{name:16} {dtype_name:9} {variant:17} not measured: {why}', flush=True)
+    print(f'{name} {dtype_name}: {group["wall_seconds"]:.0f} s with building and warm-up', flush=True)
+
+
 def main(argv=None) -> int:
+    start = RunStart.now()
     args = parse_args(argv)
-    load_before = os.getloadavg()[0]
     groups = []
     with tempfile.TemporaryDirectory(prefix='inference-bench-') as tmp:
         for name in args.models:
             for dtype_name in args.dtypes:
-                group = measure(name, dtype_name, args, Path(tmp))
-                groups.append(group)
-                for row in group['rows']:
-                    print(
-                        f'{name:16} {dtype_name:9} {row["variant"]:17} best {row["best_images_per_s"]:7.1f} img/s  '
-                        f'median {row["median_images_per_s"]:7.1f}  ({times(row, "speedup_vs_nchw")} NCHW, '
-                        f'{times(row, "speedup_vs_inductor")} inductor)',
-                        flush=True,
-                    )
-                for variant, why in group['skipped'].items():
-                    print(f'{name:16} {dtype_name:9} {variant:17} not measured: {why}', flush=True)
-                print(f'{name} {dtype_name}: {group["wall_seconds"]:.0f} s with building and warm-up', flush=True)
-    result = {
-        'command': ' '.join([Path(sys.argv[0]).as_posix(), *(sys.argv[1:] if argv is None else argv)]),
-        'machine': describe_machine(),
-        'settings': {
-            key: getattr(args, key)
-            for key in (
-                'batch_size',
-                'image_size',
-                'warmup',
-                'rounds',
-                'iterations',
-                'min_seconds',
-                'device',
-                'seed',
-                'smoke',
-            )
-        },
-        'date': time.strftime('%Y-%m-%d'),
-        'load_average_1min': {'before': load_before, 'after': os.getloadavg()[0]},
-        'groups': groups,
-    }
+                groups.append(measure(name, dtype_name, args, Path(tmp)))
+                print_group(groups[-1])
+    settings = {key: getattr(args, key) for key in SETTINGS}
+    result = run_record('inference', start, argv, settings=settings, groups=groups)
     for line in inductor_verdicts(groups, args.smoke):
         print(line)
     if args.out is not None:

@@ -14,7 +14,7 @@ import math
 import statistics
 from typing import Optional
 
-from channels_last_algo.core.machine import machine_label
+from channels_last_algo.core.machine_description import machine_label
 
 __all__ = ['inductor_verdicts', 'markdown', 'times']
 
@@ -80,9 +80,10 @@ def times(row: dict, key: str) -> str:
     return f'{row[key]:.2f}x' if key in row else '-'
 
 
-def markdown(result: dict) -> str:
+def _header(result: dict) -> list[str]:
+    """The title, the machine, the command, the load and the settings."""
     m, s = result['machine'], result['settings']
-    lines = [
+    return [
         '# Inference throughput: fused NHWC against NCHW eager, channels last, Composer, TorchScript and inductor',
         '',
         f'Machine: {machine_label(m)}; {m["cores_usable"]} usable cores ({m["cores"]} online), '
@@ -101,34 +102,47 @@ def markdown(result: dict) -> str:
         "`fuse_for_inference(model, backend='inductor')`: where it beats `fused`, that is the option to use.",
         '',
     ]
-    lines += [f'**{line}**' for line in inductor_verdicts(result['groups'], s['smoke'])]
-    lines += [
+
+
+def _table(groups: list[dict]) -> list[str]:
+    """One row per measured variant of every group."""
+    lines = [
         '',
         '| model | dtype | variant | best img/s | median img/s | vs NCHW | vs inductor | how |',
         '|---|---|---|---:|---:|---:|---:|---|',
     ]
-    for group in result['groups']:
+    for group in groups:
         for row in group['rows']:
             lines.append(
                 f'| {row["model"]} | {row["dtype"]} | {row["variant"]} | {row["best_images_per_s"]:.1f} | '
                 f'{row["median_images_per_s"]:.1f} | {times(row, "speedup_vs_nchw")} | '
                 f'{times(row, "speedup_vs_inductor")} | {row["how"]} |'
             )
-    lines += ['', 'What was fused (fx route: patterns matched on a symbolic trace):', '']
+    return lines
+
+
+def _notes(groups: list[dict]) -> list[str]:
+    """What was fused, the seconds to a first call, reduced precision's note, and what was not measured."""
+    lines = ['', 'What was fused (fx route: patterns matched on a symbolic trace):', '']
     seen = set()
-    for group in result['groups']:
+    for group in groups:
         if 'fusion' in group and group['model'] not in seen:
             seen.add(group['model'])
             lines.append(f'- {group["model"]}: {group["fusion"]}')
     lines += ['', 'Seconds to build each variant and make its first call (compiling included):', '']
-    for group in result['groups']:
+    for group in groups:
         first = ', '.join(f'{name} {seconds:.1f}' for name, seconds in group['first_call_seconds'].items())
         lines.append(f'- {group["model"]} {group["dtype"]}: {first}')
-    notes = bf16_note(result['groups'])
+    notes = bf16_note(groups)
     if notes:
         lines += ['', 'Reduced precision, fused path, autocast against a converted copy:', '']
         lines += [f'- {line}' for line in notes]
-    skipped = sorted({f'{name}: {why}' for group in result['groups'] for name, why in group['skipped'].items()})
+    skipped = sorted({f'{name}: {why}' for group in groups for name, why in group['skipped'].items()})
     if skipped:
         lines += ['', 'Not measured: ' + '; '.join(skipped) + '.']
-    return '\n'.join(lines) + '\n'
+    return lines
+
+
+def markdown(result: dict) -> str:
+    verdicts = [f'**{line}**' for line in inductor_verdicts(result['groups'], result['settings']['smoke'])]
+    return '\n'.join([*_header(result), *verdicts, *_table(result['groups']), *_notes(result['groups'])]) + '\n'

@@ -31,34 +31,28 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import os
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import PIL
 import PIL.features
 import torch
 import torchvision
+from arguments import Option, benchmark_parser  # benchmarks/, next to this script
 from imagenet_jpegs import write_imagenet_like_folder
 from loader_dali import dali_available, dali_pass
+from results_writer import RunStart, run_record, write_results
 from torch.utils.data import DataLoader
 from torchvision import transforms
 
-from channels_last_algo.app.data import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    CheckedImageFolder,
-    NormalizeBatch,
-    ToHWCUint8,
-    build_loader,
-    eval_transform,
-    train_transform,
-)
-from channels_last_algo.core.machine import run_record, write_results
+from channels_last_algo.app.data.image_folder import CheckedImageFolder
+from channels_last_algo.app.data.loaders import IMAGENET_MEAN, IMAGENET_STD, NormalizeBatch, build_loader
+from channels_last_algo.app.data.transforms import ToHWCUint8, eval_transform, train_transform
 from channels_last_algo.core.timing import synchronizer, time_interleaved
 
 
@@ -69,10 +63,9 @@ def torchvision_geometry(split: str, args: argparse.Namespace) -> list:
     return [transforms.Resize(args.resize), transforms.CenterCrop(args.crop)]
 
 
-def make_passes(folder: Path, split: str, args: argparse.Namespace) -> dict[str, Callable[[], Iterable]]:
-    """For each pipeline, a function that runs one pass and yields device batches."""
-    device = torch.device(args.device)
-    pin = device.type == 'cuda'
+def pipeline_loaders(folder: Path, split: str, args: argparse.Namespace, pin: bool) -> dict[str, DataLoader]:
+    """torchvision's ImageFolder loader (float32 NCHW, normalised), the previous NHWC loader (Pillow
+    geometry) and the NHWC data path's loader, over ``folder``."""
     geometry = torchvision_geometry(split, args)
     float_loader = DataLoader(
         torchvision.datasets.ImageFolder(
@@ -85,32 +78,39 @@ def make_passes(folder: Path, split: str, args: argparse.Namespace) -> dict[str,
         persistent_workers=args.workers > 0,
     )
     crop = train_transform(args.crop) if split == 'train' else eval_transform(args.crop, args.resize)
-    nhwc_loaders = {
+    nhwc_sets = {
         'nhwc-pil': CheckedImageFolder(folder, transforms.Compose([*geometry, ToHWCUint8()])),
         'nhwc': CheckedImageFolder(folder, crop),
     }
-    nhwc_loaders = {
-        name: build_loader(data, batch_size=args.batch_size, train=False, workers=args.workers, pin_memory=pin)
-        for name, data in nhwc_loaders.items()
+    return {
+        'torchvision': float_loader,
+        **{
+            name: build_loader(data, batch_size=args.batch_size, train=False, workers=args.workers, pin_memory=pin)
+            for name, data in nhwc_sets.items()
+        },
     }
-    normalize = NormalizeBatch()
 
-    def torchvision_pass():
-        for images, labels in float_loader:
-            yield images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
 
-    def nhwc_pass(loader, normalized: bool):
-        for images, labels in loader:
-            batch = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-            yield normalize(batch) if normalized else batch
+def device_pass(batches: Iterable, device: torch.device, normalize: Optional[NormalizeBatch]) -> Iterator:
+    """One pass over ``batches``, each moved to ``device`` (and normalised there, with ``normalize``)."""
+    for images, labels in batches:
+        batch = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        yield normalize(batch) if normalize is not None else batch
 
+
+def make_passes(folder: Path, split: str, args: argparse.Namespace) -> dict[str, Callable[[], Iterable]]:
+    """For each pipeline, a function that runs one pass and yields device batches."""
+    device = torch.device(args.device)
     on_gpu = device.type == 'cuda'
+    loaders = pipeline_loaders(folder, split, args, pin=on_gpu)
+    normalize = NormalizeBatch()
+    on_device = normalize if on_gpu else None  # the NHWC batches' normalisation belongs to a GPU
     passes = {
-        'torchvision': torchvision_pass,
-        **{name: functools.partial(nhwc_pass, loader, on_gpu) for name, loader in nhwc_loaders.items()},
+        name: functools.partial(device_pass, loader, device, None if name == 'torchvision' else on_device)
+        for name, loader in loaders.items()
     }
     if not on_gpu:
-        passes['nhwc+normalize'] = functools.partial(nhwc_pass, nhwc_loaders['nhwc'], True)
+        passes['nhwc+normalize'] = functools.partial(device_pass, loaders['nhwc'], device, normalize)
     if args.dali and dali_available():
         dali = dali_pass(
             folder,
@@ -121,7 +121,7 @@ def make_passes(folder: Path, split: str, args: argparse.Namespace) -> dict[str,
             threads=max(1, args.workers),
             seed=args.seed,
         )
-        passes['dali'] = lambda: nhwc_pass(dali(), on_gpu)
+        passes['dali'] = lambda: device_pass(dali(), device, on_device)
     return passes
 
 
@@ -191,6 +191,14 @@ def markdown(result: dict) -> str:
         '| split | workers | pipeline | best img/s | median img/s | vs torchvision | 95% interval | to device |',
         '|---|---:|---|---:|---:|---:|---|---:|',
         *table_rows(result['rows']),
+        *best_section(result['rows']),
+    ]
+    return '\n'.join(lines) + '\n'
+
+
+def best_section(rows: list[dict]) -> list[str]:
+    """Each pipeline at its best worker count against torchvision at its best, and DALI against this path."""
+    lines = [
         '',
         'Each pipeline at its best worker count on these cores (highest median images/s over the '
         'worker counts above), against torchvision at its best:',
@@ -198,7 +206,7 @@ def markdown(result: dict) -> str:
         '| split | pipeline | workers | median img/s | vs torchvision at its best |',
         '|---|---|---:|---:|---:|',
     ]
-    best = best_configurations(result['rows'])
+    best = best_configurations(rows)
     for (split, pipeline), row in best.items():
         ratio = row['median_images_per_s'] / best[split, 'torchvision']['median_images_per_s']
         lines.append(f'| {split} | {pipeline} | {row["workers"]} | {row["median_images_per_s"]:.0f} | {ratio:.2f}x |')
@@ -212,7 +220,7 @@ def markdown(result: dict) -> str:
             '',
             f'DALI at its best against this path (nhwc) at its best: {", ".join(dali)} (above 1: DALI is faster).',
         ]
-    return '\n'.join(lines) + '\n'
+    return lines
 
 
 def best_configurations(rows: list[dict]) -> dict[tuple[str, str], dict]:
@@ -240,10 +248,16 @@ def table_rows(rows: list[dict]) -> list[str]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split('\n\n', 1)[1],
+    parser = benchmark_parser(
+        __doc__,
+        rounds=Option(7, 'timed passes per pipeline', flag='--repeats'),
+        threads=Option(
+            1,
+            'torch threads of the main process (workers always use 1); per-image ops on a '
+            'busy machine slow down badly with more than one',
+        ),
+        out='folder for NAME.json and NAME.md (else print only)',
+        name=Option('loader', 'file name of the results, without extension'),
     )
     parser.add_argument('--images', type=int, default=256, help='JPEGs generated (one pass reads them all)')
     parser.add_argument('--classes', type=int, default=8, help='class folders')
@@ -252,61 +266,54 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument('--resize', type=int, default=232, help='val resize of the short side')
     parser.add_argument('--workers', type=int, nargs='+', default=[0, 1, 2], help='DataLoader workers to try')
     parser.add_argument('--splits', nargs='+', choices=('train', 'val'), default=['train', 'val'])
-    parser.add_argument('--repeats', type=int, default=7, help='timed passes per pipeline')
     parser.add_argument('--no-dali', dest='dali', action='store_false', help='leave DALI out even when installed')
-    parser.add_argument(
-        '--threads',
-        type=int,
-        default=1,
-        help='torch threads of the main process (workers always use 1); per-image ops on a '
-        'busy machine slow down badly with more than one',
-    )
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--seed', type=int, default=0)
-    parser.add_argument('--out', type=Path, help='folder for NAME.json and NAME.md (else print only)')
-    parser.add_argument('--name', default='loader', help='file name of the results, without extension')
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    load_before = os.getloadavg()[0]
+def measure_groups(folder: Path, args: argparse.Namespace) -> list[dict]:
+    """The rows of every split and worker count, printed as each group ends."""
     rows = []
-    with tempfile.TemporaryDirectory(prefix='loader-bench-') as tmp:
-        folder = Path(tmp)
-        data = write_imagenet_like_folder(folder, args.images, args.classes, args.seed)
-        for split in args.splits:
-            for workers in args.workers:
-                group_rows = measure(folder, split, argparse.Namespace(**{**vars(args), 'workers': workers}))
-                rows += group_rows
-                for row in group_rows:
-                    print(
-                        f'{split:5} workers={workers} {row["pipeline"]:12} '
-                        f'best {row["best_images_per_s"]:6.0f} img/s  median {row["median_images_per_s"]:6.0f}'
-                        f'  ({row["speedup_vs_torchvision"]:.2f}x)',
-                        flush=True,
-                    )
-    dali_version = None
-    if args.dali and dali_available():
-        from nvidia import dali
+    for split in args.splits:
+        for workers in args.workers:
+            group_rows = measure(folder, split, argparse.Namespace(**{**vars(args), 'workers': workers}))
+            rows += group_rows
+            for row in group_rows:
+                print(
+                    f'{split:5} workers={workers} {row["pipeline"]:12} '
+                    f'best {row["best_images_per_s"]:6.0f} img/s  median {row["median_images_per_s"]:6.0f}'
+                    f'  ({row["speedup_vs_torchvision"]:.2f}x)',
+                    flush=True,
+                )
+    return rows
 
-        dali_version = dali.__version__
-    machine = {
+
+def library_versions(dali: bool) -> dict:
+    """Pillow, libjpeg-turbo, numpy and DALI (None where DALI is left out or not installed)."""
+    dali_version = None
+    if dali and dali_available():
+        from nvidia import dali as dali_module
+
+        dali_version = dali_module.__version__
+    return {
         'pillow': PIL.__version__,
         'libjpeg_turbo': PIL.features.version('libjpeg_turbo'),
         'numpy': np.__version__,
         'dali': dali_version,
     }
-    settings = {
-        'batch_size': args.batch_size,
-        'crop': args.crop,
-        'resize': args.resize,
-        'repeats': args.repeats,
-        'device': args.device,
-        'seed': args.seed,
-    }
-    result = run_record(argv, load_before, machine, settings=settings, data=data, rows=rows)
+
+
+def main(argv=None) -> int:
+    start = RunStart.now()
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix='loader-bench-') as tmp:
+        data = write_imagenet_like_folder(Path(tmp), args.images, args.classes, args.seed)
+        rows = measure_groups(Path(tmp), args)
+    keys = ('batch_size', 'crop', 'resize', 'repeats', 'device', 'seed')
+    settings = {key: getattr(args, key) for key in keys}
+    result = run_record('loader', start, argv, library_versions(args.dali), settings=settings, data=data, rows=rows)
     if args.out is not None:
         for path in write_results(args.out, args.name, result, markdown(result)):
             print(f'wrote {path}')

@@ -38,8 +38,8 @@ from typing import Any
 
 import torch
 
-from channels_last_algo.app.data import CheckedImageFolder, eval_transform
-from channels_last_algo.app.transforms import check_size
+from channels_last_algo.app.data.image_folder import CheckedImageFolder
+from channels_last_algo.app.data.transforms import check_size, eval_transform
 
 INSTALL = 'pip install nvidia-dali-cuda120'
 READER = 'reader'
@@ -70,13 +70,17 @@ def dali_pass(
         check_size(name, value)
     if split == 'val':
         eval_transform(crop, resize)  # the NHWC path's checks: sizes, resize >= crop
-    try:
-        from nvidia.dali import fn, types
-        from nvidia.dali.pipeline import Pipeline
-    except ImportError as error:
-        raise ImportError(f'dali_pass needs NVIDIA DALI, which is not installed: {INSTALL}') from error
+    if not dali_available():
+        raise ImportError(f'dali_pass needs NVIDIA DALI, which is not installed: {INSTALL}')
+    pipe = _pipeline(CheckedImageFolder(folder).samples, split, batch_size, crop, resize, threads, seed)
+    return _epochs(pipe, batch_size)
 
-    samples = CheckedImageFolder(folder).samples
+
+def _pipeline(samples: list, split: str, batch_size: int, crop: int, resize: int, threads: int, seed: int) -> Any:
+    """The built CPU pipeline over ``samples`` (path, label): read in file order, decode, crop as ``split`` does."""
+    from nvidia.dali import fn, types
+    from nvidia.dali.pipeline import Pipeline
+
     pipe = Pipeline(batch_size=batch_size, num_threads=threads, device_id=None, seed=seed)
     with pipe:
         encoded, labels = fn.readers.file(
@@ -86,21 +90,33 @@ def dali_pass(
             name=READER,
         )
         if split == 'train':
-            images = fn.decoders.image_random_crop(
-                encoded,
-                device='cpu',
-                output_type=types.RGB,
-                random_area=[0.08, 1.0],
-                random_aspect_ratio=[3 / 4, 4 / 3],
-            )
-            images = fn.resize(images, size=[crop, crop], interp_type=types.INTERP_LINEAR, antialias=True)
-            images = fn.flip(images, horizontal=fn.random.coin_flip(probability=0.5))
+            images = _random_resized_crop_flip(encoded, crop)
         else:
             images = _resize_centre_crop(
                 fn.decoders.image(encoded, device='cpu', output_type=types.RGB), encoded, crop, resize
             )
         pipe.set_outputs(images, labels)
     pipe.build()
+    return pipe
+
+
+def _random_resized_crop_flip(encoded: Any, crop: int) -> Any:
+    """torchvision's train geometry in the DALI graph: DALI's own random crop window, decoded, resized, flipped."""
+    from nvidia.dali import fn, types
+
+    images = fn.decoders.image_random_crop(
+        encoded,
+        device='cpu',
+        output_type=types.RGB,
+        random_area=[0.08, 1.0],
+        random_aspect_ratio=[3 / 4, 4 / 3],
+    )
+    images = fn.resize(images, size=[crop, crop], interp_type=types.INTERP_LINEAR, antialias=True)
+    return fn.flip(images, horizontal=fn.random.coin_flip(probability=0.5))
+
+
+def _epochs(pipe: Any, batch_size: int) -> Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]:
+    """A function that reads ``pipe``'s next epoch, the padding repeats of its last batch dropped."""
     count = pipe.epoch_size(READER)
     batches = math.ceil(count / batch_size)
 

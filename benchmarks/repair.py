@@ -23,20 +23,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
+import zoo_models as zoo  # benchmarks/, next to this script
+from arguments import Option, benchmark_parser
+from results_writer import RunStart, run_record, write_results
 from torch import nn
 
-from channels_last_algo.app import zoo
 from channels_last_algo.core.audit import LayoutAudit
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.layers import RULES, RepairRule, repair_model
-from channels_last_algo.core.machine import describe_machine, write_results
 from channels_last_algo.core.timing import time_interleaved
 
 ZOO = tuple(entry.name for entry in zoo.TORCHVISION_ZOO)
@@ -55,7 +54,7 @@ def variants(name: str, rules: tuple[RepairRule, ...] = RULES) -> tuple[dict[str
     apply_channels_last(plain, repair=False)
     repaired = copy.deepcopy(base)
     apply_channels_last(repaired, repair=False)  # repaired below with the chosen rules
-    applied = sorted({record.rule for record in repair_model(repaired, rules=rules)})
+    applied = sorted({record.reason for record in repair_model(repaired, rules=rules)})
     return {'NCHW': base, 'CL': plain, 'CL+repair': repaired}, applied
 
 
@@ -154,46 +153,55 @@ def markdown(result: dict) -> str:
     return '\n'.join(lines) + '\n'
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = benchmark_parser(
+        __doc__,
+        warmup=Option(2),
+        rounds=Option(9),
+        out='folder for repair.json and repair.md',
+        epilog=False,
+    )
     parser.add_argument('--models', nargs='+', default=list(ZOO), choices=ZOO, metavar='MODEL')
     parser.add_argument('--batch-size', type=int, default=8)
     parser.add_argument('--image-size', type=int, default=64)
-    parser.add_argument('--warmup', type=int, default=2)
-    parser.add_argument('--rounds', type=int, default=9)
-    parser.add_argument('--out', type=Path, help='folder for repair.json and repair.md')
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.warmup < 0 or args.image_size < 64 or args.batch_size < 2:
         parser.error(
             'need --rounds >= 1, --warmup >= 0, --image-size >= 64 (GoogLeNet) and --batch-size >= 2 '
             '(BatchNorm in training)'
         )
-    load_before = os.getloadavg()[0]
+    return args
+
+
+def print_row(row: dict) -> None:
+    print(
+        f'{row["model"]:<20} '
+        + '  '.join(f'{v} {row["median_ms"][v]:7.1f} ms' for v in VARIANTS)
+        + f'  repair vs CL {row["repair_vs_cl"]:.2f}x  breaks {row["layout_breaks"]}',
+        flush=True,
+    )
+
+
+def measure_models(args: argparse.Namespace) -> list[dict]:
+    """A row per model, and for a model that needs several rules, a row per rule alone."""
     rows = []
-
-    def record(row: dict) -> None:
-        rows.append(row)
-        print(
-            f'{row["model"]:<20} '
-            + '  '.join(f'{v} {row["median_ms"][v]:7.1f} ms' for v in VARIANTS)
-            + f'  repair vs CL {row["repair_vs_cl"]:.2f}x  breaks {row["layout_breaks"]}',
-            flush=True,
-        )
-
     for name in args.models:
-        full = measure(name, args)
-        record(full)
-        if len(full['rules']) > 1:  # each rule of a model that needs several, alone
-            for rule in full['rules']:
-                record(measure(name, args, only_rule=rule))
-    result = {
-        'benchmark': 'repair',
-        'command': ' '.join(['benchmarks/repair.py', *(argv if argv is not None else sys.argv[1:])]),
-        'machine': describe_machine(),
-        'settings': {k: v for k, v in vars(args).items() if k not in ('out', 'models')},
-        'load_average_1min': {'before': load_before, 'after': os.getloadavg()[0]},
-        'rows': rows,
-    }
+        rows.append(measure(name, args))
+        print_row(rows[-1])
+        applied = rows[-1]['rules']
+        if len(applied) > 1:
+            for rule in applied:
+                rows.append(measure(name, args, only_rule=rule))
+                print_row(rows[-1])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    start = RunStart.now()
+    args = parse_args(argv)
+    rows = measure_models(args)
+    settings = {k: v for k, v in vars(args).items() if k not in ('out', 'models')}
+    result = run_record('repair', start, argv, settings=settings, rows=rows)
     table = markdown(result)
     print(table)
     if args.out is not None:

@@ -30,23 +30,24 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import os
 import statistics
 import sys
 import time
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-from speedup_report import VARIANTS, chart, check_targets, markdown  # benchmarks/, next to this script
+from arguments import Option, benchmark_parser  # benchmarks/, next to this script
+from results_writer import RunStart, results_folder, run_record, write_results
+from speedup_report import VARIANTS, chart, check_targets, markdown
 from torch import nn
 
-from channels_last_algo.app.models import build_model
+from channels_last_algo.app.recipes.models import build_model
 from channels_last_algo.core.audit import LayoutAudit
 from channels_last_algo.core.auto import decide_layout
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.fuse import fuse_for_inference
-from channels_last_algo.core.machine import describe_machine, machine_slug, write_results
+from channels_last_algo.core.machine_description import describe_machine
 from channels_last_algo.core.timing import Ratio, synchronizer, time_interleaved
 
 MODELS = (
@@ -173,33 +174,59 @@ def _audit(name: str, variant: Variant, batch, train: bool, autocast, device) ->
     return len(audit.report.breaks)
 
 
+def fixed_batch(args: argparse.Namespace, device: torch.device) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+    """The one batch every variant runs on, by whether it arrives NHWC: ``{nhwc: (images, labels)}``."""
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator).to(device)
+    labels = torch.randint(0, 1000, (args.batch_size,), generator=generator).to(device)
+    return {True: (images.to(memory_format=torch.channels_last), labels), False: (images, labels)}
+
+
+def time_variants(
+    variants: dict[str, Variant], step: Callable[[Variant], None], args: argparse.Namespace, device: torch.device
+) -> None:
+    """Time the variants that were built (``step`` runs one), interleaved; a variant that raised keeps
+    its error and is left out of the ratios."""
+    live = {name: variant for name, variant in variants.items() if not variant.error}
+    timings = time_interleaved(
+        {name: functools.partial(step, variant) for name, variant in live.items()},
+        rounds=args.steps,
+        warmup=args.warmup,
+        synchronize=synchronizer(device),
+        catch=True,
+    )
+    for name, variant in live.items():
+        variant.times, variant.error = timings.seconds[name], timings.errors.get(name)
+
+
+def timing_fields(variant: Variant, variants: dict[str, Variant], batch_size: int) -> dict[str, float]:
+    """Min and median step time, images/s, and the paired speedups over NCHW and Composer with their noise."""
+    if not variant.times:
+        return {}
+    median = statistics.median(variant.times)
+    fields = {'min_s': min(variant.times), 'median_s': median, 'images_per_s': batch_size / median}
+    for reference in ('nchw', 'composer'):
+        ref = variants[reference]
+        if ref.times and len(ref.times) == len(variant.times):
+            ratio = Ratio.of([r / v for r, v in zip(ref.times, variant.times)])
+            fields[f'speedup_vs_{reference}'] = ratio.median
+            fields[f'noise_vs_{reference}'] = ratio.noise
+    return fields
+
+
 def measure(model_name: str, train: bool, dtype: str, args: argparse.Namespace, device: torch.device) -> list[dict]:
     """The rows of one model in one mode and precision."""
     torch.manual_seed(0)
     base = build_model(model_name).to(device).train(train)
     for p in base.parameters():
         p.requires_grad_(train)
-    generator = torch.Generator().manual_seed(0)
-    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=generator).to(device)
-    labels = torch.randint(0, 1000, (args.batch_size,), generator=generator).to(device)
-    batch = {True: (images.to(memory_format=torch.channels_last), labels), False: (images, labels)}
+    batch = fixed_batch(args, device)
     autocast = None if dtype == 'fp32' else DTYPES[dtype]
     names = VARIANTS + (('compile',) if args.compile else ())
     variants = build_variants(base, names, batch, train, autocast, device)
-
-    live = {name: variant for name, variant in variants.items() if not variant.error}
-    timings = time_interleaved(
-        {name: functools.partial(_run, variant, batch, train, autocast, device) for name, variant in live.items()},
-        rounds=args.steps,
-        warmup=args.warmup,
-        synchronize=synchronizer(device),
-        catch=True,
-    )
-    for name, variant in live.items():  # a variant that raised keeps its error and is left out of the ratios
-        variant.times, variant.error = timings.seconds[name], timings.errors.get(name)
+    time_variants(variants, lambda variant: _run(variant, batch, train, autocast, device), args, device)
     for name, variant in variants.items():
         variant.breaks = _audit(name, variant, batch, train, autocast, device)
-
     rows = []
     for name, variant in variants.items():
         row = {
@@ -214,27 +241,17 @@ def measure(model_name: str, train: bool, dtype: str, args: argparse.Namespace, 
             'error': variant.error,
             'times_s': variant.times,
         }
-        if variant.times:
-            row.update(
-                min_s=min(variant.times),
-                median_s=statistics.median(variant.times),
-                images_per_s=args.batch_size / statistics.median(variant.times),
-            )
-            for reference in ('nchw', 'composer'):
-                ref = variants[reference]
-                if ref.times and len(ref.times) == len(variant.times):
-                    ratio = Ratio.of([r / v for r, v in zip(ref.times, variant.times)])
-                    row[f'speedup_vs_{reference}'] = ratio.median
-                    row[f'noise_vs_{reference}'] = ratio.noise
-        rows.append(row)
+        rows.append({**row, **timing_fields(variant, variants, args.batch_size)})
     return rows
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split('\n\n', 1)[1],
+    parser = benchmark_parser(
+        __doc__,
+        rounds=Option(5, 'timed rounds per variant', flag='--steps'),
+        warmup=Option(2, 'untimed rounds per variant first'),
+        out='results folder (default: benchmarks/results/<machine>)',
+        name=Option('speedup', 'file name stem of the results (default: speedup)'),
     )
     parser.add_argument(
         '--models', nargs='+', default=None, help=f'torchvision model names (default: {" ".join(MODELS)})'
@@ -249,16 +266,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument('--batch-size', type=int, default=32)
     parser.add_argument('--image-size', type=int, default=128)
-    parser.add_argument('--steps', type=int, default=5, help='timed rounds per variant')
-    parser.add_argument('--warmup', type=int, default=2, help='untimed rounds per variant first')
     parser.add_argument('--compile', action='store_true', help='add a torch.compile (inductor) variant')
     parser.add_argument(
         '--quick',
         action='store_true',
         help=f'{", ".join(QUICK_MODELS)} at batch 16 x 96 px, 3 steps: under 10 minutes on 2 CPU cores',
     )
-    parser.add_argument('--out', type=Path, default=None, help='results folder (default: benchmarks/results/<machine>)')
-    parser.add_argument('--name', default='speedup', help='file name stem of the results (default: speedup)')
     args = parser.parse_args(argv)
     if args.quick:
         args.models = args.models or list(QUICK_MODELS)
@@ -268,35 +281,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    start = RunStart.now()
     args = parse_args(argv)
     device = torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     if device.type == 'cuda':
         torch.backends.cudnn.benchmark = True
     dtypes = args.dtypes or (['fp32', 'fp16'] if device.type == 'cuda' else ['fp32', 'bf16'])
-    out = args.out or Path(__file__).resolve().parent / 'results' / machine_slug(describe_machine())
+    out = results_folder(args.out, describe_machine())
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
-    started = time.perf_counter()
     for model_name in args.models:
         for mode in args.modes:
             for dtype in dtypes:
-                print(f'[{time.perf_counter() - started:6.0f} s] {model_name} {mode} {dtype}', flush=True)
+                print(f'[{time.perf_counter() - start.clock:6.0f} s] {model_name} {mode} {dtype}', flush=True)
                 rows.extend(measure(model_name, mode == 'train', dtype, args, device))
-    result = {
-        'command': 'python benchmarks/speedup.py ' + ' '.join(sys.argv[1:] if argv is None else argv),
-        'machine': describe_machine(),
-        'settings': {
-            'batch_size': args.batch_size,
-            'image_size': args.image_size,
-            'steps': args.steps,
-            'warmup': args.warmup,
-            'device': device.type,
-        },
-        'load_average_1min': os.getloadavg()[0],
-        'seconds': time.perf_counter() - started,
-        'rows': rows,
-    }
-    result['targets'] = check_targets(rows)
+    keys = ('batch_size', 'image_size', 'steps', 'warmup')
+    settings = {**{key: getattr(args, key) for key in keys}, 'device': device.type}
+    result = run_record('speedup', start, argv, settings=settings, rows=rows, targets=check_targets(rows))
     write_results(out, args.name, result, markdown(result))
     chart(result, out / f'{args.name}.png')
     print(markdown(result))

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from channels_last_algo.core.machine import machine_label
+from channels_last_algo.core.machine_description import machine_label
 
 __all__ = ['check_targets', 'chart', 'markdown']
 
@@ -26,67 +26,73 @@ def _geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float('nan')
 
 
+def _find(rows: list[dict], model: str, mode: str, dtype: str, variant: str) -> Optional[dict]:
+    return next(
+        (r for r in rows if (r['model'], r['mode'], r['dtype'], r['variant']) == (model, mode, dtype, variant)),
+        None,
+    )
+
+
+def _resnet50_targets(rows: list[dict]) -> list[dict]:
+    """ResNet-50 fp32 training: 1.25x over NCHW, and not slower than Composer's ChannelsLast."""
+    ours = _find(rows, 'resnet50', 'train', 'fp32', 'channels_last_algo')
+    if not (ours and 'speedup_vs_nchw' in ours):
+        return []
+    return [
+        {
+            'target': 'ResNet-50 fp32 training >= 1.25x over NCHW',
+            'value': f'{ours["speedup_vs_nchw"]:.2f}x',
+            'met': ours['speedup_vs_nchw'] >= 1.25,
+        },
+        {
+            'target': "ResNet-50 fp32 training not slower than Composer's ChannelsLast",
+            'value': f'{ours["speedup_vs_composer"]:.2f}x',
+            'met': ours['speedup_vs_composer'] >= 1 - ours['noise_vs_composer'],
+        },
+    ]
+
+
+def _geomean_target(rows: list[dict], mode: str, dtype: str) -> Optional[dict]:
+    """This project's geometric mean speedup above Composer's, over the models both ran."""
+    pairs = [
+        (_find(rows, r['model'], mode, dtype, 'channels_last_algo'), r)
+        for r in rows
+        if (r['mode'], r['dtype'], r['variant']) == (mode, dtype, 'composer') and 'speedup_vs_nchw' in r
+    ]
+    pairs = [(o, c) for o, c in pairs if o and 'speedup_vs_nchw' in o]
+    if not pairs:
+        return None
+    ours_mean = _geomean([o['speedup_vs_nchw'] for o, _ in pairs])
+    composer_mean = _geomean([c['speedup_vs_nchw'] for _, c in pairs])
+    return {
+        'target': f"{mode} {dtype}: geometric mean speedup of this project above Composer's",
+        'value': f'{ours_mean:.2f}x vs {composer_mean:.2f}x over {len(pairs)} models',
+        'met': ours_mean > composer_mean,
+    }
+
+
+def _auto_target(rows: list[dict], mode: str, dtype: str) -> Optional[dict]:
+    """Auto mode slower than NCHW beyond noise (at least 3%) on no model."""
+    auto_rows = [r for r in rows if (r['mode'], r['dtype'], r['variant']) == (mode, dtype, 'auto')]
+    if not auto_rows:
+        return None
+    slower = [
+        r for r in auto_rows if 'speedup_vs_nchw' in r and r['speedup_vs_nchw'] < 1 - max(r['noise_vs_nchw'], 0.03)
+    ]
+    return {
+        'target': f'{mode} {dtype}: auto mode slower than NCHW beyond noise on no model',
+        'value': ', '.join(f'{r["model"]} {r["speedup_vs_nchw"]:.2f}x' for r in slower) or 'none slower',
+        'met': not slower,
+    }
+
+
 def check_targets(rows: list[dict]) -> list[dict]:
     """The issue's targets, each with whether this run met it."""
-
-    def find(model, mode, dtype, variant):
-        return next(
-            (r for r in rows if (r['model'], r['mode'], r['dtype'], r['variant']) == (model, mode, dtype, variant)),
-            None,
-        )
-
-    targets = []
-    ours = find('resnet50', 'train', 'fp32', 'channels_last_algo')
-    if ours and 'speedup_vs_nchw' in ours:
-        targets.append(
-            {
-                'target': 'ResNet-50 fp32 training >= 1.25x over NCHW',
-                'value': f'{ours["speedup_vs_nchw"]:.2f}x',
-                'met': ours['speedup_vs_nchw'] >= 1.25,
-            }
-        )
-        targets.append(
-            {
-                'target': "ResNet-50 fp32 training not slower than Composer's ChannelsLast",
-                'value': f'{ours["speedup_vs_composer"]:.2f}x',
-                'met': ours['speedup_vs_composer'] >= 1 - ours['noise_vs_composer'],
-            }
-        )
+    targets = _resnet50_targets(rows)
     for mode in ('train', 'infer'):
         for dtype in sorted({r['dtype'] for r in rows}):
-            pairs = [
-                (find(r['model'], mode, dtype, 'channels_last_algo'), r)
-                for r in rows
-                if (r['mode'], r['dtype'], r['variant']) == (mode, dtype, 'composer') and 'speedup_vs_nchw' in r
-            ]
-            pairs = [(o, c) for o, c in pairs if o and 'speedup_vs_nchw' in o]
-            if pairs:
-                ours_mean = _geomean([o['speedup_vs_nchw'] for o, _ in pairs])
-                composer_mean = _geomean([c['speedup_vs_nchw'] for _, c in pairs])
-                targets.append(
-                    {
-                        'target': f"{mode} {dtype}: geometric mean speedup of this project above Composer's",
-                        'value': f'{ours_mean:.2f}x vs {composer_mean:.2f}x over {len(pairs)} models',
-                        'met': ours_mean > composer_mean,
-                    }
-                )
-            slower = [
-                r
-                for r in rows
-                if (r['mode'], r['dtype'], r['variant']) == (mode, dtype, 'auto')
-                and 'speedup_vs_nchw' in r
-                and r['speedup_vs_nchw'] < 1 - max(r['noise_vs_nchw'], 0.03)
-            ]
-            auto_rows = [r for r in rows if (r['mode'], r['dtype'], r['variant']) == (mode, dtype, 'auto')]
-            if auto_rows:
-                targets.append(
-                    {
-                        'target': f'{mode} {dtype}: auto mode slower than NCHW beyond noise on no model',
-                        'value': ', '.join(f'{r["model"]} {r["speedup_vs_nchw"]:.2f}x' for r in slower)
-                        or 'none slower',
-                        'met': not slower,
-                    }
-                )
+            found = (_geomean_target(rows, mode, dtype), _auto_target(rows, mode, dtype))
+            targets += [target for target in found if target is not None]
     return targets
 
 
@@ -149,17 +155,7 @@ def chart(result: dict, path: Path) -> Optional[Path]:
         models = list(dict.fromkeys(r['model'] for r in result['rows'] if (r['mode'], r['dtype']) == (mode, dtype)))
         width = 0.8 / len(variants)
         for index, variant in enumerate(variants):
-            values = [
-                next(
-                    (
-                        r.get('speedup_vs_nchw', 0)
-                        for r in result['rows']
-                        if (r['model'], r['mode'], r['dtype'], r['variant']) == (m, mode, dtype, variant)
-                    ),
-                    0,
-                )
-                for m in models
-            ]
+            values = [(_find(result['rows'], m, mode, dtype, variant) or {}).get('speedup_vs_nchw', 0) for m in models]
             ax.bar([i + index * width for i in range(len(models))], values, width, label=variant)
         ax.axhline(1.0, color='black', linewidth=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(models))], models, fontsize=8)

@@ -1,7 +1,7 @@
 """Zoo benchmark: training-step time of every zoo model in NCHW, with Composer's ChannelsLast,
 with this project, and in auto mode, interleaved in one process per model.
 
-The models are :mod:`channels_last_algo.app.zoo`'s (torchvision's and timm's definitions,
+The models are :mod:`zoo_models`'s (torchvision's and timm's definitions,
 random initialisation, nothing downloaded), each at its zoo input size. The variants start
 from the same weights and train on the same random batch:
 
@@ -43,21 +43,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from arguments import Option, benchmark_parser  # benchmarks/, next to this script
+from results_writer import RunStart, results_folder, run_record, write_results
 from torch import nn
 from torch.utils._pytree import tree_leaves
-from zoo_report import (
-    VARIANTS,
-    cell,
-    findings,
-    geometric_means,
-    markdown,
-    summarise,
-)  # benchmarks/, next to this script
+from zoo_models import TIMM_ZOO, TORCHVISION_ZOO, ZooEntry, build
+from zoo_report import VARIANTS, cell, findings, geometric_means, markdown, summarise
 
-from channels_last_algo.app.zoo import TIMM_ZOO, TORCHVISION_ZOO, ZooEntry, build
 from channels_last_algo.core.auto import decide_layout
 from channels_last_algo.core.convert import apply_channels_last
-from channels_last_algo.core.machine import describe_machine, machine_slug, write_results
 from channels_last_algo.core.timing import synchronizer, time_interleaved
 
 QUICK_MODELS = ('resnet50', 'mobilenet_v3_large', 'repvgg_a0', 'ghostnet_050')
@@ -66,7 +60,7 @@ PRELOAD = (
     'torchvision',
     'timm',
     'composer.algorithms.channels_last',
-    'channels_last_algo.app.zoo',
+    'zoo_models',
     'channels_last_algo.core.auto',
     'channels_last_algo.core.convert',
     'channels_last_algo.core.timing',
@@ -221,29 +215,25 @@ def select(args: argparse.Namespace) -> list[ZooEntry]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split('\n\n')[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog=__doc__.split('\n\n', 1)[1],
+    parser = benchmark_parser(
+        __doc__,
+        rounds=Option(9, 'timed rounds (6 or more give a 95%% interval)'),
+        warmup=Option(1, 'untimed rounds first'),
+        threads=Option(
+            1,
+            'torch threads (default 1: on a 2-core machine shared with other work, 2 threads made a ResNet-50 '
+            'step 3 to 15 times slower than 1, waiting on each other)',
+        ),
+        out='results folder (default: benchmarks/results/<machine>)',
+        name=Option('zoo', 'file name stem of the results (default: zoo)'),
     )
     parser.add_argument('--models', nargs='+', help='zoo model names (default: the whole zoo)')
     parser.add_argument('--batch-size', type=int, default=4)
-    parser.add_argument(
-        '--threads',
-        type=int,
-        default=1,
-        help='torch threads (default 1: on a 2-core machine shared with other work, 2 threads made a ResNet-50 '
-        'step 3 to 15 times slower than 1, waiting on each other)',
-    )
-    parser.add_argument('--rounds', type=int, default=9, help='timed rounds (6 or more give a 95%% interval)')
-    parser.add_argument('--warmup', type=int, default=1, help='untimed rounds first')
     parser.add_argument('--auto-seconds', type=float, default=10.0, help="bound on auto mode's decision, per model")
     parser.add_argument('--timeout', type=float, default=240.0, help='seconds per model before its child is ended')
     parser.add_argument(
         '--quick', action='store_true', help=f'a smoke run: {", ".join(QUICK_MODELS)}; 6 rounds, batch 4, 5 s decisions'
     )
-    parser.add_argument('--out', type=Path, help='results folder (default: benchmarks/results/<machine>)')
-    parser.add_argument('--name', default='zoo', help='file name stem of the results (default: zoo)')
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.batch_size, args.auto_seconds = 6, 4, 5.0
@@ -252,7 +242,34 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def child_processes(threads: int) -> Any:
+    """A forkserver context whose server imported torch, timm, Composer and this package once: every
+    child forks from it, so all models run the code as it was when the run started."""
+    torch.set_num_threads(threads)  # the machine record says how many the children use
+    context = multiprocessing.get_context('forkserver')
+    context.set_forkserver_preload(list(PRELOAD))
+    return context
+
+
+def run_models(entries: list[ZooEntry], names: tuple[str, ...], settings: dict, start: RunStart) -> tuple[list, list]:
+    """Each model's row, printed as it comes, and the load average each model's child saw."""
+    context = child_processes(settings['threads'])
+    loads, rows = [start.load_before], []
+    for index, entry in enumerate(entries):
+        row = measure(entry, names, settings, context)
+        rows.append(row)
+        loads.append(row.get('load_average_1min', loads[-1]))
+        speedups = '  '.join(f'{key} {cell(value)}' for key, value in row['ratios'].items())
+        print(
+            f'[{time.perf_counter() - start.clock:5.0f} s] {index + 1}/{len(entries)} {entry.name}: {speedups} '
+            f'{"auto " + row["auto"]["layout"] if row["auto"] else ""} {row["errors"] or ""}',
+            flush=True,
+        )
+    return rows, loads[1:] or loads
+
+
 def main(argv=None) -> int:
+    start = RunStart.now()
     args = parse_args(argv)
     entries = select(args)
     composer = importlib.util.find_spec('composer') is not None
@@ -267,45 +284,14 @@ def main(argv=None) -> int:
         'threads': args.threads,
         'device': device,
     }
-    torch.set_num_threads(args.threads)  # the machine record says how many the children use
-    context = multiprocessing.get_context('forkserver')
-    # the server imports torch, timm, Composer and this package once; every child forks from it, so all models
-    # run the code as it was when the run started, without importing it again
-    context.set_forkserver_preload(list(PRELOAD))
-    loads, rows, started = [os.getloadavg()[0]], [], time.perf_counter()
-    for index, entry in enumerate(entries):
-        row = measure(entry, names, settings, context)
-        rows.append(row)
-        loads.append(row.get('load_average_1min', loads[-1]))
-        speedups = '  '.join(f'{key} {cell(value)}' for key, value in row['ratios'].items())
-        print(
-            f'[{time.perf_counter() - started:5.0f} s] {index + 1}/{len(entries)} {entry.name}: {speedups} '
-            f'{"auto " + row["auto"]["layout"] if row["auto"] else ""} {row["errors"] or ""}',
-            flush=True,
-        )
+    rows, loads = run_models(entries, names, settings, start)
     import timm
 
-    result = {
-        'benchmark': 'zoo',
-        'command': ' '.join(['python benchmarks/zoo.py', *(sys.argv[1:] if argv is None else argv)]),
-        'machine': describe_machine(),
-        'timm': timm.__version__,
-        'composer': importlib.import_module('composer').__version__ if composer else None,
-        'settings': settings,
-        'variants': list(names),
-        'date': time.strftime('%Y-%m-%d'),
-        'seconds': time.perf_counter() - started,
-        'load_average_1min': {
-            'before': loads[0],
-            'min': min(loads[1:] or loads),
-            'max': max(loads[1:] or loads),
-            'after': os.getloadavg()[0],
-        },
-        'rows': rows,
-    }
-    result['geometric_means'] = geometric_means(rows, names)
-    result['findings'] = findings(rows)
-    out = args.out or Path(__file__).resolve().parent / 'results' / machine_slug(result['machine'])
+    composer_version = importlib.import_module('composer').__version__ if composer else None
+    versions = {'timm': timm.__version__, 'composer': composer_version}
+    result = run_record('zoo', start, argv, load_during=loads, **versions, settings=settings, variants=list(names))
+    result.update(rows=rows, geometric_means=geometric_means(rows, names), findings=findings(rows))
+    out = results_folder(args.out, result['machine'])
     text = markdown(result)
     write_results(out, args.name, result, text)
     print(text)

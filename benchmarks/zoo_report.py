@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Optional
 
 from channels_last_algo.core.layout import MemoryFormat
-from channels_last_algo.core.machine import machine_label
+from channels_last_algo.core.machine_description import machine_label
 from channels_last_algo.core.timing import Ratio
 
 __all__ = ['MARGIN', 'VARIANTS', 'cell', 'findings', 'geometric_means', 'markdown', 'summarise']
@@ -80,10 +80,11 @@ def cell(ratio: Optional[dict]) -> str:
     return f'{ratio["median"]:.2f}x{interval}{mark}'
 
 
-def markdown(result: dict) -> str:
-    s, means, names = result['settings'], result['geometric_means'], tuple(result['variants'])
+def _header(result: dict) -> list[str]:
+    """The title, the machine, the command, the load while the models ran, and how to read the cells."""
+    s = result['settings']
     load = result['load_average_1min']
-    lines = [
+    return [
         f"# Zoo: training step time, NCHW / Composer's ChannelsLast / this project / auto mode: "
         f'{machine_label(result["machine"])}',
         '',
@@ -109,6 +110,13 @@ def markdown(result: dict) -> str:
         'repaired model in both formats, so where the repair alone makes the difference it can see a tie that '
         'ours against NCHW does not.',
         '',
+    ]
+
+
+def _means(result: dict) -> list[str]:
+    """The geometric means table and the findings."""
+    means, names = result['geometric_means'], tuple(result['variants'])
+    return [
         f'## Geometric means over the {means["models"]} models where every variant ran',
         '',
         '| | ' + ' | '.join(names) + ' |',
@@ -116,38 +124,45 @@ def markdown(result: dict) -> str:
         '| step time (ms) | ' + ' | '.join(f'{means["median_ms"][n]:.1f}' for n in names) + ' |',
         '| speedup over NCHW | ' + ' | '.join(f'{means["speedup_vs_nchw"][n]:.2f}x' for n in names) + ' |',
         '',
+        *[f'- {line}' for line in result['findings']],
     ]
-    lines += [f'- {line}' for line in result['findings']]
-    lines += [
+
+
+def _auto_cells(auto: Optional[dict]) -> tuple[str, str]:
+    """What auto mode kept, and whether that agrees with the faster layout (what it cost where not)."""
+    if auto is None:
+        return '', ''
+    kept = f'{auto["layout"]}{" (tie)" if auto["tie"] else ""}, {auto["speedup"]:.2f}x in {auto["rounds"]} rounds'
+    agrees = '' if auto['agrees'] is None else 'yes'
+    if auto['agrees'] is False:
+        agrees = f'**no**: auto {cell(auto["against_faster"])} of the faster'
+    return kept, agrees
+
+
+def _model_row(row: dict) -> str:
+    kept, agrees = _auto_cells(row['auto'])
+    nchw = row['median_ms'].get('nchw')
+    errors = '; '.join(f'{name}: {error}' for name, error in row['errors'].items())
+    return (
+        f'| {row["model"]} | {row["source"]} | {row["family"]} | {"x".join(map(str, row["input_shape"][-2:]))} | '
+        f'{"" if nchw is None else f"{nchw:.1f}"} | {cell(row["ratios"].get("composer_vs_nchw"))} | '
+        f'{cell(row["ratios"].get("ours_vs_nchw"))} | {cell(row["ratios"].get("auto_vs_nchw"))} | '
+        f'{cell(row["ratios"].get("ours_vs_composer"))} | {kept} | {row["faster_layout"] or ""} | '
+        f'{agrees} | {errors} |'
+    )
+
+
+def markdown(result: dict) -> str:
+    per_model = [
         '',
         '## Per model',
         '',
         '| model | source | family | input | NCHW ms | Composer | ours | auto | ours vs Composer | auto kept | '
         'faster layout | auto agrees | errors |',
         '|---|---|---|---|---:|---:|---:|---:|---:|---|---|---|---|',
+        *map(_model_row, result['rows']),
     ]
-    for row in result['rows']:
-        auto = row['auto']
-        kept = (
-            ''
-            if auto is None
-            else (
-                f'{auto["layout"]}{" (tie)" if auto["tie"] else ""}, {auto["speedup"]:.2f}x in {auto["rounds"]} rounds'
-            )
-        )
-        agrees = '' if auto is None or auto['agrees'] is None else 'yes'
-        if auto is not None and auto['agrees'] is False:
-            agrees = f'**no**: auto {cell(auto["against_faster"])} of the faster'
-        nchw = row['median_ms'].get('nchw')
-        errors = '; '.join(f'{name}: {error}' for name, error in row['errors'].items())
-        lines.append(
-            f'| {row["model"]} | {row["source"]} | {row["family"]} | {"x".join(map(str, row["input_shape"][-2:]))} | '
-            f'{"" if nchw is None else f"{nchw:.1f}"} | {cell(row["ratios"].get("composer_vs_nchw"))} | '
-            f'{cell(row["ratios"].get("ours_vs_nchw"))} | {cell(row["ratios"].get("auto_vs_nchw"))} | '
-            f'{cell(row["ratios"].get("ours_vs_composer"))} | {kept} | {row["faster_layout"] or ""} | '
-            f'{agrees} | {errors} |'
-        )
-    return '\n'.join(lines) + '\n'
+    return '\n'.join([*_header(result), *_means(result), *per_model]) + '\n'
 
 
 def findings(rows: list[dict]) -> list[str]:

@@ -1,11 +1,14 @@
 """Shared test helpers: small models and data, dispatch-mode checks, and skips for packages
 that only one of the two test environments has (Composer: torch 2.7; Lightning: newest torch).
 
-The model zoos live in :mod:`channels_last_algo.app.zoo`, shared with the benchmarks.
+The model zoos live with the benchmarks, in ``benchmarks/zoo_models.py`` (outside the installed
+package); this module puts the repository root on ``sys.path`` and imports them as ``zoo``, so
+``from conftest import zoo`` works under pytest and in a test module run as a script.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -16,6 +19,9 @@ from torch.utils import _python_dispatch
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))  # `from conftest import ...` in test modules
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `from benchmarks import ...`, from any folder
+
+from benchmarks import zoo_models as zoo  # noqa: E402, F401  (the zoos, for `from conftest import zoo`)
 
 
 class DropsNHWC(nn.Module):
@@ -71,6 +77,21 @@ def tiny_loader(n: int = 8, batch_size: int = 4) -> DataLoader:
 def no_dispatch_mode() -> bool:
     """True when no TorchDispatchMode (the audit's) is installed."""
     return _python_dispatch._get_current_dispatch_mode() is None
+
+
+def leave_rank() -> None:
+    """End a test's rank program after its record is saved: wait for every rank, then exit at once.
+
+    Not interpreter exit, nor ``destroy_process_group()``: the gloo group's destructor can join a worker
+    thread that waits for the GIL it holds (a hang, torch 2.7) or abort the rank ("terminate called
+    without an active exception", torch 2.14), both seen under load.
+
+    Example: ``torch.save(record, out / f'rank{rank}.pt'); leave_rank()``
+    """
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from pathlib import Path
 
 RECIPE = str(Path(__file__).resolve().parent.parent / 'recipes' / 'resnet50_imagenet.yaml')
 TINY = [
-    'model.name=channels_last_algo.app.demo:TinyResNet',
+    'model.name=channels_last_algo.app.runs.demo:TinyResNet',
     'model.num_classes=10',
     'data.train_crop=32',
     'data.eval_crop=32',

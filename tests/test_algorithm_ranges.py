@@ -1,7 +1,7 @@
-"""The valid values of Composer's algorithm options, from one table (``channels_last_algo.app.algorithm_ranges``):
-the table covers every algorithm of the registry and every option of its signature, the defaults pass,
-out-of-range values and options that do not fit together are worded in one line, and a recipe that holds
-one is refused before anything trains."""
+"""The valid values of Composer's algorithm options, from one table
+(``channels_last_algo.app.recipes.algorithm_ranges``): the table covers every algorithm of the registry and
+every option of its signature, the defaults pass, out-of-range values and options that do not fit together
+are worded in one line, and a recipe that holds one is refused before anything trains."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ pytest.importorskip('composer')
 
 from recipe_runs import RECIPE, train_args  # noqa: E402
 
-from channels_last_algo.app.algorithm_ranges import (  # noqa: E402
+from channels_last_algo.app.cli.entry import main  # noqa: E402
+from channels_last_algo.app.recipes.algorithm_ranges import (  # noqa: E402
     ALGORITHM_CROSS_RULES,
     ALGORITHM_RANGES,
     algorithm_cross_problem,
     algorithm_option_problem,
 )
-from channels_last_algo.app.cli import main  # noqa: E402
-from channels_last_algo.app.recipes import algorithm_registry  # noqa: E402
+from channels_last_algo.app.recipes.algorithms import algorithm_registry  # noqa: E402
 
 # Options of Composer's algorithms that take any value, and why.
 ANY_VALUE = {

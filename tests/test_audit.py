@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 from torch.utils import _python_dispatch
 
-from channels_last_algo.app import cli
+from channels_last_algo.app.cli import entry as cli
 from channels_last_algo.core.audit import AuditRecord, AuditReport, LayoutAudit, LayoutBreakError, audit_model
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.layout import to_channels_last

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from channels_last_algo import LayoutGuard, has_channels_last_strides
+from channels_last_algo import LayoutGuard, WeightLayoutPlan, has_channels_last_strides
 from channels_last_algo.core import guard as guard_module
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
 from channels_last_algo.core.timing import FakeClock
@@ -183,6 +183,21 @@ def test_plain_loop_guard_follows_the_decision():
         LayoutGuard().decide(model, x, lambda m, inputs: m(inputs).sum())
 
 
+def test_repr_shows_the_mode_asked_for_and_effective_mode_the_one_acted_in():
+    model = _model()
+    guard = LayoutGuard(mode='auto')
+    guard.on_init(model)
+    guard.decide(model, torch.randn(4, 3, 8, 8), lambda m, inputs: m(inputs).sum(), max_rounds=2, warmup=0)
+    assert repr(guard) == "LayoutGuard(mode='auto', audit_steps=0, strict=False)"
+    assert guard.effective_mode == 'auto' and guard.decision is not None
+    contiguous = LayoutGuard(mode='auto')  # weights that must stay contiguous: nothing to time, it acts as 'on'
+    contiguous.on_init(_model(), weight_layout=WeightLayoutPlan(contiguous=True, reason='tensor parallel'))
+    assert contiguous.mode == 'auto' and contiguous.effective_mode == 'on' and contiguous.channels_last
+    assert repr(contiguous) == "LayoutGuard(mode='auto', audit_steps=0, strict=False)"
+    with pytest.raises(RuntimeError, match="this guard's mode is 'on'"):
+        contiguous.decide(model, torch.randn(4, 3, 8, 8), lambda m, inputs: m(inputs).sum())
+
+
 def _trainer(mode, **options):
     from composer import Trainer
     from composer.models import ComposerClassifier
@@ -233,6 +248,16 @@ def test_composer_auto_trains_exactly_as_the_chosen_layout_from_the_start(monkey
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
         if a.dim() == 4:
             assert has_channels_last_strides(b) is chosen
+
+
+def test_composer_repr_and_checkpoint_show_mode_auto_after_the_decision(monkeypatch):
+    pytest.importorskip('composer', reason='the Composer integration needs composer (the torch 2.7 environment)')
+    monkeypatch.setattr(guard_module, 'decide_layout', _decide_with_costs(2.0))
+    trainer, algorithm = _trainer('auto')
+    trainer.fit()
+    assert algorithm.decision is not None and not algorithm.decision.channels_last
+    assert repr(algorithm) == "ChannelsLast(mode='auto', audit_steps=0, strict=False)"
+    assert algorithm.state_dict() == {'repr': repr(algorithm), 'decision': algorithm.decision.to_dict()}
 
 
 def test_resumed_run_keeps_the_decision_without_measuring(monkeypatch, tmp_path):

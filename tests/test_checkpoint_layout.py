@@ -24,7 +24,7 @@ from channels_last_algo.core.checkpoints import canonical_state, is_canonical
 from channels_last_algo.core.layout import is_channels_last
 
 sys.path.insert(0, str(Path(__file__).parent))
-from conftest import small_net  # noqa: E402
+from conftest import leave_rank, small_net  # noqa: E402
 
 
 def _conv_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -198,10 +198,7 @@ def _rank_program(checkpoint: str, out: str) -> None:
     set_model_state_dict(model, state['model'])
     results['distributed_checkpoint'] = check(model)
     torch.save(results, os.path.join(out, f'rank{rank}.pt'))
-    dist.barrier()
-    # Not destroy_process_group(): on torch 2.7 the gloo group's destructor can join a worker thread that waits
-    # for the GIL the destructor holds, and the rank hangs (seen under load). Both results are saved: leave now.
-    os._exit(0)
+    leave_rank()
 
 
 @pytest.mark.distributed

@@ -20,7 +20,8 @@ import pytest
 import torch
 from recipe_runs import assert_same_run, final_state, train_args
 
-from channels_last_algo.app.run_folder import RunFolder, RunFolderError, read_state
+from channels_last_algo.app.runs.checkpoint_files import RunFolderError, read_state
+from channels_last_algo.app.runs.folder import RunFolder
 
 TESTS = Path(__file__).resolve().parent
 
@@ -148,7 +149,7 @@ def test_resume_takes_the_newest_readable_checkpoint_and_names_every_unusable_on
 @pytest.fixture(scope='module')
 def composer_main():
     pytest.importorskip('composer')
-    from channels_last_algo.app.cli import main
+    from channels_last_algo.app.cli.entry import main
 
     return main
 
@@ -167,7 +168,7 @@ _INTERRUPTED = textwrap.dedent("""
     from pathlib import Path
     import torch
     sys.path.insert(0, {tests!r})
-    from channels_last_algo.app.cli import main
+    from channels_last_algo.app.cli.entry import main
     from recipe_runs import train_args
 
     real_save, real_replace = torch.save, os.replace
@@ -271,7 +272,7 @@ _PAUSED = textwrap.dedent("""
     from pathlib import Path
     import torch
     sys.path.insert(0, {tests!r})
-    from channels_last_algo.app.cli import main
+    from channels_last_algo.app.cli.entry import main
     from recipe_runs import train_args
 
     folder = Path(sys.argv[1])

@@ -15,9 +15,9 @@ import torch
 from recipe_runs import RECIPE, TINY, sets, train_args
 
 from channels_last_algo import __version__
-from channels_last_algo.app.cli import main
-from channels_last_algo.app.demo import run_demo
-from channels_last_algo.app.models import input_shape_problem
+from channels_last_algo.app.cli.entry import main
+from channels_last_algo.app.recipes.models import input_shape_problem
+from channels_last_algo.app.runs.demo import run_demo
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,9 +63,9 @@ def test_export_needs_a_model_or_a_recipe_with_its_checkpoint(tmp_path, capsys, 
 
 def test_export_from_a_recipe_checkpoint_with_blurpool_and_ema(tmp_path, capfd):
     pytest.importorskip('composer')
-    from channels_last_algo.app.checkpoints import model_from_checkpoint
-    from channels_last_algo.app.recipes import load_recipe
-    from channels_last_algo.app.run_folder import read_state
+    from channels_last_algo.app.recipes.loading import load_recipe
+    from channels_last_algo.app.runs.checkpoint_files import read_state
+    from channels_last_algo.app.runs.checkpoints import model_from_checkpoint
     from channels_last_algo.core.checkpoints import is_canonical
 
     overrides = ['model.name=resnet18', 'train.max_duration=2ba', 'algorithms.ema.update_interval=1ba']
@@ -109,7 +109,7 @@ def test_export_from_a_recipe_checkpoint_with_blurpool_and_ema(tmp_path, capfd):
 
 def _subcommand_help(name):
     """The options of a subcommand's parser, each with its help text."""
-    from channels_last_algo.app.cli import build_parser
+    from channels_last_algo.app.cli.entry import build_parser
 
     (subparsers,) = [action for action in build_parser()._actions if action.dest == 'command']
     return {action.dest: action.help for action in subparsers.choices[name]._actions}
@@ -151,7 +151,7 @@ def test_an_input_of_the_wrong_rank_names_the_convolution_that_needs_another(cap
 def test_export_says_and_keeps_its_fixed_height_and_width(tmp_path, capsys):
     assert 'only these channels, height and width' in _subcommand_help('export')['input']
     out = tmp_path / 'tiny.pt2'
-    assert main(['export', 'channels_last_algo.app.demo:TinyResNet', str(out), '--input', '2,3,16,16']) == 0
+    assert main(['export', 'channels_last_algo.app.runs.demo:TinyResNet', str(out), '--input', '2,3,16,16']) == 0
     assert 'on NHWC images of N x 3 x 16 x 16 only' in capsys.readouterr().out
     program = torch.export.load(str(out)).module()
     assert program(torch.randn(3, 3, 16, 16).to(memory_format=torch.channels_last)).shape == (3, 10)
@@ -177,7 +177,7 @@ def test_commands_on_composer_name_the_install_without_it(monkeypatch, capsys, a
 
 def test_the_console_command_without_composer_prints_one_line(tmp_path):
     script = (
-        "import sys; sys.modules['composer'] = None; from channels_last_algo.app.cli import main; "
+        "import sys; sys.modules['composer'] = None; from channels_last_algo.app.cli.entry import main; "
         f"sys.exit(main(['train', {RECIPE!r}, '--set', 'train.save_folder={tmp_path / 'run'}']))"
     )
     done = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120)

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from channels_last_algo import LayoutGuard, apply_channels_last, has_channels_last_strides, is_channels_last
-from channels_last_algo.core.compile import InductorBuildError, explain_compile_failures, inductor_build_failure
+from channels_last_algo.core.inductor_errors import InductorBuildError, explain_compile_failures, inductor_build_failure
 from conftest import random_images, tiny_loader
 
 
@@ -199,7 +199,7 @@ exit 1
 
 BUILD_WITH = """
 import torch, torch._inductor.config
-from channels_last_algo.core.compile import InductorBuildError, explain_compile_failures
+from channels_last_algo.core.inductor_errors import InductorBuildError, explain_compile_failures
 torch._inductor.config.cpp.cxx = ({compiler!r},)
 step = torch.compile(lambda x: (x * 2).relu().sum())
 try:

@@ -13,7 +13,7 @@ from composer.models import ComposerClassifier
 from torch.utils.data import DataLoader, TensorDataset
 
 from channels_last_algo import ChannelsLast, LayoutBreakError, has_channels_last_strides, is_channels_last
-from channels_last_algo.app.demo import TinyResNet
+from channels_last_algo.app.runs.demo import TinyResNet
 from channels_last_algo.core import guard as guard_module
 from channels_last_algo.core.auto import decide_layout
 from conftest import breaking_model, no_dispatch_mode, random_images, tiny_loader

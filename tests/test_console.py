@@ -11,7 +11,7 @@ from channels_last_algo import LayoutGuard
 from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.console import audit_block, start_block
 from channels_last_algo.core.convert import ConversionSummary
-from channels_last_algo.core.parallel import WeightLayoutPlan
+from channels_last_algo.core.weight_layout import WeightLayoutPlan
 from conftest import DropsNHWC, tiny_loader
 
 GUARD_LOG = 'channels_last_algo.core.guard'

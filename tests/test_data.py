@@ -11,20 +11,18 @@ from torch.utils.data import DistributedSampler
 from torchvision import transforms
 
 from channels_last_algo import Layout, has_channels_last_strides, layout_of
-from channels_last_algo.app.data import (
+from channels_last_algo.app.data.image_folder import CheckedImageFolder
+from channels_last_algo.app.data.imagenet import imagenet_dataset
+from channels_last_algo.app.data.loaders import (
     IMAGENET_MEAN,
     IMAGENET_STD,
-    CheckedImageFolder,
     NormalizeBatch,
-    SyntheticImageNet,
-    ToHWCUint8,
     build_data_spec,
     build_loader,
     collate_nhwc,
-    eval_transform,
-    imagenet_dataset,
-    train_transform,
 )
+from channels_last_algo.app.data.synthetic import SyntheticImageNet
+from channels_last_algo.app.data.transforms import ToHWCUint8, eval_transform, train_transform
 
 
 @pytest.fixture

@@ -11,18 +11,17 @@ from PIL import Image
 from recipe_runs import RECIPE, sets
 from torch import nn
 
-from channels_last_algo.app.data import (
+from channels_last_algo.app.data.image_folder import (
     CheckedImageFolder,
     CorruptImageError,
     CorruptImageWarning,
     DataPathError,
-    NormalizeBatch,
-    SyntheticImageNet,
-    build_loader,
-    eval_transform,
-    imagenet_dataset,
     scan_images,
 )
+from channels_last_algo.app.data.imagenet import imagenet_dataset
+from channels_last_algo.app.data.loaders import NormalizeBatch, build_loader
+from channels_last_algo.app.data.synthetic import SyntheticImageNet
+from channels_last_algo.app.data.transforms import eval_transform
 
 
 @pytest.fixture
@@ -157,8 +156,8 @@ def test_pre_flight_scan_plans_random_crops_without_moving_the_random_state(imag
 
 def test_a_corrupt_validation_image_loses_no_training(image_root, tmp_path, capfd):
     pytest.importorskip('composer')
-    from channels_last_algo.app.cli import main
-    from channels_last_algo.app.run_folder import read_state
+    from channels_last_algo.app.cli.entry import main
+    from channels_last_algo.app.runs.checkpoint_files import read_state
 
     broken = image_root / 'val' / 'dog' / '2.jpg'
     broken.write_bytes(broken.read_bytes()[:300])
@@ -166,7 +165,7 @@ def test_a_corrupt_validation_image_loses_no_training(image_root, tmp_path, capf
     overrides = sets(
         [
             f'data.path={image_root}',
-            'model.name=channels_last_algo.app.demo:TinyResNet',
+            'model.name=channels_last_algo.app.runs.demo:TinyResNet',
             'model.num_classes=2',
             'data.train_crop=32',
             'data.eval_crop=32',

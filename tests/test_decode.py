@@ -19,19 +19,17 @@ from torch.utils.data import DataLoader, Subset, default_collate
 from torchvision import transforms
 from torchvision.datasets.folder import pil_loader
 
-from channels_last_algo.app.batch import FilledBatch
-from channels_last_algo.app.data import (
+from channels_last_algo.app.data.batch import FilledBatch
+from channels_last_algo.app.data.decode import CorruptDataError, EncodedImage
+from channels_last_algo.app.data.image_folder import (
     CheckedImageFolder,
     CorruptImageError,
     CorruptImageWarning,
-    SyntheticImageNet,
-    ToHWCUint8,
-    build_loader,
-    eval_transform,
     scan_images,
-    train_transform,
 )
-from channels_last_algo.app.decode import CorruptDataError, EncodedImage
+from channels_last_algo.app.data.loaders import build_loader
+from channels_last_algo.app.data.synthetic import SyntheticImageNet
+from channels_last_algo.app.data.transforms import ToHWCUint8, eval_transform, train_transform
 
 
 def pixels(height: int = 117, width: int = 150, seed: int = 0) -> np.ndarray:
@@ -166,7 +164,7 @@ def test_each_full_size_decoder_equals_pillow_on_what_it_takes():
     """Each fast decoder installed here, on every JPEG whose component count it claims: Pillow's pixels
     exactly; on a corrupt or truncated one, a RuntimeError or ValueError (Pillow then decides) or
     CorruptDataError (libjpeg's report of corrupt data: no other decoder is tried)."""
-    from channels_last_algo.app.decode import FULL_SIZE_DECODERS
+    from channels_last_algo.app.data.decode import FULL_SIZE_DECODERS
 
     assert FULL_SIZE_DECODERS, 'no fast decoder installed: simplejpeg or torchvision.io.decode_jpeg'
     for name, decode, components in FULL_SIZE_DECODERS:
@@ -195,7 +193,9 @@ def test_data_libjpeg_reports_corrupt_is_refused_where_pillow_guesses(kind, shri
     assert pillow_decode(data, shrink).shape[:2] == tuple(-(-side // shrink) for side in (117, 150))
     with pytest.raises(CorruptDataError, match=r'^Corrupt JPEG data: .* \(libjpeg-turbo, through simplejpeg\)$'):
         EncodedImage(data).decode(shrink)
-    monkeypatch.setattr('channels_last_algo.app.decode.decode_jpeg', lambda *args, **kwargs: pytest.fail('a fallback'))
+    monkeypatch.setattr(
+        'channels_last_algo.app.data.decode.decode_jpeg', lambda *args, **kwargs: pytest.fail('a fallback')
+    )
     with pytest.raises(CorruptDataError):
         EncodedImage(data).decode(shrink)
 

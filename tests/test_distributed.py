@@ -34,8 +34,8 @@ import torch
 from torch import nn
 
 from channels_last_algo import ChannelsLast, LayoutGuard, apply_channels_last
-from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
-from conftest import STRIDE_WARNING, small_net
+from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layout_for
+from conftest import STRIDE_WARNING, leave_rank, small_net
 
 pytestmark = pytest.mark.distributed
 
@@ -252,6 +252,7 @@ def _run_rank(out: Path) -> None:
         wrapped(probe_images().to(memory_format=torch.channels_last)).sum().backward()
     result['restrided_after_wrap_warnings'] = [str(w.message) for w in caught if STRIDE_WARNING in str(w.message)]
     torch.save(result, out / f'rank{rank}.pt')
+    leave_rank()
 
 
 # --- the test process -----------------------------------------------------------------------------
@@ -485,7 +486,7 @@ def test_contiguous_plan_restores_weights_made_channels_last_and_still_computes_
     net.to(memory_format=torch.channels_last)  # as done before the Trainer, which FSDP2 would refuse
     guard = LayoutGuard(mode='auto')
     summary = guard.on_init(net, weight_layout=weight_layout_for(net, fsdp_config=FSDP2Config()))
-    assert guard.mode == 'on'  # auto would time channels-last weights
+    assert guard.effective_mode == 'on'  # auto would time channels-last weights
     assert summary.converted == ['0.weight', '3.weight', '4.weight']
     assert all(p.stride() == torch.empty(p.shape, device='meta').stride() for p in net.parameters())
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from channels_last_algo.app.cli import main
-from channels_last_algo.core.safety import KNOWN_BUGS, Runtime
-from channels_last_algo.core.safety.doctor import doctor
+from channels_last_algo.app.cli.entry import main
+from channels_last_algo.core.runtime import Runtime
+from channels_last_algo.core.safety import KNOWN_BUGS
+from channels_last_algo.core.safety.diagnostics import doctor
 
 ONEDNN = next(bug for bug in KNOWN_BUGS if bug.name == 'onednn_1x1_strided_weight_grad')
 

@@ -1,4 +1,4 @@
-"""Every layer that channels last swaps in, and the boundary fallback, through every exporter: torch.fx,
+"""Every layer that channels last swaps in, and the op repair, through every exporter: torch.fx,
 TorchScript (script and trace), torch.export and both ONNX exporters. Each export is run (an ONNX file in
 onnxruntime) on a new input and compared with the NCHW model before the swap; so are a few torchvision and
 timm models after ``apply_channels_last``."""
@@ -25,12 +25,12 @@ from torchvision.models.segmentation.deeplabv3 import ASPP
 from torchvision.models.shufflenetv2 import InvertedResidual
 
 from channels_last_algo.core.audit import audit_model
-from channels_last_algo.core.boundary import has_boundary, repair_breaks
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.layers import RULES, repair_model
 from channels_last_algo.core.layout import to_channels_last
+from channels_last_algo.core.op_repair import has_op_repair, repair_ops
+from channels_last_algo.core.runtime import Runtime
 from channels_last_algo.core.safety.bugs import KNOWN_BUGS, make_safe
-from channels_last_algo.core.safety.runtime import Runtime
 from conftest import breaking_model
 
 SHAPE = (2, 3, 8, 8)
@@ -56,7 +56,7 @@ def _std_conv(name, **kwargs):
 
 
 # swapped-in class name -> (builder of the NCHW model, how the swap is made: 'cpu' and 'cuda' are the repair
-# rules for that device, 'safe' the kernel safe paths, 'boundary' the boundary fallback)
+# rules for that device, 'safe' the kernel safe paths, 'op_repair' the op repair)
 CASES = {
     'ChannelsLastAdaptiveAvgPool2d': (lambda: _between(nn.AdaptiveAvgPool2d(1)), 'cpu'),
     'ChannelsLastMobileNetV2': (
@@ -90,7 +90,7 @@ CASES = {
     'ChannelsLastScaledStdConv2dSame': (_std_conv('ScaledStdConv2dSame', stride=2), 'cpu'),
     'SubsampledConv2d': (lambda: nn.Sequential(nn.Conv2d(3, 8, 1, stride=2), nn.ReLU(), _conv(8, 4)), 'safe'),
     'NCHWAvgPool2d': (lambda: _between(nn.AvgPool2d(3, 2, padding=1)), 'safe'),
-    'boundary': (breaking_model, 'boundary'),
+    'op_repair': (breaking_model, 'op_repair'),
 }
 
 
@@ -98,7 +98,7 @@ def test_cases_cover_every_swapped_in_layer():
     rules = {
         r.replacement.rpartition('.')[2] if isinstance(r.replacement, str) else r.replacement.__name__ for r in RULES
     }
-    assert set(CASES) == rules | {b.safe_path.__name__ for b in KNOWN_BUGS} | {'boundary'}
+    assert set(CASES) == rules | {b.safe_path.__name__ for b in KNOWN_BUGS} | {'op_repair'}
 
 
 def _swap(model, how, x):
@@ -110,8 +110,8 @@ def _swap(model, how, x):
         repair_model(model, device='cuda')
     else:
         apply_channels_last(model)
-    if how == 'boundary':
-        repair_breaks(model, audit_model(model, x))
+    if how == 'op_repair':
+        repair_ops(model, audit_model(model, x))
 
 
 def _case(name, dtype):
@@ -126,7 +126,8 @@ def _case(name, dtype):
     model = copy.deepcopy(reference)
     x = to_channels_last(torch.randn(SHAPE, dtype=dtype))
     _swap(model, how, x)
-    assert any((has_boundary if how == 'boundary' else lambda m: type(m).__name__ == name)(m) for m in model.modules())
+    swapped = has_op_repair if how == 'op_repair' else lambda m: type(m).__name__ == name
+    assert any(swapped(m) for m in model.modules())
     return reference, model, x
 
 

@@ -19,9 +19,9 @@ from channels_last_algo import (
     export_for_inference,
     fuse_for_inference,
 )
-from channels_last_algo.app.cli import main
-from channels_last_algo.app.demo import TinyResNet
-from channels_last_algo.app.models import build_model
+from channels_last_algo.app.cli.entry import main
+from channels_last_algo.app.recipes.models import build_model
+from channels_last_algo.app.runs.demo import TinyResNet
 from channels_last_algo.core.fuse import FUSION_PATTERNS, PostOp, patterns
 from channels_last_algo.core.fuse.graph import fuse_graph, trace
 from channels_last_algo.core.fuse.modules import fuse_modules

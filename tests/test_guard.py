@@ -12,7 +12,7 @@ from channels_last_algo import (
     batch_to_channels_last,
     has_channels_last_strides,
 )
-from channels_last_algo.app.demo import TinyResNet
+from channels_last_algo.app.runs.demo import TinyResNet
 from conftest import breaking_model, no_dispatch_mode, random_images, tiny_loader
 
 

@@ -28,18 +28,17 @@ from PIL import Image
 from recipe_runs import RECIPE, TINY, sets
 from torchvision import transforms
 
-from channels_last_algo.app.data import (
+from channels_last_algo.app.data.decode import MAX_FILE_BYTES, EncodedImage
+from channels_last_algo.app.data.image_folder import (
     CheckedImageFolder,
     CorruptImageError,
     CorruptImageWarning,
     DataPathError,
-    ToHWCUint8,
-    eval_transform,
-    imagenet_dataset,
+    printable,
     scan_images,
 )
-from channels_last_algo.app.datasets import printable
-from channels_last_algo.app.decode import MAX_FILE_BYTES, EncodedImage
+from channels_last_algo.app.data.imagenet import imagenet_dataset
+from channels_last_algo.app.data.transforms import ToHWCUint8, eval_transform
 
 FIX = "Replace or delete the file, or pass on_corrupt='skip' to skip corrupt files."
 AS_ROOT = os.geteuid() == 0  # root reads a file whatever its permissions
@@ -427,7 +426,7 @@ def train_cli(tmp_path, capfd):
     """``run(root, *overrides)``: ``channels-last train`` of the tiny recipe on ``root`` with
     --check-data, saving to tmp_path/run; returns (exit code, stderr)."""
     pytest.importorskip('composer')
-    from channels_last_algo.app.cli import main
+    from channels_last_algo.app.cli.entry import main
 
     def run(root, *overrides):
         args = sets(

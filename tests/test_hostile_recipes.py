@@ -14,7 +14,7 @@ import torch
 from recipe_runs import RECIPE, TINY, sets
 
 import channels_last_algo
-from channels_last_algo.app.cli import main
+from channels_last_algo.app.cli.entry import main
 
 HAS_COMPOSER = importlib.util.find_spec('composer') is not None
 BASE = Path(RECIPE).read_text()
@@ -99,12 +99,12 @@ def test_a_recipe_that_is_not_small_utf8_text_is_refused(data, fragment, tmp_pat
 
 
 def test_a_byte_order_mark_and_merge_keys_are_valid_yaml(tmp_path):
-    from channels_last_algo.app.recipes import load_recipe
+    from channels_last_algo.app.recipes.loading import load_recipe
 
     path = tmp_path / 'recipe.yaml'
     text = 'x_defaults: &defaults {seed: 3}\n' + BASE
     path.write_bytes(b'\xef\xbb\xbf' + text.replace('train:\n', 'train:\n  <<: *defaults\n', 1).encode())
-    with pytest.raises(channels_last_algo.app.recipes.RecipeError, match='x_defaults: unknown key'):
+    with pytest.raises(channels_last_algo.app.recipes.schema.RecipeError, match='x_defaults: unknown key'):
         load_recipe(path)  # the BOM is read, the merge key is taken; only the extra section is refused
 
 
@@ -204,7 +204,7 @@ def test_export_refuses_an_output_it_cannot_write_before_building_anything(
 ):
     (tmp_path / 'file').write_text('x')
     built = []
-    monkeypatch.setattr('channels_last_algo.app.cli._build', lambda *a, **k: built.append(a))
+    monkeypatch.setattr('channels_last_algo.app.cli.model_arguments._build', lambda *a, **k: built.append(a))
     _refused(capsys, ['export', 'resnet18', str(tmp_path / out)], fragment.format(tmp=tmp_path), tmp_path / 'run')
     assert not built
 
@@ -323,7 +323,7 @@ def test_the_api_refuses_what_is_not_a_model_in_one_line(case):
 
 @pytest.mark.skipif(not HAS_COMPOSER, reason='compare runs Composer ChannelsLast beside this project')
 def test_compare_refuses_a_batch_it_cannot_hold_in_one_pass_before_building_anything(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr('channels_last_algo.app.compare._batches', lambda *args: pytest.fail('data were built'))
+    monkeypatch.setattr('channels_last_algo.app.runs.compare._batches', lambda *args: pytest.fail('data were built'))
     argv = ['compare', RECIPE, '--set', 'data.train_crop=176', '--set', 'train.global_batch_size=65536']
     _refused(capsys, argv, 'train.global_batch_size: compare trains the whole batch of 65536 images', tmp_path / 'x')
 
@@ -446,7 +446,7 @@ def test_an_error_no_check_foresaw_is_one_line_with_its_traceback_in_a_file(tmp_
     def broken(args):
         raise KeyError('an internal slip')
 
-    monkeypatch.setattr('channels_last_algo.app.cli._run_audit', broken)
+    monkeypatch.setattr('channels_last_algo.app.cli.model_commands._run_audit', broken)
     monkeypatch.setattr('tempfile.tempdir', str(tmp_path))
     line = _refused(capsys, ['audit', 'resnet18'], "KeyError: 'an internal slip' (in ", tmp_path / 'run')
     log = Path(line.rsplit('the full traceback is in ', 1)[1])

@@ -26,10 +26,12 @@ pytest.importorskip('composer')
 import torch  # noqa: E402
 from recipe_runs import train_args  # noqa: E402
 
-from channels_last_algo.app import models, recipes, train  # noqa: E402
-from channels_last_algo.app.cli import main  # noqa: E402
-from channels_last_algo.app.demo import TinyResNet  # noqa: E402
-from channels_last_algo.app.run_folder import RunFolder, read_state  # noqa: E402
+from channels_last_algo.app.cli.entry import main  # noqa: E402
+from channels_last_algo.app.recipes import models  # noqa: E402
+from channels_last_algo.app.runs import train, trainer  # noqa: E402
+from channels_last_algo.app.runs.checkpoint_files import read_state  # noqa: E402
+from channels_last_algo.app.runs.demo import TinyResNet  # noqa: E402
+from channels_last_algo.app.runs.folder import RunFolder  # noqa: E402
 
 NEW = 'give this run another folder (--set train.save_folder=PATH)'
 NEWER = ('--resume', '--set', 'train.max_duration=8ba')  # resuming the run with batches left to train
@@ -62,7 +64,7 @@ def forbid_work(monkeypatch) -> None:
     def must_not_run(*args, **kwargs):
         pytest.fail('the run built its data or model before refusing')
 
-    for module, name in ((recipes, 'build_datasets'), (train, 'build_datasets'), (models, 'build_model')):
+    for module, name in ((trainer, 'build_datasets'), (train, 'build_datasets'), (models, 'build_model')):
         monkeypatch.setattr(module, name, must_not_run)
 
 

@@ -225,8 +225,8 @@ def test_lightning_step_that_calls_a_submodule_finds_the_images():
 def test_the_recipe_flag_takes_the_same_values():
     from pathlib import Path
 
-    from channels_last_algo.app.recipe_schema import RecipeError
-    from channels_last_algo.app.recipes import load_recipe
+    from channels_last_algo.app.recipes.loading import load_recipe
+    from channels_last_algo.app.recipes.schema import RecipeError
 
     recipe_file = Path(__file__).parent.parent / 'recipes' / 'resnet50_imagenet.yaml'
     assert load_recipe(recipe_file).algorithms['channels_last']['inputs'] == 'auto'

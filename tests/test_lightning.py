@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import channels_last_algo.core.guard as guard_module
 from channels_last_algo import ChannelsLastCallback, LayoutBreakError, has_channels_last_strides, is_channels_last
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
-from conftest import STRIDE_WARNING, breaking_model, no_dispatch_mode, random_images, small_net
+from conftest import STRIDE_WARNING, breaking_model, leave_rank, no_dispatch_mode, random_images, small_net
 
 WORLD = 2
 RANK_BATCH = 4
@@ -176,7 +176,7 @@ def test_sharding_strategies_keep_weights_contiguous_and_batches_nhwc():
     callback = ChannelsLastCallback(mode='auto')  # auto would time channels-last weights: 'on'
     fit, module = set_up(callback, strategy=ModelParallelStrategy())
     fit.strategy.model_to_device()
-    assert callback.guard.mode == 'on' and 'ModelParallelStrategy' in callback.guard.weight_layout.reason
+    assert callback.guard.effective_mode == 'on' and 'ModelParallelStrategy' in callback.guard.weight_layout.reason
     assert all(p.is_contiguous() and not has_channels_last_strides(p) for p in weights_4d(module).values())
     assert is_channels_last(fit.strategy.batch_to_device(random_images(n=2, size=IMAGE))[0])
     # Lightning's FSDP needs a GPU to run; the plan for it, from the strategy alone:
@@ -332,6 +332,19 @@ def test_fuse_eval_is_checked_before_training():
     with pytest.raises(ValueError, match=r'2 such children'):
         fit.fit(module, loader())
     assert fit.global_step == 0
+
+
+def test_repr_shows_the_mode_asked_for_after_the_decision(quick_decisions):
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    asked = "ChannelsLastCallback(mode='auto', audit_steps=0, strict=False)"
+    callback = ChannelsLastCallback(mode='auto')
+    trainer(max_steps=1, callbacks=[callback]).fit(Classifier(), loader(n=4))
+    assert callback.decision is not None and callback.guard.effective_mode == 'auto'
+    assert repr(callback) == asked
+    sharded = ChannelsLastCallback(mode='auto')  # the weights must stay contiguous: it acts as 'on'
+    set_up(sharded, strategy=ModelParallelStrategy())[0].strategy.model_to_device()
+    assert sharded.guard.effective_mode == 'on' and repr(sharded) == asked
 
 
 def test_auto_decision_is_logged_checkpointed_and_resumed_without_measuring(quick_decisions, monkeypatch, tmp_path):
@@ -523,6 +536,7 @@ def _run_rank(out: Path) -> None:
             'decision': None if callback.decision is None else callback.decision.to_dict(),
         }
     torch.save(result, out / f'rank{fit.global_rank}.pt')
+    leave_rank()
 
 
 def _free_port() -> int:

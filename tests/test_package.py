@@ -44,21 +44,38 @@ def test_unknown_attribute_is_an_attribute_error():
         integration_attribute('NoSuchThing', 'channels_last_algo')
 
 
-def _imported_layers(path: Path) -> set[str]:
-    layers = set()
+def _module_name(path: Path) -> str:
+    """``channels_last_algo.app.data.loaders`` for ``.../channels_last_algo/app/data/loaders.py``."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix('').parts
+    return '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
+
+
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split('.'))
+    return path.with_suffix('.py').is_file() or (path / '__init__.py').is_file()
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The package's modules that the module at ``path`` imports, at its top or inside a function,
+    relative imports resolved (``from package import module`` counts the module)."""
+    package = _module_name(path).split('.')[: -1 if path.name != '__init__.py' else None]
+    found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = (
-            [alias.name for alias in node.names]
-            if isinstance(node, ast.Import)
-            else [node.module or '']
-            if isinstance(node, ast.ImportFrom) and node.level == 0
-            else []
-        )
-        for name in names:
-            parts = name.split('.')
-            if parts[0] == 'channels_last_algo' and len(parts) > 1 and parts[1] in LAYERS:
-                layers.add(parts[1])
-    return layers
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            anchor = package[: len(package) - node.level + 1] if node.level else []
+            base = '.'.join([*anchor, *([node.module] if node.module else [])])
+            names = [base, *(f'{base}.{alias.name}' for alias in node.names)]
+        else:
+            continue
+        found.update(name for name in names if name.startswith('channels_last_algo.') and _is_module(name))
+    return found
+
+
+def _imported_layers(path: Path) -> set[str]:
+    """The package's layers (``core``, ``integrations``, ``app``) that the module at ``path`` imports."""
+    return {name.split('.')[1] for name in _imported_modules(path) if name.count('.') and name.split('.')[1] in LAYERS}
 
 
 @pytest.mark.parametrize('layer', LAYERS)
@@ -70,3 +87,122 @@ def test_imports_point_down_only(layer):
         if _imported_layers(path) - allowed
     }
     assert upward == {}
+
+
+# What only the core may do, so each trainer adapter stays a mapping of its trainer's events onto the guard:
+# auto mode (core.auto) and fused evaluation (core.fuse) are reached through LayoutGuard, and every
+# channels_last/... key a logger receives is written in the core.
+CORE_ONLY = ('channels_last_algo.core.auto', 'channels_last_algo.core.fuse')
+
+
+@pytest.mark.parametrize('path', sorted((PACKAGE / 'integrations').glob('*.py')), ids=lambda path: path.name)
+def test_integrations_map_events_onto_the_guard_only(path):
+    tree = ast.parse(path.read_text())
+    imported = _imported_modules(path)
+    keys = [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith('channels_last/')
+    ]
+    assert [name for name in imported if name.startswith(CORE_ONLY)] == []
+    assert keys == []
+
+
+# Inside the application, lowest first: a subject imports only from itself and those before it
+# (channels_last_algo/app/__init__.py states the rule).
+APP = PACKAGE / 'app'
+APP_SUBJECTS = ('data', 'recipes', 'runs', 'cli')
+
+
+def _app_modules_imported(path: Path) -> set[str]:
+    return {name for name in _imported_modules(path) if name.startswith('channels_last_algo.app.')}
+
+
+@pytest.mark.parametrize('subject', APP_SUBJECTS)
+def test_app_subjects_import_only_themselves_and_those_before(subject):
+    allowed = set(APP_SUBJECTS[: APP_SUBJECTS.index(subject) + 1])
+    later = {}
+    for path in sorted((APP / subject).rglob('*.py')):
+        subjects = {name.split('.')[2] for name in _app_modules_imported(path)}
+        if subjects - allowed:
+            later[str(path.relative_to(PACKAGE))] = sorted(subjects - allowed)
+    assert later == {}
+
+
+def test_no_import_cycle_between_app_modules():
+    graph = {_module_name(path): _app_modules_imported(path) for path in APP.rglob('*.py')}
+    cycles, state = [], {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = 'open'
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 'open':
+                cycles.append(trail[trail.index(target) :] + [target])
+            elif target not in state:
+                visit(target, [*trail, target])
+        state[module] = 'done'
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+# Size limits that keep each piece readable in one screen: a function (from `def` through its last
+# line, docstring included) and a module of the package and of the benchmarks; tables are data, not
+# functions, and are not counted.
+MAX_FUNCTION_LINES = 40
+MAX_MODULE_LINES = 500
+SOURCES = sorted([*PACKAGE.rglob('*.py'), *(PACKAGE.parent / 'benchmarks').rglob('*.py')])
+
+
+@pytest.mark.parametrize('path', SOURCES, ids=lambda path: str(path.relative_to(PACKAGE.parent)))
+def test_functions_and_modules_stay_short(path):
+    text = path.read_text()
+    long_functions = [
+        f'{node.name} (line {node.lineno}): {node.end_lineno - node.lineno + 1} lines'
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert long_functions == []
+    assert len(text.splitlines()) <= MAX_MODULE_LINES
+
+
+# inside the core: one swap engine below the tables that use it
+
+
+def test_swapped_layers_import_nothing_from_safety():
+    """``core/layers/`` holds the swapped layers (repairs and safe paths); the bug table in
+    ``core/safety/`` names them, never the other way round."""
+    upward = {
+        str(path.relative_to(PACKAGE)): sorted(
+            m for m in _imported_modules(path) if m.startswith('channels_last_algo.core.safety')
+        )
+        for path in (PACKAGE / 'core' / 'layers').rglob('*.py')
+    }
+    assert {path: modules for path, modules in upward.items() if modules} == {}
+
+
+def test_swap_engine_and_runtime_sit_below_the_tables():
+    """The engine and the runtime description import nothing of the package but each other."""
+    below = {'channels_last_algo.core.swap', 'channels_last_algo.core.runtime'}
+    for name in below:
+        path = PACKAGE.parent / (name.replace('.', '/') + '.py')
+        assert _imported_modules(path) <= below, path
+
+
+def _assigns_class(path: Path) -> bool:
+    """True when ``path``'s code (not its docstrings) assigns some object's ``__class__``."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        )
+        if any(isinstance(t, ast.Attribute) and t.attr == '__class__' for t in targets):
+            return True
+    return False
+
+
+def test_only_the_swap_engine_reassigns_a_module_class():
+    swappers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob('*.py') if _assigns_class(path))
+    assert swappers == ['core/swap.py']

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from channels_last_algo.app.cli import main
-from channels_last_algo.app.recipe_keys import recipe_keys_reference, schema_keys
-from channels_last_algo.app.recipe_schema import CHANNELS_LAST_OPTIONS, Recipe
-from channels_last_algo.core.guard import OPTIONS
+from channels_last_algo.app.cli.entry import main
+from channels_last_algo.app.recipes.keys import recipe_keys_reference, schema_keys
+from channels_last_algo.app.recipes.schema import CHANNELS_LAST_OPTIONS, Recipe
+from channels_last_algo.core.options import OPTIONS
 
 DOC = Path(__file__).resolve().parent.parent / 'docs' / 'recipe_keys.md'
 

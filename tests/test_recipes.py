@@ -12,15 +12,11 @@ pytest.importorskip('composer')
 from recipe_runs import RECIPE, TINY, sets  # noqa: E402
 
 from channels_last_algo import ChannelsLast  # noqa: E402
-from channels_last_algo.app.cli import main  # noqa: E402
-from channels_last_algo.app.optimizers import build_optimizer, scaled_lr  # noqa: E402
-from channels_last_algo.app.recipes import (  # noqa: E402
-    SMOKE_OVERRIDES,
-    algorithm_registry,
-    build_algorithms,
-    load_recipe,
-    microbatch_size,
-)
+from channels_last_algo.app.cli.entry import main  # noqa: E402
+from channels_last_algo.app.recipes.algorithms import algorithm_registry, build_algorithms  # noqa: E402
+from channels_last_algo.app.recipes.loading import SMOKE_OVERRIDES, load_recipe  # noqa: E402
+from channels_last_algo.app.recipes.optimizers import build_optimizer, scaled_lr  # noqa: E402
+from channels_last_algo.app.recipes.placement import microbatch_size  # noqa: E402
 
 
 def test_recipe_loads_and_every_algorithm_resolves():
@@ -84,7 +80,7 @@ def test_compare_prints_three_variants_and_writes_json(tmp_path, capsys):
 
 
 def _trainer(tmp_path, overrides):
-    from channels_last_algo.app.recipes import build_trainer
+    from channels_last_algo.app.runs.trainer import build_trainer
 
     recipe = load_recipe(RECIPE, TINY + [f'train.save_folder={tmp_path / "run"}', *overrides])
     return recipe, build_trainer(recipe)

@@ -12,18 +12,18 @@ from torch import nn
 from torchvision.models.mobilenetv2 import MobileNetV2
 from torchvision.models.shufflenetv2 import InvertedResidual
 
-from channels_last_algo.app import zoo
 from channels_last_algo.core.audit import audit_model
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.layers import (
     RULES,
     ChannelsLastInstanceNorm2d,
-    RepairRecord,
     RepairRule,
     repair_model,
-    version_in,
 )
 from channels_last_algo.core.layout import is_channels_last, to_channels_last
+from channels_last_algo.core.runtime import version_in
+from channels_last_algo.core.swap import SwapRecord
+from conftest import zoo
 
 UNet = zoo.UNet
 
@@ -152,7 +152,7 @@ def test_matches_plain_channels_last_in_training(case):
 def test_records_name_the_swapped_modules(case):
     name, reference, _, model, records = case
     for record in records:
-        rule = next(r for r in RULES if r.name == record.rule)
+        rule = next(r for r in RULES if r.name == record.reason)
         assert type(model.get_submodule(record.path)) is rule.replacement
         assert type(reference.get_submodule(record.path)) is rule.original
     expected = {
@@ -166,7 +166,7 @@ def test_records_name_the_swapped_modules(case):
         'unet': {'instance_norm', 'bicubic_upsample'},
     }
     if name in expected:
-        assert {r.rule for r in records} == expected[name]
+        assert {r.reason for r in records} == expected[name]
     assert repair_model(model) == []  # idempotent
 
 
@@ -261,7 +261,7 @@ def test_rule_removes_the_break_it_names_where_its_row_says_it_exists(rule):
     where = f'{rule} ({row.torch_versions}) on torch {torch.__version__}'
     assert found == row.applies(torch.device('cpu')), f'{where}:\n{before}'
     records = repair_model(model)
-    assert (rule in {r.rule for r in records}) == found
+    assert (rule in {r.reason for r in records}) == found
     after = audit_model(model, x)
     assert after.breaks == [], str(after)
 
@@ -291,16 +291,16 @@ CUDA_RULES = {r.name for r in RULES if r.devices == ('cuda',)}
 
 def test_cuda_only_rules_apply_only_to_models_on_cuda():
     model = UNet()
-    assert not CUDA_RULES & {r.rule for r in repair_model(copy.deepcopy(model))}
-    assert not CUDA_RULES & {r.rule for r in repair_model(copy.deepcopy(model), device='cpu')}
-    applied = {r.rule for r in repair_model(copy.deepcopy(model), device=torch.device('cuda'))}
+    assert not CUDA_RULES & {r.reason for r in repair_model(copy.deepcopy(model))}
+    assert not CUDA_RULES & {r.reason for r in repair_model(copy.deepcopy(model), device='cpu')}
+    applied = {r.reason for r in repair_model(copy.deepcopy(model), device=torch.device('cuda'))}
     assert applied == CUDA_RULES | {'instance_norm', 'bicubic_upsample'}
 
 
 def test_unet_with_cuda_rules_matches_and_keeps_nhwc_on_cpu():
     reference, shape = _build('unet')
     model, records = _repaired(copy.deepcopy(reference), device='cuda')
-    assert {r.rule for r in records} == CUDA_RULES | {'instance_norm', 'bicubic_upsample'}
+    assert {r.reason for r in records} == CUDA_RULES | {'instance_norm', 'bicubic_upsample'}
     x = torch.randn(*shape)
     report = audit_model(model, to_channels_last(x))
     assert report.breaks == [], str(report)
@@ -316,7 +316,7 @@ def test_unet_on_cuda_breaks_where_the_cuda_rules_say_and_not_after_repair():
     broken = {type(cpu_rules_only.get_submodule(b.module_path)) for b in before.breaks if b.module_path}
     assert {r.original for r in RULES if r.devices == ('cuda',)} <= broken, str(before)
     model, records = _repaired(copy.deepcopy(reference).cuda())
-    assert CUDA_RULES <= {r.rule for r in records}
+    assert CUDA_RULES <= {r.reason for r in records}
     after = audit_model(model, x)
     assert after.breaks == [], str(after)
     x = torch.randn(*shape, device='cuda')
@@ -353,7 +353,13 @@ def test_repair_keeps_parameter_objects_hooks_and_pickles():
     hook = model.down1[1].register_forward_hook(lambda *args: calls.append(1))
     records = repair_model(model)
     assert [r for r in records if r.path == 'down1.1'] == [
-        RepairRecord('down1.1', 'torch.nn.modules.instancenorm.InstanceNorm2d', 'instance_norm')
+        SwapRecord(
+            'down1.1',
+            'repair',
+            'instance_norm',
+            'torch.nn.modules.instancenorm.InstanceNorm2d',
+            'ChannelsLastInstanceNorm2d',
+        )
     ]
     assert all(p is q for p, q in zip(params, model.parameters()))
     model(torch.randn(1, 3, 16, 16))

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchvision.models.shufflenetv2 import channel_shuffle
 
-from channels_last_algo.app.zoo import UNet
+from benchmarks.zoo_models import UNet
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.layers import (
     ChannelsLastBicubicUpsample,
@@ -172,7 +172,7 @@ def _traced_case(name):
     if name == 'unet':
         reference, shape = UNet().double(), (2, 3, 16, 16)
     else:
-        from channels_last_algo.app.models import build_model
+        from channels_last_algo.app.recipes.models import build_model
 
         reference, shape = build_model(name, num_classes=10).double(), (2, 3, 32, 32)
     reference.eval()

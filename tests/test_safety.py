@@ -18,21 +18,19 @@ import torch
 from torch import nn
 
 from channels_last_algo.core.convert import apply_channels_last, restride
+from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, SubsampledConv2d
 from channels_last_algo.core.layout import to_channels_last
+from channels_last_algo.core.runtime import Runtime, parse_version
 from channels_last_algo.core.safety import (
     FAILURES,
     KNOWN_BUGS,
     KernelBug,
-    NCHWAvgPool2d,
-    Runtime,
-    SubsampledConv2d,
     WrongNumbers,
     make_safe,
     matching_bugs,
     run_code,
     run_isolated,
 )
-from channels_last_algo.core.safety.runtime import parse_version
 
 BUGS = {bug.name: bug for bug in KNOWN_BUGS}
 ONEDNN = BUGS['onednn_1x1_strided_weight_grad']
@@ -150,7 +148,7 @@ def test_make_safe_keeps_parameters_state_dict_and_reports(caplog):
     params = [id(p) for p in model.parameters()]
     keys = list(model.state_dict())
     records = make_safe(model, runtimes=[XEON, Runtime((2, 13, 0), 'cuda')])
-    assert [(r.path, r.bug, r.safe_path) for r in records] == [
+    assert [(r.path, r.reason, r.replacement) for r in records] == [
         ('1', ONEDNN.name, 'SubsampledConv2d'),
         ('3', AVG_POOL.name, 'NCHWAvgPool2d'),
     ]

@@ -16,10 +16,10 @@ import torch
 from recipe_runs import RECIPE, TINY, sets  # noqa: E402
 from torch import nn
 
-from channels_last_algo.app import step_memory
-from channels_last_algo.app.recipe_schema import RecipeError
-from channels_last_algo.app.recipes import load_recipe
-from channels_last_algo.app.step_memory import (
+from channels_last_algo.app.recipes import step_memory
+from channels_last_algo.app.recipes.loading import load_recipe
+from channels_last_algo.app.recipes.schema import RecipeError
+from channels_last_algo.app.recipes.step_memory import (
     ALLOCATOR_SLACK,
     REFUSE_ABOVE,
     available_bytes,
@@ -29,7 +29,7 @@ from channels_last_algo.app.step_memory import (
 )
 
 MiB = 2**20
-TINY_NAME = 'channels_last_algo.app.demo:TinyResNet'
+TINY_NAME = 'channels_last_algo.app.runs.demo:TinyResNet'
 
 
 def batch_of(images: int, microbatch) -> list[str]:
@@ -251,7 +251,7 @@ def test_available_memory_is_the_cgroup_limit_where_lower_and_shared_by_the_rank
 
 def test_the_cli_refuses_before_the_run_folder(monkeypatch, tmp_path, capsys):
     pytest.importorskip('composer')
-    from channels_last_algo.app.cli import main
+    from channels_last_algo.app.cli.entry import main
 
     with_memory(monkeypatch, 4 * MiB)
     folder = tmp_path / 'run'
@@ -266,7 +266,7 @@ def test_the_cli_refuses_before_the_run_folder(monkeypatch, tmp_path, capsys):
 
 def test_the_cli_refusal_keeps_the_checkpoints_overwrite_would_delete(monkeypatch, tmp_path, capsys):
     pytest.importorskip('composer')
-    from channels_last_algo.app.cli import main
+    from channels_last_algo.app.cli.entry import main
 
     folder = tmp_path / 'run'
     folder.mkdir()

@@ -16,9 +16,9 @@ from torchvision import transforms
 from torchvision.transforms import functional as F
 from torchvision.transforms import v2
 
-from channels_last_algo.app.batch import empty_nhwc
-from channels_last_algo.app.decode import ArrayImage, EncodedImage
-from channels_last_algo.app.transforms import CropPlan, NHWCCrop, RandomResizedCropFlip, ResizeCenterCrop
+from channels_last_algo.app.data.batch import empty_nhwc
+from channels_last_algo.app.data.decode import ArrayImage, EncodedImage
+from channels_last_algo.app.data.transforms import CropPlan, NHWCCrop, RandomResizedCropFlip, ResizeCenterCrop
 
 # torch's antialiased uint8 bilinear kernel vs Pillow's: never more than one grey level apart. The
 # share of pixels one level apart depends on Pillow: at most 0.041 measured with Pillow 11.3 (torch

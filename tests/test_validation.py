@@ -10,8 +10,9 @@ import torch
 from recipe_runs import RECIPE, TINY, sets
 
 from channels_last_algo import LayoutGuard, apply_channels_last, audit_model
-from channels_last_algo.app.cli import main
-from channels_last_algo.app.recipes import RecipeError, load_recipe
+from channels_last_algo.app.cli.entry import main
+from channels_last_algo.app.recipes.loading import load_recipe
+from channels_last_algo.app.recipes.schema import RecipeError
 
 BAD_VALUES = [
     (

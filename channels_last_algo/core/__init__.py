@@ -3,7 +3,7 @@
 Layout (:mod:`.layout`), the functional conversion (:mod:`.convert`), canonical checkpoints
 (:mod:`.checkpoints`), the repair rules and
 layers (:mod:`.layers`), the layout audit (:mod:`.audit`), auto mode (:mod:`.auto`), what
-parallel wrappers allow (:mod:`.parallel`), the framework-neutral event layer
+parallel wrappers allow (:mod:`.weight_layout`), the framework-neutral event layer
 (:mod:`.guard`), what a user sees of a run (:mod:`.console`), fused inference (:mod:`.fuse`),
 known kernel bugs and the doctor (:mod:`.safety`), and interleaved timing (:mod:`.timing`).
 Integrations and the application import from here; nothing here imports from them.
@@ -21,18 +21,20 @@ from channels_last_algo.core.fuse import (
     export_for_inference,
     fuse_for_inference,
 )
-from channels_last_algo.core.guard import LayoutGuard, batch_to_channels_last
-from channels_last_algo.core.layers import RULES, RepairRecord, RepairRule, repair_model
+from channels_last_algo.core.guard import LayoutGuard
+from channels_last_algo.core.layers import RULES, RepairRule, repair_model
 from channels_last_algo.core.layout import (
     Layout,
+    batch_to_channels_last,
     has_channels_last_strides,
     is_channels_last,
     layout_of,
     to_channels_last,
 )
-from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
 from channels_last_algo.core.safety import KNOWN_BUGS
-from channels_last_algo.core.safety.doctor import DoctorReport, doctor
+from channels_last_algo.core.safety.diagnostics import DoctorReport, doctor
+from channels_last_algo.core.swap import SwapRecord
+from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layout_for
 
 __all__ = [
     'AuditRecord',
@@ -50,8 +52,8 @@ __all__ = [
     'LayoutBreakError',
     'LayoutGuard',
     'RULES',
-    'RepairRecord',
     'RepairRule',
+    'SwapRecord',
     'WeightLayoutPlan',
     'apply_channels_first',
     'apply_channels_last',

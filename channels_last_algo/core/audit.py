@@ -30,8 +30,8 @@ that is a view (an N x C x 1 x 1 tensor after global pooling) is free: it is rec
 recorded with the bytes it copies, as is any copy the backward pass of such a reshape runs;
 neither is counted as a break.
 
-*Fallback copies* (``report.fallbacks``): the copies back into NHWC that the boundary
-fallback (:mod:`channels_last_algo.core.boundary`) makes around a module holding a break
+*Fallback copies* (``report.fallbacks``): the copies back into NHWC that the op repair
+(:mod:`channels_last_algo.core.op_repair`) makes inside a module holding a break
 that no rule repairs, with the bytes they copy; they are not breaks either.
 
 Each record (:mod:`channels_last_algo.core.audit_report`) names the aten op, the module path
@@ -62,7 +62,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, Optional, Union
 
 import torch
@@ -84,7 +86,7 @@ _aten = torch.ops.aten
 _COPY_OPS = frozenset({_aten.clone, _aten._to_copy, _aten.copy_, _aten.copy})
 # Reshapes that can take a 4D/5D tensor to a lower rank without copying.
 _RESHAPE_OPS = frozenset({_aten.view, _aten._unsafe_view, _aten.squeeze})
-# The op of the boundary fallback's copies (channels_last_algo.core.boundary); its second argument names the module.
+# The op of the op repair's copies (channels_last_algo.core.op_repair); its second argument names the module.
 FALLBACK_OP = 'channels_last_algo::restore_channels_last'
 # Key under which the audit stores (module path, is_exit) in an autograd node's metadata.
 _NODE_KEY = 'channels_last_algo.core.audit'
@@ -454,24 +456,31 @@ def audit_model(
     require_input(example_input, 'audit_model')
     require_flags('audit_model', backward=backward, strict=strict)
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)
+    audit = LayoutAudit(model, strict=strict)
+    with _left_as_found(model), torch.set_grad_enabled(backward), audit:
+        output = model(*inputs)
+        if backward:
+            _scalar_loss(output, model).backward()
+    report = audit.report
+    report.notes = _not_channels_last(model, inputs)
+    return report
+
+
+@contextlib.contextmanager
+def _left_as_found(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, every parameter's ``.grad`` is None (backward accumulates in place into an existing
+    one); after, each ``.grad`` is the tensor it was and every buffer has its value back."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     buffers = list(model.buffers())
     buffer_values = [b.detach().clone() for b in buffers]
-    audit = LayoutAudit(model, strict=strict)
     try:
         for p in params:
-            p.grad = None  # backward accumulates in place into an existing .grad
-        with torch.set_grad_enabled(backward), audit:
-            output = model(*inputs)
-            if backward:
-                _scalar_loss(output, model).backward()
+            p.grad = None
+        yield
     finally:
         for p, grad in zip(params, grads):
             p.grad = grad
         with torch.no_grad():
             for b, value in zip(buffers, buffer_values):
                 b.copy_(value)
-    report = audit.report
-    report.notes = _not_channels_last(model, inputs)
-    return report

@@ -183,7 +183,7 @@ class AuditReport:
         if self.exits:
             lines += ['exit conversions (the tensor leaves the conv trunk):'] + _table(self.exits)
         if self.fallbacks:
-            lines += [f'boundary fallback copies ({format_bytes(self.fallback_bytes)}):'] + _table(self.fallbacks)
+            lines += [f'op repair copies ({format_bytes(self.fallback_bytes)}):'] + _table(self.fallbacks)
         if self.outside:
             lines += ['outside the model (the loss, code around the model; not breaks of the model):']
             lines += _table(self.outside)

@@ -148,6 +148,87 @@ class _Snapshot:
         np.random.set_state(numpy_rng)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """What bounds the timing and what the evidence decides: rounds, time, the tie band."""
+
+    warmup: int
+    max_rounds: int
+    max_seconds: float
+    margin: float
+    confidence: float
+
+    def __post_init__(self) -> None:
+        if self.max_rounds < 1 or self.warmup < 0 or not 0 <= self.margin < 1 or not 0 < self.confidence < 1:
+            raise ValueError(
+                f'need max_rounds >= 1, warmup >= 0, 0 <= margin < 1 and 0 < confidence < 1; got '
+                f'max_rounds={self.max_rounds}, warmup={self.warmup}, margin={self.margin}, '
+                f'confidence={self.confidence}'
+            )
+
+    def verdict(self, timings: Timings) -> str:
+        """Channels last against NCHW: ``'faster'``, ``'slower'``, ``'tie'`` or ``'unclear'``."""
+        return timings.ratio(_FIRST, _LAST, self.confidence).verdict(self.margin)
+
+    def decided(self, timings: Timings) -> bool:
+        return self.verdict(timings) != 'unclear'
+
+    def decision(self, timings: Timings, cost_seconds: float) -> LayoutDecision:
+        """The decision ``timings`` are evidence for; NCHW only when channels last is slower."""
+        verdict = self.verdict(timings)
+        stopped_by = {'stop': 'evidence', 'rounds': 'max_rounds'}.get(timings.stopped_by, timings.stopped_by)
+        return LayoutDecision(
+            channels_last=verdict != 'slower',
+            tie=verdict in ('tie', 'unclear'),
+            interval=timings.ratio(_FIRST, _LAST, self.confidence).interval,
+            nchw_seconds=timings.seconds[_FIRST],
+            channels_last_seconds=timings.seconds[_LAST],
+            margin=self.margin,
+            confidence=self.confidence,
+            stopped_by=stopped_by,
+            cost_seconds=cost_seconds,
+        )
+
+
+class _Trials:
+    """The trial steps of one decision: the model restrided between the layouts, the clock read
+    after a CUDA device's queue drains, and everything a trial touches put back."""
+
+    def __init__(self, model: torch.nn.Module, optimizers: Optimizers, timer: Callable[[], float]) -> None:
+        self.model, self.optimizers, self.timer = model, optimizers, timer
+        self.sync = synchronizer(next((p.device for p in model.parameters()), torch.device('cpu')))
+
+    def now(self) -> float:
+        if self.sync is not None:
+            self.sync()
+        return self.timer()
+
+    def prepare(self, layout: str) -> None:
+        """Drop the gradients and restride the model (and its optimizer state) to ``layout``."""
+        for p in self.model.parameters():
+            p.grad = None
+        restride(self.model, layout == _LAST, self.optimizers)
+
+    def time(self, run_step: Callable[[bool], Any], rule: _Rule) -> Timings:
+        """Both layouts timed until ``rule`` stops; the model left in the layout kept, as it was otherwise."""
+        snapshot = _Snapshot.take(self.model)
+        try:
+            timings = time_interleaved(
+                {_FIRST: lambda: run_step(False), _LAST: lambda: run_step(True)},
+                rounds=rule.max_rounds,
+                warmup=rule.warmup,
+                prepare=self.prepare,
+                synchronize=self.sync,
+                stop=rule.decided,
+                max_seconds=rule.max_seconds,
+                timer=self.timer,
+            )
+            self.prepare(_FIRST if rule.verdict(timings) == 'slower' else _LAST)
+        finally:
+            snapshot.restore(self.model)
+        return timings
+
+
 def decide_layout(
     model: torch.nn.Module,
     run_step: Callable[[bool], Any],
@@ -160,18 +241,17 @@ def decide_layout(
     confidence: float = 0.95,
     timer: Callable[[], float] = time.perf_counter,
 ) -> LayoutDecision:
-    """Time ``run_step(channels_last)`` in both layouts until the evidence decides, and leave
-    ``model`` in the layout kept.
+    """Time ``run_step(channels_last)`` in both layouts until the evidence decides; leave ``model`` in the layout kept.
 
     Args:
         model: the model; restrided in place between trials and left in the chosen layout.
-        run_step: runs one forward + loss + backward with the input in channels last when
-            its argument is True, NCHW otherwise. It must not step the optimizer.
+        run_step: runs one forward + loss + backward with the input in channels last when its argument is
+            True, NCHW otherwise. It must not step the optimizer.
         optimizers: optimizers whose state is restrided with the parameters.
         warmup: untimed rounds first (allocator, oneDNN/cuDNN algorithm choice).
         max_rounds: paired rounds at most (at 95% confidence, 6 are needed for an interval).
-        max_seconds: no new round starts after this much time (one round is always taken),
-            so deciding costs a bounded time: at most this plus one round.
+        max_seconds: no new round starts after this much time (one round is always taken), so deciding
+            costs a bounded time: at most this plus one round.
         margin: speedups within ``[1 / (1 + margin), 1 + margin]`` are a tie.
         confidence: the coverage of the interval of the median per-round speedup.
         timer: the clock; a CUDA model is synchronised before each reading.
@@ -179,55 +259,8 @@ def decide_layout(
     Returns:
         The :class:`LayoutDecision`; the model is left in its layout and otherwise as before.
     """
-    if max_rounds < 1 or warmup < 0 or not 0 <= margin < 1 or not 0 < confidence < 1:
-        raise ValueError(
-            f'need max_rounds >= 1, warmup >= 0, 0 <= margin < 1 and 0 < confidence < 1; got '
-            f'max_rounds={max_rounds}, warmup={warmup}, margin={margin}, confidence={confidence}'
-        )
-    device = next((p.device for p in model.parameters()), torch.device('cpu'))
-
-    def prepare(layout: str) -> None:
-        for p in model.parameters():
-            p.grad = None
-        restride(model, layout == _LAST, optimizers)
-
-    def decided(timings: Timings) -> bool:
-        return timings.ratio(_FIRST, _LAST, confidence).verdict(margin) != 'unclear'
-
-    sync = synchronizer(device)
-
-    def now() -> float:
-        if sync is not None:
-            sync()
-        return timer()
-
-    begin = now()
-    snapshot = _Snapshot.take(model)
-    try:
-        timings = time_interleaved(
-            {_FIRST: lambda: run_step(False), _LAST: lambda: run_step(True)},
-            rounds=max_rounds,
-            warmup=warmup,
-            prepare=prepare,
-            synchronize=sync,
-            stop=decided,
-            max_seconds=max_seconds,
-            timer=timer,
-        )
-        ratio = timings.ratio(_FIRST, _LAST, confidence)
-        verdict = ratio.verdict(margin)
-        prepare(_FIRST if verdict == 'slower' else _LAST)
-    finally:
-        snapshot.restore(model)
-    stopped_by = {'stop': 'evidence', 'rounds': 'max_rounds'}.get(timings.stopped_by, timings.stopped_by)
-    return LayoutDecision(
-        channels_last=verdict != 'slower',
-        tie=verdict in ('tie', 'unclear'),
-        interval=ratio.interval,
-        nchw_seconds=timings.seconds[_FIRST],
-        channels_last_seconds=timings.seconds[_LAST],
-        margin=margin,
-        confidence=confidence,
-        stopped_by=stopped_by,
-        cost_seconds=now() - begin,
-    )
+    rule = _Rule(warmup, max_rounds, max_seconds, margin, confidence)  # ValueError on bounds out of range
+    trials = _Trials(model, optimizers, timer)
+    begin = trials.now()
+    timings = trials.time(run_step, rule)
+    return rule.decision(timings, cost_seconds=trials.now() - begin)

@@ -5,9 +5,10 @@ hyperparameters for a trainer's loggers. :func:`start_block` says, when training
 the conversion did (tensors restrided, layers repaired and by which rule, kernel safe paths),
 the weight layout the parallel setting allows and auto mode's decision with its evidence;
 :func:`audit_block`, after the last audited step, the layout breaks left in the model by module
-and op, with their bytes; :func:`timing_line` is auto mode's word before it measures. The
-integrations only choose when and where to print them: Composer's console, Lightning's
-``rank_zero_info``, a plain loop's log (:class:`~channels_last_algo.core.guard.LayoutGuard`).
+and op, with their bytes; :func:`timing_line` is auto mode's word before it measures;
+:func:`step_metrics` the metrics of an audited step. The integrations only choose when and
+where to print them: Composer's console, Lightning's ``rank_zero_info``, a plain loop's log
+(:class:`~channels_last_algo.core.guard.LayoutGuard`).
 
 Example:
     >>> from channels_last_algo.core.audit_report import AuditRecord, AuditReport
@@ -28,10 +29,10 @@ from typing import Any, Optional
 from channels_last_algo.core.audit_report import AuditRecord, AuditReport, format_bytes
 from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.convert import ConversionSummary
-from channels_last_algo.core.layers import RepairRecord
-from channels_last_algo.core.parallel import WeightLayoutPlan
+from channels_last_algo.core.swap import SwapRecord
+from channels_last_algo.core.weight_layout import WeightLayoutPlan
 
-__all__ = ['ConsoleBlock', 'audit_block', 'start_block', 'timing_line']
+__all__ = ['ConsoleBlock', 'audit_block', 'start_block', 'step_metrics', 'timing_line']
 
 _TITLE = 'channels last'
 _SHOWN = 10  # rows of breaks at most in the audit block; the report holds all
@@ -118,8 +119,8 @@ def start_block(
     """What the run starts with: conversion, weight layout, repairs, safe paths, auto's decision.
 
     Example:
-        >>> from channels_last_algo.core.layers import RepairRecord
-        >>> pool = RepairRecord('2', 'torch.nn.AdaptiveAvgPool2d', 'global_avg_pool')
+        >>> from channels_last_algo.core.swap import SwapRecord
+        >>> pool = SwapRecord('2', 'repair', 'global_avg_pool', 'torch.nn.AdaptiveAvgPool2d', 'ChannelsLastPool')
         >>> summary = ConversionSummary(converted=['0.weight', '3.weight'], repaired=[pool])
         >>> block = start_block('Net', summary, WeightLayoutPlan(False, 'one process'), audit_steps=2)
         >>> print(block)
@@ -130,10 +131,20 @@ def start_block(
         >>> block.hyperparameters['channels_last/repair_rules']
         'global_avg_pool'
     """
-    repaired = _grouped((r.rule, r.path) for r in summary.repaired)
-    safe = _grouped((f'{s.bug} -> {s.safe_path.rpartition(".")[2]}', s.path) for s in summary.made_safe)
+    repaired = _grouped((r.reason, r.path) for r in summary.repaired)
     lines = [
         f'{_TITLE}: {model}: {plan}',
+        *_conversion_rows(summary, repaired),
+        *_run_rows(mode, decision, audit_steps),
+    ]
+    params = _start_hyperparameters(summary, plan, mode, audit_steps, repaired)
+    return ConsoleBlock(tuple(lines), params | (_decision_hyperparameters(decision) if decision else {}))
+
+
+def _conversion_rows(summary: ConversionSummary, repaired: dict[str, list[str]]) -> list[str]:
+    """What the conversion did: tensors restrided, layers repaired (by rule), kernel safe paths."""
+    safe = _grouped((f'{s.reason} -> {s.replacement}', s.path) for s in summary.made_safe)
+    rows = [
         _row(
             'restrided',
             f'{_count(len(summary.converted), "tensor")} to {summary.layout} ({len(summary.unchanged)} already, '
@@ -142,13 +153,25 @@ def start_block(
         _row('repaired', f'{_count(len(summary.repaired), "layer")}: {_named(repaired)}' if repaired else 'none'),
     ]
     if safe:
-        lines.append(_row('safe paths', f'{_count(len(summary.made_safe), "layer")}: {_named(safe)}'))
+        rows.append(_row('safe paths', f'{_count(len(summary.made_safe), "layer")}: {_named(safe)}'))
+    return rows
+
+
+def _run_rows(mode: str, decision: Optional[LayoutDecision], audit_steps: int) -> list[str]:
+    """What the run does next: auto mode's decision, the audit of the first training steps."""
+    rows = []
     if mode == 'auto':
-        lines.append(_row('auto', _evidence(decision) if decision else 'not measured: channels last'))
+        rows.append(_row('auto', _evidence(decision) if decision else 'not measured: channels last'))
     if audit_steps:
         steps = 'training step' if audit_steps == 1 else f'{audit_steps} training steps'
-        lines.append(_row('audit', f'the first {steps}; the breaks left are shown after them'))
-    params = {
+        rows.append(_row('audit', f'the first {steps}; the breaks left are shown after them'))
+    return rows
+
+
+def _start_hyperparameters(
+    summary: ConversionSummary, plan: WeightLayoutPlan, mode: str, audit_steps: int, repaired: dict[str, list[str]]
+) -> dict[str, Any]:
+    return {
         'channels_last/mode': mode,
         'channels_last/weight_layout': plan.memory_format.value,
         'channels_last/restrided_tensors': len(summary.converted),
@@ -158,7 +181,6 @@ def start_block(
         'channels_last/safe_paths': len(summary.made_safe),
         'channels_last/audit_steps': audit_steps,
     }
-    return ConsoleBlock(tuple(lines), params | (_decision_hyperparameters(decision) if decision else {}))
 
 
 def _rows(records: list[AuditRecord]) -> list[str]:
@@ -179,9 +201,9 @@ def _rows(records: list[AuditRecord]) -> list[str]:
     return rows
 
 
-def audit_block(report: AuditReport, boundaries: Sequence[RepairRecord] = ()) -> ConsoleBlock:
+def audit_block(report: AuditReport, op_repairs: Sequence[SwapRecord] = ()) -> ConsoleBlock:
     """The layout breaks the audited steps left in the model, by module path and op, with bytes,
-    and the modules where the boundary fallback restores NHWC (``boundaries``).
+    and the modules whose ops the op repair keeps NHWC (``op_repairs``).
 
     Example:
         >>> loss = AuditRecord('aten._log_softmax.default', None, 'forward', (2, 3, 8, 8), 1536, 'NHWC->NCHW')
@@ -200,10 +222,10 @@ def audit_block(report: AuditReport, boundaries: Sequence[RepairRecord] = ()) ->
     )
     lines = [f'{_TITLE}: layout audit of {steps}: {found}', *_rows(report.breaks)]
     lines += [f'  not a channels-last run: {note}' for note in report.notes]
-    if boundaries:
-        where = _named({'NHWC restored': [b.path for b in boundaries]})
+    if op_repairs:
+        where = _named({'NHWC kept': [r.path or '(root)' for r in op_repairs]})
         copies = f', copies {format_bytes(report.fallback_bytes)}' if report.fallbacks else ''
-        lines.append(f'  boundary fallback: {where}{copies}')
+        lines.append(f'  op repair: {where}{copies}')
     if report.outside:
         ops = sorted({f'{r.op} ({r.phase})' for r in report.outside})
         outside_bytes = format_bytes(sum(r.nbytes for r in report.outside))
@@ -226,3 +248,17 @@ def timing_line(max_rounds: int, max_seconds: float) -> str:
         'auto layout: timing channels first (NCHW) against channels last on the first training batch, '
         f'at most {max_rounds} rounds or {max_seconds:g} s ...'
     )
+
+
+def step_metrics(step_report: AuditReport) -> dict[str, int]:
+    """The ``channels_last/...`` metrics of one audited training step, for a trainer's loggers.
+
+    Example:
+        >>> step_metrics(AuditReport(steps=1))
+        {'channels_last/layout_breaks': 0, 'channels_last/break_bytes': 0, 'channels_last/exit_bytes': 0}
+    """
+    return {
+        'channels_last/layout_breaks': len(step_report.breaks),
+        'channels_last/break_bytes': step_report.break_bytes,
+        'channels_last/exit_bytes': step_report.exit_bytes,
+    }

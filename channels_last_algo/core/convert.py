@@ -8,6 +8,13 @@ optimizer built before stays valid), their gradients and any optimizer state sha
 them are restrided too, and the ``state_dict`` keys do not change. Ambiguous shapes (1x1 and
 depthwise kernels, ``in_channels=1``) get real channels-last strides.
 
+The ``state_dict`` afterwards: the same keys, shapes and values, and, as after PyTorch's own
+``model.to(memory_format=torch.channels_last)``, its 4D/5D entries alias the model's tensors
+and so have NHWC strides (EMA code updates models through those aliases). Save
+``canonical_state(model.state_dict())`` (:mod:`~channels_last_algo.core.checkpoints`) for a
+file that holds NCHW-contiguous tensors, as the Composer algorithm, the Lightning callback and
+``channels-last train`` do; ``load_state_dict`` of either kind keeps the model channels last.
+
 Example:
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Conv3d(8, 4, 1))
@@ -34,10 +41,11 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from channels_last_algo.core.arguments import require_flags, require_module, require_optimizers
-from channels_last_algo.core.layers import RepairRecord, repair_model
+from channels_last_algo.core.layers import repair_model
 from channels_last_algo.core.layout import channels_last_format, to_channels_first, to_channels_last
-from channels_last_algo.core.parallel import weight_layout_for
-from channels_last_algo.core.safety.bugs import SafePathRecord, make_safe
+from channels_last_algo.core.safety.bugs import make_safe
+from channels_last_algo.core.swap import SwapRecord
+from channels_last_algo.core.weight_layout import weight_layout_for
 
 __all__ = ['ConversionSummary', 'apply_channels_first', 'apply_channels_last', 'restride']
 
@@ -54,8 +62,9 @@ class ConversionSummary:
         unchanged: names of the 4D/5D tensors that already had that layout.
         optimizer_states: how many optimizer state tensors were restrided with their parameter.
         uninitialized: names of lazy-module parameters that have no shape yet and were skipped.
-        repaired: the layers swapped for NHWC-preserving ones (``repair=True``).
-        made_safe: the layers routed around a known layout kernel bug (``kernel_safety=True``).
+        repaired: the layers swapped for NHWC-preserving ones (``repair=True``; kind ``'repair'``).
+        made_safe: the layers routed around a known layout kernel bug (``kernel_safety=True``;
+            kind ``'safe_path'``).
     """
 
     layout: str = 'channels last'
@@ -63,8 +72,8 @@ class ConversionSummary:
     unchanged: list[str] = dataclasses.field(default_factory=list)
     optimizer_states: int = 0
     uninitialized: list[str] = dataclasses.field(default_factory=list)
-    repaired: list[RepairRecord] = dataclasses.field(default_factory=list)
-    made_safe: list[SafePathRecord] = dataclasses.field(default_factory=list)
+    repaired: list[SwapRecord] = dataclasses.field(default_factory=list)
+    made_safe: list[SwapRecord] = dataclasses.field(default_factory=list)
 
     @property
     def tensors(self) -> int:
@@ -142,7 +151,8 @@ def apply_channels_last(
     repair: bool = True,
     kernel_safety: bool = True,
 ) -> ConversionSummary:
-    """Restride ``model``'s 4D/5D parameters, buffers and gradients to channels last in place.
+    """Restride ``model``'s 4D/5D parameters, buffers and gradients to channels last in place
+    (its ``state_dict`` afterwards: see the module's docstring).
 
     Args:
         model: the model to convert. Modified in place and also left usable by any optimizer
@@ -162,13 +172,6 @@ def apply_channels_last(
         A :class:`ConversionSummary`. A model with no 4D/5D tensor is left alone with a
         warning, since channels last can do nothing for it.
 
-    The ``state_dict`` afterwards: the same keys, shapes and values, and, as after PyTorch's own
-    ``model.to(memory_format=torch.channels_last)``, its 4D/5D entries alias the model's tensors
-    and so have NHWC strides (EMA code updates models through those aliases). Save
-    ``canonical_state(model.state_dict())`` (:mod:`~channels_last_algo.core.checkpoints`) for a
-    file that holds NCHW-contiguous tensors, as the Composer algorithm, the Lightning callback and
-    ``channels-last train`` do; ``load_state_dict`` of either kind keeps the model channels last.
-
     Raises:
         ValueError: ``model`` is already wrapped in ``DistributedDataParallel`` (convert the
             bare model, then wrap it), as :class:`~channels_last_algo.core.guard.LayoutGuard` refuses it.
@@ -178,26 +181,30 @@ def apply_channels_last(
     require_optimizers(optimizers, 'apply_channels_last')
     weight_layout_for(model)  # raises on a model already wrapped in DistributedDataParallel
     summary = _restride_model(model, to_channels_last, 'channels last', optimizers)
-    if kernel_safety:
-        summary.made_safe = make_safe(model)
-    if repair:
-        summary.repaired = repair_model(model)
+    summary.made_safe = make_safe(model) if kernel_safety else []
+    summary.repaired = repair_model(model) if repair else []
+    _report_conversion(model, summary)
+    return summary
+
+
+def _report_conversion(model: torch.nn.Module, summary: ConversionSummary) -> None:
+    """Warn where channels last could not act on every tensor (lazy parameters, or none at
+    all); log the summary otherwise. Warnings point at the caller of ``apply_channels_last``."""
     if summary.uninitialized:
         warnings.warn(
             f'{type(model).__name__} has uninitialized lazy parameters {summary.uninitialized}, '
             'which were left as they are; run one forward pass to initialize them, then call '
             'apply_channels_last again.',
-            stacklevel=2,
+            stacklevel=3,
         )
     elif summary.tensors == 0:
         warnings.warn(
             f'{type(model).__name__} has no 4D or 5D parameter or buffer (no Conv2d/Conv3d), '
             'so channels last cannot change anything; the model was left as it is.',
-            stacklevel=2,
+            stacklevel=3,
         )
     else:
         log.info('%s: %s', type(model).__name__, summary)
-    return summary
 
 
 def apply_channels_first(

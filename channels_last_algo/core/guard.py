@@ -3,8 +3,11 @@
 :class:`LayoutGuard` holds the work of each event: convert the model once (``on_init``), put
 every batch in NHWC (``on_batch``), audit the first training steps (``on_step_start``,
 ``on_step_end``, or the ``step()`` context manager), and in auto mode settle the layout from
-timed trial steps (``decide``). The Composer algorithm drives it from Trainer events; a
-plain PyTorch loop calls it directly.
+timed trial steps (``decide``). What every trainer adapter needs is written here once: the
+settle sequence across ranks and resumes (``settle``), the audit's metrics (``end_step``), the
+fused evaluation passes (``fuse_eval``) and the mode acted in (``effective_mode``); the Composer
+algorithm and the Lightning callback only map their trainer's events onto these calls, and a
+plain PyTorch loop calls them directly.
 
 Example:
     >>> import torch
@@ -19,31 +22,30 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from channels_last_algo.core.arguments import require_module, require_optimizers
 from channels_last_algo.core.audit import AuditReport, LayoutAudit, LayoutBreakError
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
-from channels_last_algo.core.boundary import prune_boundaries, repair_breaks
-from channels_last_algo.core.console import ConsoleBlock, audit_block, start_block, timing_line
+from channels_last_algo.core.console import ConsoleBlock, audit_block, start_block, step_metrics, timing_line
 from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last, restride
-from channels_last_algo.core.inputs import Inputs, InputSelection, check_inputs
-from channels_last_algo.core.layers import RepairRecord
+from channels_last_algo.core.fuse import FusedEvaluation
+from channels_last_algo.core.inputs import Inputs, InputSelection
 from channels_last_algo.core.layout import to_channels_first, to_channels_last
-from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
+from channels_last_algo.core.op_repair import prune_op_repairs, repair_ops
+from channels_last_algo.core.options import check_options
+from channels_last_algo.core.swap import SwapRecord
+from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layout_for
 
-__all__ = ['MODES', 'OPTIONS', 'LayoutGuard', 'batch_to_channels_first', 'batch_to_channels_last', 'check_options']
+__all__ = ['LayoutGuard', 'StepLogs', 'Trial']
 
-MODES = ('on', 'off', 'auto')
 Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
-
-Batch = TypeVar('Batch')
 
 log = logging.getLogger(__name__)
 
@@ -53,63 +55,22 @@ _DECIDE_DEFAULTS = {
 }
 
 
-def _is_bool(value: Any) -> bool:
-    return isinstance(value, bool)
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """What auto mode times (:meth:`LayoutGuard.settle`): ``draw()`` gives the first training batch
+    as a step gets it (called on rank 0 only), ``loss_fn(model, batch)`` a training step's loss."""
+
+    draw: Callable[[], Any]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
 
 
-# The options of LayoutGuard and of every trainer integration built on it: name -> (valid, what is expected).
-OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    'mode': (lambda value: isinstance(value, str) and value in MODES, f'one of {", ".join(repr(m) for m in MODES)}'),
-    'audit_steps': (
-        lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0,
-        'an int >= 0 (0 turns the audit off)',
-    ),
-    'strict': (_is_bool, 'True or False'),
-    'repair': (_is_bool, 'True or False'),
-    'fuse_eval': (_is_bool, 'True or False'),
-    'inputs': (
-        check_inputs,
-        "'auto' (the batch tensors fed to a convolution), 'all', a list of batch keys / positions, or a predicate",
-    ),
-}
+class StepLogs(NamedTuple):
+    """What a trainer logs after a training step (:meth:`LayoutGuard.end_step`): an audited step's
+    metrics (:func:`~channels_last_algo.core.console.step_metrics`), and after the last audited step
+    :attr:`LayoutGuard.audit_block`'s hyperparameters; empty where there are none."""
 
-
-def check_options(**options: Any) -> None:
-    """Raise ``ValueError`` naming the first option (of :data:`OPTIONS`) whose value is invalid.
-
-    The one check behind :class:`LayoutGuard` and the trainer integrations' constructors, so a
-    string where a bool belongs is refused instead of read as truthy.
-
-    Example:
-        >>> check_options(mode='auto', strict=False)
-        >>> check_options(strict='no')
-        Traceback (most recent call last):
-        ...
-        ValueError: strict must be True or False, got 'no'
-    """
-    for name, value in options.items():
-        valid, expected = OPTIONS[name]
-        if not valid(value):
-            raise ValueError(f'{name} must be {expected}, got {value!r}')
-
-
-def batch_to_channels_last(batch: Batch) -> Batch:
-    """Every 4D/5D tensor in ``batch`` (a tensor, or tuples, lists, dicts and namedtuples of
-    them) restrided to channels last; tensors that already are, and all other values, are
-    passed through untouched, without a copy.
-
-    Example:
-        >>> x = torch.randn(2, 3, 8, 8)
-        >>> out = batch_to_channels_last({'image': x, 'label': torch.tensor([0, 1])})
-        >>> out['image'].stride()
-        (192, 1, 24, 3)
-    """
-    return tree_map_only(torch.Tensor, to_channels_last, batch)
-
-
-def batch_to_channels_first(batch: Batch) -> Batch:
-    """Every 4D/5D tensor in ``batch`` restrided to NCHW / NCDHW (see :func:`batch_to_channels_last`)."""
-    return tree_map_only(torch.Tensor, to_channels_first, batch)
+    metrics: dict[str, int]
+    hyperparameters: dict[str, Any]
 
 
 class LayoutGuard:
@@ -123,7 +84,8 @@ class LayoutGuard:
     Args:
         mode: ``'on'`` (channels last), ``'off'`` (leave the model and batches as they are), or
             ``'auto'``: channels last until :meth:`decide` has timed both layouts on a real
-            batch, then whichever is faster (see :mod:`channels_last_algo.core.auto`).
+            batch, then whichever is faster (see :mod:`channels_last_algo.core.auto`). :attr:`mode`
+            keeps what was asked; :attr:`effective_mode` is the mode the guard acts in.
         audit_steps: audit the layouts of the first ``audit_steps`` training steps (forward,
             loss, backward) with :class:`~channels_last_algo.core.audit.LayoutAudit`. 0 installs
             nothing: no overhead.
@@ -131,14 +93,17 @@ class LayoutGuard:
             break's module path and op, at the end of an audited step that had a break.
         repair: swap the layers that drop NHWC for NHWC-preserving ones at :meth:`on_init`
             (see :mod:`channels_last_algo.core.layers`); same parameters, keys and numbers. With
-            an audit, also restore NHWC at the boundary of each module where the first audited
-            step with breaks found one that no rule removed (listed in :attr:`boundaries`; see
-            :mod:`channels_last_algo.core.boundary`), and take it off again where the next
-            audited step shows it copied nothing, or everywhere if the breaks did not go down.
+            an audit, also keep NHWC through the ops of each module where the first audited step
+            with breaks found one that no rule removed (listed in :attr:`op_repairs`; see
+            :mod:`channels_last_algo.core.op_repair`), and take it off again where the next
+            audited step shows it changed nothing or its breaks did not go down.
         inputs: which 4D/5D tensors of a batch go NHWC (:mod:`channels_last_algo.core.inputs`):
             ``'auto'`` (default) the ones the model feeds to a convolution, found on the first
             batch of each structure (which passes as it came) and logged; ``'all'``; a list of
             keys / positions (``['image']``, ``[0]``); or a predicate ``fn(path, tensor)``.
+        fuse_eval: evaluate on a fused inference copy of the network
+            (:func:`~channels_last_algo.core.fuse.fuse_for_inference`) from each pass's first batch
+            to its end (:meth:`start_evaluation`, :meth:`fuse_evaluation`, :meth:`end_evaluation`).
 
     What a user should see (:mod:`channels_last_algo.core.console`): :attr:`start_block` (the
     conversion, repairs, weight layout and auto mode's decision), shown once at the first training
@@ -158,10 +123,20 @@ class LayoutGuard:
     """
 
     def __init__(
-        self, mode: str = 'on', audit_steps: int = 0, strict: bool = False, repair: bool = True, inputs: Inputs = 'auto'
+        self,
+        mode: str = 'on',
+        audit_steps: int = 0,
+        strict: bool = False,
+        repair: bool = True,
+        inputs: Inputs = 'auto',
+        fuse_eval: bool = False,
     ) -> None:
-        check_options(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs)
-        self.mode = mode
+        check_options(
+            fuse_eval=fuse_eval, mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs
+        )
+        self.mode = mode  # as asked; effective_mode is the one acted on
+        self._effective_mode = mode
+        self.fuse_eval = fuse_eval
         self.inputs = InputSelection(inputs)
         self._conv_channels: set[int] = set()  # in_channels of the model's convolutions
         self.repair = repair
@@ -171,18 +146,36 @@ class LayoutGuard:
         self.decision: Optional[LayoutDecision] = None
         self.weight_layout: Optional[WeightLayoutPlan] = None
         self._audit: Optional[LayoutAudit] = None
-        self.boundaries: list[RepairRecord] = []  # the boundary fallbacks in place
+        self.op_repairs: list[SwapRecord] = []  # the op repairs in place
         self._fallback_found: Optional[AuditReport] = None  # the audit that placed them
         self.console: Optional[Callable[[str], None]] = None  # an integration's console; None: the log
         self._model_name = ''
         self._start_shown = False
+        self._resumed: Optional[LayoutDecision] = None  # the decision of the checkpoint a run resumed from
+        self._fused: Optional[FusedEvaluation] = None  # fuse_eval's swap, made at the first fused pass
+        self._fuse_pending = False  # an evaluation pass began; fuse before its first batch
+
+    def __repr__(self) -> str:
+        """The options as asked (``mode='auto'`` stays ``'auto'``); defaults after ``strict`` left out."""
+        return (
+            f'{type(self).__name__}(mode={self.mode!r}, audit_steps={self.audit_steps}, '
+            f'strict={self.strict}{", fuse_eval=True" if self.fuse_eval else ""}'
+            f'{"" if self.repair else ", repair=False"}'
+            f'{"" if self.inputs.inputs == "auto" else f", inputs={self.inputs!r}"})'
+        )
+
+    @property
+    def effective_mode(self) -> str:
+        """The mode the guard acts in: :attr:`mode`, except that ``'auto'`` acts as ``'on'`` once
+        :meth:`on_init` found weights that must stay contiguous (no channels-last weights to time)."""
+        return self._effective_mode
 
     @property
     def channels_last(self) -> bool:
         """Whether the model and batches are channels last now (in auto mode: until decided, yes)."""
-        if self.mode == 'auto':
+        if self.effective_mode == 'auto':
             return self.decision is None or self.decision.channels_last
-        return self.mode == 'on'
+        return self.effective_mode == 'on'
 
     @property
     def report(self) -> Optional[AuditReport]:
@@ -199,7 +192,7 @@ class LayoutGuard:
         if self.summary is None:
             return None
         return start_block(
-            self._model_name, self.summary, self.weight_layout, self.mode, self.decision, self.audit_steps
+            self._model_name, self.summary, self.weight_layout, self.effective_mode, self.decision, self.audit_steps
         )
 
     @property
@@ -209,7 +202,7 @@ class LayoutGuard:
         report = self.report
         if report is None or report.steps < self.audit_steps:
             return None
-        return audit_block(report, self.boundaries)
+        return audit_block(report, self.op_repairs)
 
     def show_start(self) -> None:
         """Show :attr:`start_block` on :attr:`console` (or log it), once; nothing before :meth:`on_init`."""
@@ -236,10 +229,10 @@ class LayoutGuard:
         nothing in mode ``'off'`` (returns None).
 
         ``weight_layout`` is what the distributed setting allows (see
-        :func:`~channels_last_algo.core.parallel.weight_layout_for`; by default it is read from the
+        :func:`~channels_last_algo.core.weight_layout.weight_layout_for`; by default it is read from the
         model, which must not be wrapped in DDP yet). Where it asks for contiguous weights (FSDP,
         tensor parallelism) the weights stay contiguous, restrided back if they are not and not
-        yet sharded, only the batches go NHWC, and auto mode becomes ``'on'``.
+        yet sharded, only the batches go NHWC, and auto mode acts as ``'on'`` (:attr:`effective_mode`).
         """
         require_module(model, 'LayoutGuard.on_init')
         require_optimizers(optimizers, 'LayoutGuard.on_init')
@@ -250,26 +243,22 @@ class LayoutGuard:
         if not self.weight_layout.contiguous:
             self.summary = apply_channels_last(model, optimizers=optimizers, repair=self.repair)  # logs it
         else:
-            auto = self.mode == 'auto'
-            self.mode = 'on'
-            log.info(
-                '%s: %s%s',
-                self._model_name,
-                self.weight_layout,
-                "; auto mode would time channels-last weights, which sharding does not allow: mode 'on'"
-                if auto
-                else '',
-            )
-            self.summary = (
-                ConversionSummary(layout='channels first')
-                if self.weight_layout.sharded
-                else apply_channels_first(model, optimizers=optimizers)
-            )
+            self.summary = self._keep_weights_contiguous(model, optimizers)
         self._audit = LayoutAudit(model) if self.audit_steps else None
         if self.inputs.inputs == 'auto':
             convolutions = (torch.nn.modules.conv._ConvNd,)
             self._conv_channels = {m.in_channels for m in model.modules() if isinstance(m, convolutions)}
         return self.summary
+
+    def _keep_weights_contiguous(self, model: torch.nn.Module, optimizers: Optimizers) -> ConversionSummary:
+        """Where the weight layout asks for contiguous weights: restride them back unless already
+        sharded, and act in mode ``'on'`` where auto mode was asked for (logged)."""
+        refused = "; auto mode would time channels-last weights, which sharding does not allow: mode 'on'"
+        log.info('%s: %s%s', self._model_name, self.weight_layout, refused if self.effective_mode == 'auto' else '')
+        self._effective_mode = 'on'
+        if self.weight_layout.sharded:
+            return ConversionSummary(layout='channels first')
+        return apply_channels_first(model, optimizers=optimizers)
 
     def decide(
         self,
@@ -286,8 +275,8 @@ class LayoutGuard:
         ``max_seconds``, ``margin``, ...). The model is left in the chosen layout and otherwise untouched; later batches
         follow it. One line before the timing names its bounds, one after gives the decision and its evidence.
         """
-        if self.mode != 'auto':
-            raise RuntimeError(f"decide() is for mode='auto'; this guard's mode is {self.mode!r}")
+        if self.effective_mode != 'auto':
+            raise RuntimeError(f"decide() is for mode='auto'; this guard's mode is {self.effective_mode!r}")
 
         def run_step(channels_last: bool) -> None:
             if not self.inputs.known(batch):  # the first (warm-up) step finds the images
@@ -311,6 +300,42 @@ class LayoutGuard:
         """Put ``model`` in the layout of a decision made before (on resume, or on rank 0)."""
         self.decision = decision
         restride(model, decision.channels_last, optimizers)
+
+    def settle(
+        self,
+        model: torch.nn.Module,
+        trial: Callable[[], Optional[Trial]],
+        optimizers: Optimizers = None,
+        rank: int = 0,
+        world_size: int = 1,
+        broadcast: Optional[Callable[[Any], Any]] = None,
+    ) -> None:
+        """Auto mode's layout, settled alike under every trainer: a resumed run's decision
+        (:meth:`load_state_dict`) is applied without measuring; else ``trial()`` (called on every rank)
+        gives the step to time, or None where there is none (yet); rank 0 times it (:meth:`decide`) and,
+        where ``world_size`` > 1, every rank takes the layout ``broadcast(obj)`` sends from rank 0."""
+        if self.effective_mode != 'auto':
+            return
+        if self._resumed is not None:
+            self.apply_decision(model, self._resumed, optimizers)
+            log.info('auto layout: resumed with %s, decided in the checkpointed run', self._resumed.layout)
+            return
+        timed = trial()
+        if timed is None:
+            return
+        decision = self.decide(model, timed.draw(), timed.loss_fn, optimizers) if rank == 0 else None
+        if world_size > 1:  # rank 0 decided; every rank takes its layout
+            decision = LayoutDecision.from_dict(broadcast(None if decision is None else decision.to_dict()))
+            self.apply_decision(model, decision, optimizers)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the guard: auto mode's decision (None before one)."""
+        return {'decision': None if self.decision is None else self.decision.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a checkpointed run's decision, which :meth:`settle` then applies instead of measuring."""
+        if state.get('decision') is not None:
+            self._resumed = LayoutDecision.from_dict(state['decision'])
 
     def after_load(self, model: torch.nn.Module, optimizers: Optimizers = None) -> None:
         """After a checkpoint was loaded: the model and the optimizer state in the guard's layout again.
@@ -372,21 +397,29 @@ class LayoutGuard:
         failed = self.strict and bool(step_report.breaks)
         report = self._audit.report
         if report.steps == self.audit_steps or failed:
-            self._show(str(audit_block(report, self.boundaries)), warn=not report.ok)
+            self._show(str(audit_block(report, self.op_repairs)), warn=not report.ok)
         if failed:
             raise LayoutBreakError(step_report.breaks[0])
         return step_report
 
+    def end_step(self) -> StepLogs:
+        """:meth:`on_step_end`, with what a trainer logs of it (:class:`StepLogs`)."""
+        step_report = self.on_step_end()
+        if step_report is None:
+            return StepLogs({}, {})
+        block = self.audit_block
+        return StepLogs(step_metrics(step_report), {} if block is None else block.hyperparameters)
+
     def _fall_back(self, step_report: AuditReport) -> None:
-        """The first audited step with breaks places the fallback; the next one prunes it."""
+        """The first audited step with breaks places the op repairs; the next one prunes them."""
         if self._fallback_found is None:
-            self.boundaries = repair_breaks(self._audit.model, step_report)
-            self._fallback_found = step_report if self.boundaries else None
-            for record in self.boundaries:
-                log.info('boundary fallback at %s (%s): %s', record.path, record.original, record.detail)
-        elif self.boundaries:
-            pruned = set(prune_boundaries(self._audit.model, step_report, self._fallback_found))
-            self.boundaries = [r for r in self.boundaries if r.path not in pruned]
+            self.op_repairs = repair_ops(self._audit.model, step_report)
+            self._fallback_found = step_report if self.op_repairs else None
+            for record in self.op_repairs:
+                log.info('op repair at %s (%s): %s', record.path, record.original, record.detail)
+        elif self.op_repairs:
+            pruned = set(prune_op_repairs(self._audit.model, step_report, self._fallback_found))
+            self.op_repairs = [r for r in self.op_repairs if r.path not in pruned]
 
     def close(self) -> None:
         """Stop an audit (and a search for the images) left running by a step that raised; safe
@@ -405,3 +438,31 @@ class LayoutGuard:
             self.close()
             raise
         self.on_step_end()
+
+    def start_evaluation(self) -> None:
+        """An evaluation, test or prediction pass begins: with ``fuse_eval``, :meth:`fuse_evaluation`
+        swaps a fused copy in at its first batch."""
+        self._fuse_pending = self.fuse_eval and self.effective_mode != 'off'
+
+    def fuse_evaluation(self, network: Callable[[], tuple[torch.nn.Module, str, torch.nn.Module]], batch: Any) -> None:
+        """At a pass's first batch (see :meth:`start_evaluation`): swap ``owner.<attribute>`` (``network()``
+        gives owner, attribute and the network there) for a fused copy from its current weights,
+        checked on this batch's first tensor; a sharded network is evaluated unfused, with a warning."""
+        if not self._fuse_pending:
+            return
+        self._fuse_pending = False
+        owner, attribute, module = network()
+        plan = weight_layout_for(module)
+        if plan.sharded:
+            log.warning('fuse_eval: evaluating unfused, since %s', plan.reason)
+            return
+        inputs = batch[0] if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) else None
+        if self._fused is None:
+            self._fused = FusedEvaluation()
+        self._fused.start(owner, attribute, example_input=inputs)  # checked on this batch's inputs
+
+    def end_evaluation(self) -> None:
+        """The pass is over: the training network back in place of a fused copy."""
+        self._fuse_pending = False
+        if self._fused is not None:
+            self._fused.end()

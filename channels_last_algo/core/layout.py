@@ -1,8 +1,8 @@
-"""What memory layout a tensor has, and how to restride one to channels last.
+"""What memory layout a tensor has, and how to restride one, or a whole batch, to channels last.
 
 PyTorch keeps a tensor's logical shape N x C x H x W (or N x C x D x H x W) whatever its
 memory order; the strides say which order the bytes are in. This module names those orders
-and restrides tensors of both ranks.
+and restrides tensors of both ranks, alone or every one in a batch.
 
 A shape where C == 1, or where every spatial size is 1, is *ambiguous*: the same bytes are
 both channels-first and channels-last contiguous. ``tensor.contiguous(memory_format=...)`` is
@@ -26,14 +26,17 @@ Example:
 from __future__ import annotations
 
 import enum
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 __all__ = [
     'Layout',
     'MemoryFormat',
     'Mode',
+    'batch_to_channels_first',
+    'batch_to_channels_last',
     'channels_last_format',
     'has_channels_last_strides',
     'is_channels_last',
@@ -99,6 +102,8 @@ class Mode(str, enum.Enum):
     OFF = 'off'
     AUTO = 'auto'
 
+
+Batch = TypeVar('Batch')
 
 _FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
 _NAMES = {4: (Layout.NCHW, Layout.NHWC), 5: (Layout.NCDHW, Layout.NDHWC)}
@@ -183,3 +188,22 @@ def to_channels_first(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.stride() == torch.empty(tensor.shape, device='meta').stride():
         return tensor
     return tensor.to(memory_format=torch.contiguous_format)
+
+
+def batch_to_channels_last(batch: Batch) -> Batch:
+    """Every 4D/5D tensor in ``batch`` (a tensor, or tuples, lists, dicts and namedtuples of
+    them) restrided to channels last; tensors that already are, and all other values, are
+    passed through untouched, without a copy.
+
+    Example:
+        >>> x = torch.randn(2, 3, 8, 8)
+        >>> out = batch_to_channels_last({'image': x, 'label': torch.tensor([0, 1])})
+        >>> out['image'].stride()
+        (192, 1, 24, 3)
+    """
+    return tree_map_only(torch.Tensor, to_channels_last, batch)
+
+
+def batch_to_channels_first(batch: Batch) -> Batch:
+    """Every 4D/5D tensor in ``batch`` restrided to NCHW / NCDHW (see :func:`batch_to_channels_last`)."""
+    return tree_map_only(torch.Tensor, to_channels_first, batch)

@@ -167,6 +167,68 @@ def synchronizer(device: Any) -> Optional[Callable[[], None]]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == 'cuda' else None
 
 
+class _Interleaved:
+    """One interleaved timing under way: the variants, how a turn of one is prepared, run and
+    clocked, and the timings so far."""
+
+    def __init__(
+        self,
+        calls: Mapping[str, Callable[[], Any]],
+        timings: Timings,
+        prepare: Optional[Callable[[str], Any]],
+        synchronize: Optional[Callable[[], Any]],
+        catch: bool,
+        timer: Callable[[], float],
+    ) -> None:
+        self.calls, self.names, self.timings = calls, list(calls), timings
+        self.prepare, self.synchronize, self.catch, self.timer = prepare, synchronize, catch, timer
+
+    def read(self) -> float:
+        """The clock, after ``synchronize``."""
+        if self.synchronize is not None:
+            self.synchronize()
+        return self.timer()
+
+    def turn(self, name: str) -> Optional[float]:
+        """Seconds per call of ``name`` in one turn; None when it raised and ``catch`` recorded the error."""
+        if self.prepare is not None:
+            self.prepare(name)
+        start = self.read()
+        try:
+            for _ in range(self.timings.repeat):
+                self.calls[name]()
+        except Exception as error:
+            if not self.catch:
+                raise
+            self.timings.errors[name] = f'{type(error).__name__}: {error}'.splitlines()[0][:300]
+            return None
+        return (self.read() - start) / self.timings.repeat
+
+    def round(self, index: int, timed: bool) -> None:
+        """Every variant that has not failed, once, in an order rotated by ``index``; kept when ``timed``."""
+        shift = index % len(self.names)
+        for name in self.names[shift:] + self.names[:shift]:
+            if name not in self.timings.errors:
+                elapsed = self.turn(name)
+                if timed and elapsed is not None:
+                    self.timings.seconds[name].append(elapsed)
+
+    def run(self, rounds: int, stop: Optional[Callable[[Timings], bool]], max_seconds: Optional[float]) -> Timings:
+        """The warm-up rounds, then timed rounds until ``rounds``, ``stop`` or ``max_seconds`` ends them."""
+        timings, warmup = self.timings, self.timings.warmup
+        begin = self.read()
+        for index in range(warmup + rounds):
+            timed = index >= warmup
+            if timed and index > warmup and max_seconds is not None and self.read() - begin > max_seconds:
+                timings.stopped_by = 'max_seconds'
+                break
+            self.round(index, timed)
+            if timed and stop is not None and stop(timings):
+                timings.stopped_by = 'stop'
+                break
+        return timings
+
+
 def time_interleaved(
     calls: Mapping[str, Callable[[], Any]],
     *,
@@ -201,41 +263,5 @@ def time_interleaved(
             f'need variants, rounds >= 1, warmup >= 0 and repeat >= 1; got {len(calls)} variants, '
             f'rounds={rounds}, warmup={warmup}, repeat={repeat}'
         )
-    names = list(calls)
-    timings = Timings({name: [] for name in names}, {}, warmup, repeat, 'rounds')
-
-    def read() -> float:
-        if synchronize is not None:
-            synchronize()
-        return timer()
-
-    def turn(name: str) -> Optional[float]:
-        if prepare is not None:
-            prepare(name)
-        start = read()
-        try:
-            for _ in range(repeat):
-                calls[name]()
-        except Exception as error:
-            if not catch:
-                raise
-            timings.errors[name] = f'{type(error).__name__}: {error}'.splitlines()[0][:300]
-            return None
-        return (read() - start) / repeat
-
-    begin = read()
-    for index in range(warmup + rounds):
-        timed = index >= warmup
-        if timed and index > warmup and max_seconds is not None and read() - begin > max_seconds:
-            timings.stopped_by = 'max_seconds'
-            break
-        shift = index % len(names)
-        for name in names[shift:] + names[:shift]:
-            if name not in timings.errors:
-                elapsed = turn(name)
-                if timed and elapsed is not None:
-                    timings.seconds[name].append(elapsed)
-        if timed and stop is not None and stop(timings):
-            timings.stopped_by = 'stop'
-            break
-    return timings
+    timings = Timings({name: [] for name in calls}, {}, warmup, repeat, 'rounds')
+    return _Interleaved(calls, timings, prepare, synchronize, catch, timer).run(rounds, stop, max_seconds)

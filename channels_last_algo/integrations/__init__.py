@@ -48,12 +48,11 @@ def integration_attribute(name: str, owner: str) -> Any:
 
 
 class GuardedIntegration:
-    """What every trainer adapter shows of the :class:`~channels_last_algo.core.guard.LayoutGuard`
-    it drives (``self.guard``) and its ``fuse_eval`` option: the audit report, auto mode's
-    decision, and a ``repr`` that rebuilds the object."""
+    """What every trainer adapter shares of the :class:`~channels_last_algo.core.guard.LayoutGuard`
+    it drives (``self.guard``): the audit report, auto mode's decision, the ``fuse_eval`` option,
+    the checkpointed state and a ``repr`` that rebuilds the object with the options as asked."""
 
     guard: Any
-    fuse_eval: bool
 
     @property
     def report(self) -> Any:
@@ -65,10 +64,21 @@ class GuardedIntegration:
         """Auto mode's decision, once made (or loaded from a checkpoint)."""
         return self.guard.decision
 
+    @property
+    def fuse_eval(self) -> bool:
+        """Whether evaluation passes run on a fused copy of the network (settable between passes)."""
+        return self.guard.fuse_eval
+
+    @fuse_eval.setter
+    def fuse_eval(self, value: bool) -> None:
+        self.guard.fuse_eval = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """The trainer's own state of the object and the guard's (auto mode's decision)."""
+        return {**super().state_dict(), **self.guard.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.guard.load_state_dict(state)
+
     def __repr__(self) -> str:
-        return (
-            f'{type(self).__name__}(mode={self.guard.mode!r}, audit_steps={self.guard.audit_steps}, '
-            f'strict={self.guard.strict}{", fuse_eval=True" if self.fuse_eval else ""}'
-            f'{"" if self.guard.repair else ", repair=False"}'
-            f'{"" if self.guard.inputs.inputs == "auto" else f", inputs={self.guard.inputs!r}"})'
-        )
+        return type(self).__name__ + repr(self.guard).removeprefix(type(self.guard).__name__)

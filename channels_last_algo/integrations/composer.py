@@ -1,6 +1,7 @@
 """``ChannelsLast``: the Composer algorithm.
 
-It decides *when*; :class:`~channels_last_algo.core.guard.LayoutGuard` does the work.
+It decides *when*: it maps Composer's events onto the calls of a
+:class:`~channels_last_algo.core.guard.LayoutGuard`, which does the work.
 
 Example:
     >>> from channels_last_algo import ChannelsLast
@@ -28,12 +29,10 @@ from composer.loggers import ConsoleLogger, Logger, ProgressBarLogger
 from composer.utils import dist
 from torch.utils._pytree import tree_map_only
 
-from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.checkpoints import canonical_state
-from channels_last_algo.core.fuse import FusedEvaluation
-from channels_last_algo.core.guard import LayoutGuard, check_options
+from channels_last_algo.core.guard import LayoutGuard, Trial
 from channels_last_algo.core.inputs import Inputs
-from channels_last_algo.core.parallel import weight_layout_for
+from channels_last_algo.core.weight_layout import weight_layout_for
 
 __all__ = ['ChannelsLast']
 
@@ -75,6 +74,18 @@ def _write_to_console(logger: Logger, text: str) -> None:
         print(text, file=console.stream, flush=True)
 
 
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    shared = [obj]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP's wrapper, if there is one."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
 def _float_images(batch: Any) -> Any:
     """Integer 4D/5D tensors (uint8 images waiting for a device-side normalisation) as float32,
     so a trial step can run on a raw batch; timing does not depend on the pixel values."""
@@ -105,7 +116,7 @@ class ChannelsLast(GuardedIntegration, Algorithm):
     copy when the data loader already delivers them so. Under FSDP or tensor parallelism
     (Composer's ``parallelism_config``, or a model already sharded), which need contiguous
     parameters, the weights stay contiguous and only the activations go NHWC; the log and the
-    ``channels_last/weight_layout`` hyperparameter say which (see :mod:`channels_last_algo.core.parallel`).
+    ``channels_last/weight_layout`` hyperparameter say which (see :mod:`channels_last_algo.core.weight_layout`).
 
     What it did goes to Composer's console (the progress bar's stream, rank 0) and its loggers'
     hyperparameters (``channels_last/...``): at ``Event.FIT_START`` a block with the conversion,
@@ -184,25 +195,13 @@ class ChannelsLast(GuardedIntegration, Algorithm):
         repair: bool = True,
         inputs: Inputs = 'auto',
     ) -> None:
-        check_options(fuse_eval=fuse_eval)
-        self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs)
-        self._resumed_decision: Optional[LayoutDecision] = None
-        self.fuse_eval = fuse_eval
-        self.fused_evaluation = FusedEvaluation()
-        self._fuse_pending = False  # an evaluation or prediction pass began; fuse before its first forward
-
-    def state_dict(self) -> dict[str, Any]:
-        decision = self.guard.decision
-        return {**super().state_dict(), 'decision': None if decision is None else decision.to_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get('decision') is not None:
-            self._resumed_decision = LayoutDecision.from_dict(state['decision'])
+        self.guard = LayoutGuard(
+            mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs, fuse_eval=fuse_eval
+        )
 
     def match(self, event: Event, state: State) -> bool:
         del state  # unused
-        mode = self.guard.mode
-        if mode == 'off':
+        if self.guard.mode == 'off':
             return False
         return (
             event == Event.INIT
@@ -216,28 +215,23 @@ class ChannelsLast(GuardedIntegration, Algorithm):
         if event == Event.INIT:
             self._init(state, logger)
         elif event in _AUTO_EVENTS:
-            if event == Event.AFTER_LOAD:
-                self.guard.after_load(state.model, state.optimizers)
-            if self.guard.mode == 'auto' and self.guard.decision is None:
-                self._settle_layout(event, state)
-                if self.guard.decision is not None:
-                    logger.log_hyperparameters(self.guard.start_block.hyperparameters)
-            if event == Event.FIT_START:
-                self.guard.show_start()
+            self._settle(event, state, logger)
         elif event in _BATCH_EVENTS:
             state.batch = self.guard.on_batch(state.batch)
-            if self._fuse_pending and event != Event.BEFORE_FORWARD:
-                self._fuse_pending = False
-                self._start_fused_evaluation(state)
             if event == Event.BEFORE_FORWARD:
                 self.guard.on_step_start()
+            else:
+                self.guard.fuse_evaluation(functools.partial(_fused_network, state), state.batch)
         elif event in _FUSE_START_EVENTS:
-            self._fuse_pending = True
+            self.guard.start_evaluation()
         elif event in _FUSE_END_EVENTS:
-            self._fuse_pending = False
-            self.fused_evaluation.end()
+            self.guard.end_evaluation()
         elif event == Event.AFTER_BACKWARD:
-            self._end_step(logger)
+            metrics, hyperparameters = self.guard.end_step()
+            if metrics:
+                logger.log_metrics(metrics)
+            if hyperparameters:
+                logger.log_hyperparameters(hyperparameters)
         else:  # FIT_END
             self.guard.close()
         return None
@@ -253,67 +247,44 @@ class ChannelsLast(GuardedIntegration, Algorithm):
         if self.fuse_eval:
             _fused_network(state)  # refused now, not at the first evaluation after training
 
-    def _end_step(self, logger: Logger) -> None:
-        """The audit of this step as metrics; after the last audited step its summary as hyperparameters."""
-        step_report = self.guard.on_step_end()
-        if step_report is None:
-            return
-        logger.log_metrics(
-            {
-                'channels_last/layout_breaks': len(step_report.breaks),
-                'channels_last/break_bytes': step_report.break_bytes,
-                'channels_last/exit_bytes': step_report.exit_bytes,
-            }
+    def _settle(self, event: Event, state: State, logger: Logger) -> None:
+        """After a checkpoint loads, and when fit starts: the loaded optimizer state in the model's
+        layout, auto mode's layout settled once (its decision logged), the start block shown."""
+        if event == Event.AFTER_LOAD:
+            self.guard.after_load(state.model, state.optimizers)
+        if self.guard.decision is None:
+            trial = functools.partial(_trial, event, state)
+            rank, world_size = dist.get_global_rank(), dist.get_world_size()
+            self.guard.settle(_unwrapped(state.model), trial, state.optimizers, rank, world_size, _broadcast)
+            if self.guard.decision is not None:
+                logger.log_hyperparameters(self.guard.start_block.hyperparameters)
+        if event == Event.FIT_START:
+            self.guard.show_start()
+
+
+def _trial(event: Event, state: State) -> Optional[Trial]:
+    """Auto mode's trial step: the first train batch (integer images as float) and the ComposerModel's
+    loss on it; None until the train dataloader is known (it may come with ``fit``)."""
+    if state.dataloader is None:
+        return None  # the train dataloader comes with fit(): decide at FIT_START
+    if event == Event.FIT_START and dist.get_world_size() > 1:
+        log.warning(
+            'auto layout: deciding after DDP wrapping (the train dataloader was passed to fit()); '
+            "pass it to the Trainer's constructor so the layout is settled before wrapping"
         )
-        block = self.guard.audit_block
-        if block is not None:
-            logger.log_hyperparameters(block.hyperparameters)
+    batch = _float_images(state.device.batch_to_device(next(iter(state.dataloader))))
 
-    def _settle_layout(self, event: Event, state: State) -> None:
-        """Auto mode: apply the checkpoint's decision, or measure one on the first train batch."""
-        if self._resumed_decision is not None:
-            self.guard.apply_decision(state.model, self._resumed_decision, state.optimizers)
-            log.info('auto layout: resumed with %s, decided in the checkpointed run', self._resumed_decision.layout)
-            return
-        if state.dataloader is None:
-            return  # the train dataloader comes with fit(): decide at FIT_START
-        if event == Event.FIT_START and dist.get_world_size() > 1:
-            log.warning(
-                'auto layout: deciding after DDP wrapping (the train dataloader was passed to fit()); '
-                "pass it to the Trainer's constructor so the layout is settled before wrapping"
-            )
-        model = (
-            state.model.module if isinstance(state.model, torch.nn.parallel.DistributedDataParallel) else state.model
-        )
-        batch = _float_images(state.device.batch_to_device(next(iter(state.dataloader))))
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        with get_precision_context(state.precision, state.precision_config):
+            return _total_loss(model.loss(model(batch), batch))
 
-        def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
-            with get_precision_context(state.precision, state.precision_config):
-                return _total_loss(model.loss(model(batch), batch))
-
-        decision = self.guard.decide(model, batch, loss_fn, state.optimizers) if dist.get_global_rank() == 0 else None
-        if dist.get_world_size() > 1:  # rank 0 decided; every rank takes its layout
-            shared = [None if decision is None else decision.to_dict()]
-            dist.broadcast_object_list(shared, src=0)
-            decision = LayoutDecision.from_dict(shared[0])
-            self.guard.apply_decision(model, decision, state.optimizers)
-
-    def _start_fused_evaluation(self, state: State) -> None:
-        """Swap a fused copy of the ComposerModel's ``.module`` in for this evaluation pass."""
-        model, network = _fused_network(state)
-        plan = weight_layout_for(network)
-        if plan.sharded:
-            log.warning('fuse_eval: evaluating unfused, since %s', plan.reason)
-            return
-        batch = state.batch
-        inputs = batch[0] if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) else None
-        self.fused_evaluation.start(model, 'module', example_input=inputs)  # checked on this batch's inputs
+    return Trial(lambda: batch, loss_fn)
 
 
-def _fused_network(state: State) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The ComposerModel (unwrapped from DDP) and the network it keeps in ``.module``, which
+def _fused_network(state: State) -> tuple[torch.nn.Module, str, torch.nn.Module]:
+    """The ComposerModel (unwrapped from DDP), ``'module'`` and the network it keeps there, which
     ``fuse_eval`` fuses; a ValueError naming the model where there is none."""
-    model = state.model.module if isinstance(state.model, torch.nn.parallel.DistributedDataParallel) else state.model
+    model = _unwrapped(state.model)
     network = getattr(model, 'module', None)
     if not isinstance(network, torch.nn.Module):
         raise ValueError(
@@ -321,7 +292,7 @@ def _fused_network(state: State) -> tuple[torch.nn.Module, torch.nn.Module]:
             f'ComposerClassifier does); {type(model).__name__} has none. Keep the network there, or '
             'leave fuse_eval off.'
         )
-    return model, network
+    return model, 'module', network
 
 
 def _save_canonical(state: State) -> None:

@@ -1,6 +1,7 @@
 """``ChannelsLastCallback``: channels last in a Lightning ``Trainer``.
 
-It decides *when*; :class:`~channels_last_algo.core.guard.LayoutGuard` does the work. In
+It decides *when*: it maps Lightning's hooks onto the calls of a
+:class:`~channels_last_algo.core.guard.LayoutGuard`, which does the work. In
 Lightning's order inside ``fit`` / ``validate`` / ``test`` / ``predict`` (``Callback.setup`` ->
 ``LightningModule.setup`` -> ``configure_model`` -> checkpoint restore -> ``strategy.setup``:
 precision, device move, DDP wrap, optimizers -> ``on_fit_start``), it acts where the strategy
@@ -11,7 +12,7 @@ moves things to the device:
   LightningModule's own ``setup`` and ``configure_model``, where layers are often built, and
   before a checkpoint's callback state is restored); ``on_fit_start`` is too late (DDP has built
   its gradient buckets). Strategies that shard instead (FSDP, DeepSpeed, model parallel) keep
-  the weights contiguous (:func:`~channels_last_algo.core.parallel.weight_layout_for`); one that
+  the weights contiguous (:func:`~channels_last_algo.core.weight_layout.weight_layout_for`); one that
   never calls ``model_to_device`` (FSDP) is prepared at the stage's start hook.
 - every batch: right after ``strategy.batch_to_device()``, which every loop calls after the
   user's transfer hooks and before any ``*_step``; its return value is the batch. A callback's
@@ -30,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Optional
@@ -46,16 +48,23 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_info
 
-from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.checkpoints import canonical_state
-from channels_last_algo.core.fuse import FusedEvaluation
-from channels_last_algo.core.guard import LayoutGuard, check_options
+from channels_last_algo.core.guard import LayoutGuard, Trial
 from channels_last_algo.core.inputs import Inputs
-from channels_last_algo.core.parallel import WeightLayoutPlan, weight_layout_for
+from channels_last_algo.core.options import check_options
+from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layout_for
 
 __all__ = ['ChannelsLastCallback']
 
 log = logging.getLogger(__name__)
+
+# The option only this callback has, checked as the guard checks its own (core.options).
+_OPTIONS = {
+    'network': (
+        lambda value: value is None or isinstance(value, str),
+        'the name of a LightningModule attribute (a str)',
+    ),
+}
 
 
 def _patch(owner: object, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
@@ -105,6 +114,53 @@ def _weight_layout(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Weight
     tensor_parallel = strategy if isinstance(strategy, ModelParallelStrategy) else None
     model = strategy.model if strategy.model is not None else pl_module  # wrapped, when a strategy wrapped it
     return weight_layout_for(model, fsdp_config=sharding, tp_config=tensor_parallel)
+
+
+def _training_loss(trainer: pl.Trainer, module: pl.LightningModule, batch: Any) -> torch.Tensor:
+    """The loss ``training_step`` returns on ``batch``, in the trainer's precision, ``self.log`` muted."""
+    with trainer.precision_plugin.train_step_context(), _logging_muted(module):
+        output = module.training_step(batch, 0)
+    loss = output.get('loss') if isinstance(output, Mapping) else output
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(
+            f"ChannelsLastCallback(mode='auto') times training_step, which returned "
+            f'{type(output).__name__} on the first batch instead of a loss; return the '
+            "loss (or {'loss': ...}), or use mode='on'"
+        )
+    return loss
+
+
+def _first_training_batch(trainer: pl.Trainer) -> Any:
+    """The first batch of the train dataloader(s), on the device, as ``training_step`` gets it.
+
+    The dataloaders are not built before ``fit``'s loop starts, so this asks their source
+    (the module, the datamodule, or what was passed to ``fit``) as the loop will. The random
+    state is put back, so drawing it does not change the run's data order."""
+    loaders = trainer.fit_loop._data_source.dataloader()
+    with torch.random.fork_rng(devices=[]):
+        batch, _, _ = next(iter(CombinedLoader(loaders, 'max_size_cycle')))
+    return trainer.strategy.batch_to_device(batch)
+
+
+def _trial(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[Trial]:
+    """Auto mode's trial step: ``training_step`` on the first training batch. None without training
+    batches (validate, test, predict) or under manual optimization (``training_step`` steps the
+    optimizers itself): nothing is timed and the model stays channels last."""
+    if trainer.state.fn != TrainerFn.FITTING:
+        log.info('auto layout: no training batches to time in %s; channels last', trainer.state.fn)
+        return None
+    if not pl_module.automatic_optimization:
+        log.warning(
+            'auto layout: training_step steps the optimizers itself under manual optimization, so it '
+            "cannot be timed without training; channels last (use mode='on' or 'off' to choose)"
+        )
+        return None
+    return Trial(functools.partial(_first_training_batch, trainer), functools.partial(_training_loss, trainer))
+
+
+def _log_hyperparameters(trainer: pl.Trainer, params: dict[str, Any]) -> None:
+    for logger in trainer.loggers:
+        logger.log_hyperparams(params)
 
 
 class ChannelsLastCallback(GuardedIntegration, pl.Callback):
@@ -175,37 +231,25 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         network: Optional[str] = None,
         inputs: Inputs = 'auto',
     ) -> None:
-        check_options(fuse_eval=fuse_eval)
-        if network is not None and not isinstance(network, str):
-            raise ValueError(f'network must be the name of a LightningModule attribute (a str), got {network!r}')
-        self.guard = LayoutGuard(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs)
+        check_options(_OPTIONS, network=network)
+        self.guard = LayoutGuard(
+            mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs, fuse_eval=fuse_eval
+        )
         self._console = self.guard.console = _Console()
-        self.fuse_eval = fuse_eval
         self.network = network
-        self.fused_evaluation = FusedEvaluation()
-        self._resumed_decision: Optional[LayoutDecision] = None
         self._prepared: Optional[pl.LightningModule] = None  # the module converted, once
         self._undo: list[Callable[[], None]] = []
-        self._fuse_pending = False
 
-    # --- checkpoints ---------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        decision = self.guard.decision
-        return {'decision': None if decision is None else decision.to_dict()}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        # Lightning restores callbacks after setup and configure_model, before strategy.setup:
-        # the decision is applied when the strategy moves the model to its device.
-        if state_dict.get('decision') is not None:
-            self._resumed_decision = LayoutDecision.from_dict(state_dict['decision'])
+    # --- checkpoints ---------------------------------------------------------------------------------
+    # state_dict holds auto mode's decision. Lightning restores callbacks after setup and configure_model,
+    # before strategy.setup: the decision is applied when the strategy moves the model to its device.
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Every 4D/5D tensor of the checkpoint (model, optimizer states, other callbacks' state)
         written NCHW-contiguous (:func:`~channels_last_algo.core.checkpoints.canonical_state`)."""
-        if self.guard.mode != 'off':
+        if self.guard.effective_mode != 'off':
             checkpoint.update(canonical_state(dict(checkpoint)))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -220,7 +264,7 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
     # --- setup and teardown: follow the strategy's moves -----------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if self.guard.mode == 'off':
+        if self.guard.effective_mode == 'off':
             return
         strategy = trainer.strategy
         move_model, move_batch = strategy.model_to_device, strategy.batch_to_device
@@ -246,7 +290,7 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
     def _restore(self) -> None:
         """Stop an audit and a fused evaluation left running; unwrap the strategy."""
         self.guard.close()
-        self._end_pass()
+        self.guard.end_evaluation()
         self._console.bar = None
         while self._undo:
             self._undo.pop()()
@@ -258,74 +302,18 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
 
     def _prepare(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Convert ``pl_module`` once, as its strategy allows; in auto mode settle the layout."""
-        if self.guard.mode == 'off' or self._prepared is pl_module:
+        if self.guard.effective_mode == 'off' or self._prepared is pl_module:
             return
         self._prepared = pl_module
         if self.fuse_eval:
             self._fused_network(pl_module)  # refused now, not at the first validation after training
-        self.guard.on_init(pl_module, trainer.optimizers or None, weight_layout=_weight_layout(trainer, pl_module))
-        if self.guard.mode == 'auto':  # on_init turns auto into 'on' where the weights must stay contiguous
-            self._settle_layout(trainer, pl_module)
-        self._log_hyperparameters(trainer, self.guard.start_block.hyperparameters)
+        optimizers = trainer.optimizers or None
+        self.guard.on_init(pl_module, optimizers, weight_layout=_weight_layout(trainer, pl_module))
+        trial = functools.partial(_trial, trainer, pl_module)
+        broadcast = functools.partial(trainer.strategy.broadcast, src=0)
+        self.guard.settle(pl_module, trial, optimizers, trainer.global_rank, trainer.world_size, broadcast)
+        _log_hyperparameters(trainer, self.guard.start_block.hyperparameters)
         self.guard.show_start()
-
-    def _settle_layout(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Auto mode: the checkpoint's decision, or rank 0 times ``training_step`` on the first
-        training batch and every rank takes its layout. Without training batches (validate,
-        test, predict) or under manual optimization (``training_step`` steps the optimizers
-        itself) nothing is timed and the model stays channels last."""
-        if self._resumed_decision is not None:
-            self.guard.apply_decision(pl_module, self._resumed_decision, trainer.optimizers or None)
-            log.info('auto layout: resumed with %s, decided in the checkpointed run', self._resumed_decision.layout)
-            return
-        if trainer.state.fn != TrainerFn.FITTING:
-            log.info('auto layout: no training batches to time in %s; channels last', trainer.state.fn)
-            return
-        if not pl_module.automatic_optimization:
-            log.warning(
-                'auto layout: training_step steps the optimizers itself under manual optimization, so it '
-                "cannot be timed without training; channels last (use mode='on' or 'off' to choose)"
-            )
-            return
-        decision = None
-        if trainer.global_rank == 0:
-            batch = self._first_training_batch(trainer)
-
-            def loss_fn(module: pl.LightningModule, batch: Any) -> torch.Tensor:
-                with trainer.precision_plugin.train_step_context(), _logging_muted(module):
-                    output = module.training_step(batch, 0)
-                loss = output.get('loss') if isinstance(output, Mapping) else output
-                if not isinstance(loss, torch.Tensor):
-                    raise ValueError(
-                        f"ChannelsLastCallback(mode='auto') times training_step, which returned "
-                        f'{type(output).__name__} on the first batch instead of a loss; return the '
-                        "loss (or {'loss': ...}), or use mode='on'"
-                    )
-                return loss
-
-            decision = self.guard.decide(pl_module, batch, loss_fn, trainer.optimizers or None)
-        if trainer.world_size > 1:  # rank 0 decided; every rank takes its layout
-            decision = LayoutDecision.from_dict(
-                trainer.strategy.broadcast(None if decision is None else decision.to_dict(), src=0)
-            )
-            self.guard.apply_decision(pl_module, decision, trainer.optimizers or None)
-
-    @staticmethod
-    def _first_training_batch(trainer: pl.Trainer) -> Any:
-        """The first batch of the train dataloader(s), on the device, as ``training_step`` gets it.
-
-        The dataloaders are not built before ``fit``'s loop starts, so this asks their source
-        (the module, the datamodule, or what was passed to ``fit``) as the loop will. The random
-        state is put back, so drawing it does not change the run's data order."""
-        loaders = trainer.fit_loop._data_source.dataloader()
-        with torch.random.fork_rng(devices=[]):
-            batch, _, _ = next(iter(CombinedLoader(loaders, 'max_size_cycle')))
-        return trainer.strategy.batch_to_device(batch)
-
-    @staticmethod
-    def _log_hyperparameters(trainer: pl.Trainer, params: dict[str, Any]) -> None:
-        for logger in trainer.loggers:
-            logger.log_hyperparams(params)
 
     # --- training steps: the audit -------------------------------------------------------------
 
@@ -338,62 +326,37 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         self.guard.end_forward()  # training_step may call a submodule, not the LightningModule's forward
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        step_report = self.guard.on_step_end()
-        if step_report is None:
-            return
-        metrics = {
-            'channels_last/layout_breaks': len(step_report.breaks),
-            'channels_last/break_bytes': step_report.break_bytes,
-            'channels_last/exit_bytes': step_report.exit_bytes,
-        }
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
-        block = self.guard.audit_block
-        if block is not None:
-            self._log_hyperparameters(trainer, block.hyperparameters)
+        metrics, hyperparameters = self.guard.end_step()
+        if metrics:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=trainer.global_step)
+        if hyperparameters:
+            _log_hyperparameters(trainer, hyperparameters)
 
     # --- validation, test and prediction (one set of handlers): fused inference ------------------
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._prepare(trainer, pl_module)
-        self._fuse_pending = self.fuse_eval and self.guard.mode != 'off'
+        self.guard.start_evaluation()
 
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self._fuse(pl_module, batch)
+        self.guard.fuse_evaluation(functools.partial(self._fused_network, pl_module), batch)
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.guard.end_forward()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._end_pass()
+        self.guard.end_evaluation()
 
     on_test_start = on_predict_start = on_validation_start
     on_test_batch_start = on_predict_batch_start = on_validation_batch_start
     on_test_batch_end = on_predict_batch_end = on_validation_batch_end
     on_test_end = on_predict_end = on_validation_end
 
-    def _end_pass(self) -> None:
-        """Put the training network back in place of a fused copy."""
-        self._fuse_pending = False
-        self.fused_evaluation.end()
-
-    def _fuse(self, pl_module: pl.LightningModule, batch: Any) -> None:
-        """Before the first batch of a pass: swap a fused copy of the network in, checked on this batch."""
-        if not self._fuse_pending:
-            return
-        self._fuse_pending = False
-        attribute, network = self._fused_network(pl_module)
-        plan = weight_layout_for(network)
-        if plan.sharded:
-            log.warning('fuse_eval: evaluating unfused, since %s', plan.reason)
-            return
-        inputs = batch[0] if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) else None
-        self.fused_evaluation.start(pl_module, attribute, example_input=inputs)  # checked on this batch's inputs
-
-    def _fused_network(self, pl_module: pl.LightningModule) -> tuple[str, torch.nn.Module]:
-        """The attribute and the network ``fuse_eval`` fuses; a ValueError naming what is wrong."""
+    def _fused_network(self, pl_module: pl.LightningModule) -> tuple[pl.LightningModule, str, torch.nn.Module]:
+        """The module, the attribute and the network ``fuse_eval`` fuses; a ValueError naming what is wrong."""
         attribute = self.network or self._network_attribute(pl_module)
         network = getattr(pl_module, attribute, None)
         from torch._dynamo.eval_frame import OptimizedModule
@@ -408,7 +371,7 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
                 f'ChannelsLastCallback(fuse_eval=True): {type(pl_module).__name__}.{attribute} is '
                 f'{type(network).__name__}, not the network to fuse; name it with network=...'
             )
-        return attribute, network
+        return pl_module, attribute, network
 
     @staticmethod
     def _network_attribute(pl_module: pl.LightningModule) -> str:

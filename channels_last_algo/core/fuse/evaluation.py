@@ -23,8 +23,8 @@ class FusedEvaluation:
     moment (its current weights: EMA's, say, when they are swapped in), checked on an example
     input when one is given; it does nothing while a copy is in. :meth:`end` puts the original
     object back (and does nothing when none is out), so anything that saves the owner
-    afterwards saves the training network. The Composer algorithm and the Lightning callback
-    (``fuse_eval=True``) call them at the start and end of each evaluation and prediction pass.
+    afterwards saves the training network. :class:`~channels_last_algo.core.guard.LayoutGuard`
+    (``fuse_eval=True``) calls them at the first batch and the end of each evaluation pass.
 
     Example:
         >>> holder = torch.nn.Module()

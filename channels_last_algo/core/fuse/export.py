@@ -49,6 +49,32 @@ def _register_fake_binary_convolution() -> None:
     _FAKE_BINARY_REGISTERED = True
 
 
+def _check_export_arguments(path: Union[str, Path], example_input: torch.Tensor, dynamic_batch: bool) -> None:
+    """Refuse a path that is not a file path, and a dynamic batch with an example batch of 1."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f'export_for_inference: path must be a file path, got {type(path).__name__} {path!r}')
+    if dynamic_batch and example_input.shape[0] < 2:
+        raise ValueError(
+            f'export with a dynamic batch size needs an example batch of at least 2, got shape '
+            f'{tuple(example_input.shape)}; repeat the example along the batch dimension, or fix the '
+            'batch size (dynamic_batch=False; --static-batch for `channels-last export`)'
+        )
+
+
+def _export(fused: nn.Module, example_input: torch.Tensor, dynamic_batch: bool) -> torch.export.ExportedProgram:
+    """``fused`` traced by ``torch.export`` on the NHWC example, the batch size free when ``dynamic_batch``."""
+    _register_fake_binary_convolution()
+    example = to_channels_last(example_input)
+    dynamic_shapes = {'args': ({0: torch.export.Dim('batch', min=1, max=2**16)},)} if dynamic_batch else None
+    with torch.no_grad():
+        program = torch.export.export(fused, (example,), dynamic_shapes=dynamic_shapes, strict=False)
+    # an unused scalar such as BlurPool's int(torch.div(h, 2)) stays as an aten.item node that
+    # torch.export.load cannot read back (torch 2.7 to 2.14): drop what nothing uses
+    program.graph_module.graph.eliminate_dead_code()
+    program.graph_module.recompile()
+    return program
+
+
 def export_for_inference(
     model: nn.Module, path: Union[str, Path], example_input: torch.Tensor, dynamic_batch: bool = True
 ) -> tuple[torch.export.ExportedProgram, FusionSummary]:
@@ -77,24 +103,9 @@ def export_for_inference(
     """
     require_module(model, 'export_for_inference')
     require_flags('export_for_inference', dynamic_batch=dynamic_batch)
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f'export_for_inference: path must be a file path, got {type(path).__name__} {path!r}')
-    if dynamic_batch and example_input.shape[0] < 2:
-        raise ValueError(
-            f'export with a dynamic batch size needs an example batch of at least 2, got shape '
-            f'{tuple(example_input.shape)}; repeat the example along the batch dimension, or fix the '
-            'batch size (dynamic_batch=False; --static-batch for `channels-last export`)'
-        )
+    _check_export_arguments(path, example_input, dynamic_batch)
     fused = fuse_for_inference(model, example_input, traceable=True)  # its check finds the refused shapes
-    _register_fake_binary_convolution()
-    example = to_channels_last(example_input)
-    dynamic_shapes = {'args': ({0: torch.export.Dim('batch', min=1, max=2**16)},)} if dynamic_batch else None
-    with torch.no_grad():
-        program = torch.export.export(fused, (example,), dynamic_shapes=dynamic_shapes, strict=False)
-    # an unused scalar such as BlurPool's int(torch.div(h, 2)) stays as an aten.item node that
-    # torch.export.load cannot read back (torch 2.7 to 2.14): drop what nothing uses
-    program.graph_module.graph.eliminate_dead_code()
-    program.graph_module.recompile()
+    program = _export(fused, example_input, dynamic_batch)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.export.save(program, path)

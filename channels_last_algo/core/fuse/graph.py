@@ -151,6 +151,61 @@ def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent), name, module)
 
 
+class _GraphFuser:
+    """One fx fusion pass: the graph, its modules (fused ones put in as they are made), how often
+    each module is called, and the nodes already erased."""
+
+    def __init__(self, graph_module: fx.GraphModule, prepack: bool) -> None:
+        self.graph_module = graph_module
+        self.graph = graph_module.graph
+        self.modules = dict(graph_module.named_modules())
+        self.calls = collections.Counter(node.target for node in self.graph.nodes if node.op == 'call_module')
+        self.prepack = prepack
+        self.erased: set[fx.Node] = set()
+
+    def value_of(self, element: Element, node: fx.Node, previous: Optional[fx.Node]) -> Any:
+        """What ``element`` accepts at ``node`` after ``previous`` (see :func:`~.patterns.match_pattern`)."""
+        if node.op == 'call_module':
+            if previous is None:  # the convolution: called from this node alone, on one input
+                reads = self.calls[node.target] == 1 and len(node.args) == 1 and not node.kwargs
+            else:
+                reads = len(node.args) == 1 and node.args[0] is previous and not node.kwargs
+            return element.of_module(self.modules[node.target]) if reads else None
+        if previous is not None and node.op in ('call_function', 'call_method'):
+            return element.of_call(node, previous)
+        return None
+
+    def fuse_at(self, start: fx.Node) -> Optional[str]:
+        """Apply the patterns at ``start`` until none matches there; the fused kernel's description."""
+        current = [start]  # the run's first node, replaced with each fusion
+
+        def replace(match: Match, module: nn.Module) -> None:
+            current[0] = self._replace(match, module)
+
+        return fuse_chain(lambda: _run_from(current[0]), self.value_of, replace, self.prepack)
+
+    def _replace(self, match: Match, module: nn.Module) -> fx.Node:
+        """Put ``module`` in place of the matched nodes' first module and erase them; the node calling it."""
+        first, last = match.items[0], match.items[-1]
+        _set_submodule(self.graph_module, first.target, module)
+        self.modules[first.target] = module
+        with self.graph.inserting_after(last):
+            fused = self.graph.call_module(first.target, (first.args[0], *match.operands))
+        last.replace_all_uses_with(fused)
+        for node in reversed(match.items):
+            self.graph.erase_node(node)
+        self.erased.update(match.items)
+        return fused
+
+
+def _run_from(first: fx.Node) -> list[fx.Node]:
+    """The run of nodes from ``first``: each after it the only user of the one before."""
+    run = [first]
+    while len(run) < LONGEST_PATTERN and len(run[-1].users) == 1:
+        run.append(next(iter(run[-1].users)))
+    return run
+
+
 def fuse_graph(graph_module: fx.GraphModule, prepack: bool) -> FusionSummary:
     """Fold BatchNorms and fuse convolutions in ``graph_module``, in place.
 
@@ -158,55 +213,16 @@ def fuse_graph(graph_module: fx.GraphModule, prepack: bool) -> FusionSummary:
         graph_module: a traced model.
         prepack: prepacked oneDNN weights and in-place residual adds (off for ``torch.export``).
     """
-    graph = graph_module.graph
-    modules = dict(graph_module.named_modules())
-    calls = collections.Counter(node.target for node in graph.nodes if node.op == 'call_module')
-    _drop_eval_identities(graph, modules)
-
-    def value_of(element: Element, node: fx.Node, previous: Optional[fx.Node]) -> Any:
-        if node.op == 'call_module':
-            if previous is None:  # the convolution: called from this node alone, on one input
-                reads = calls[node.target] == 1 and len(node.args) == 1 and not node.kwargs
-            else:
-                reads = len(node.args) == 1 and node.args[0] is previous and not node.kwargs
-            return element.of_module(modules[node.target]) if reads else None
-        if previous is not None and node.op in ('call_function', 'call_method'):
-            return element.of_call(node, previous)
-        return None
-
-    erased: set[fx.Node] = set()
-
-    def fuse_at(start: fx.Node) -> Optional[str]:
-        current = [start]  # the run's first node, replaced with each fusion
-
-        def run_at() -> list[fx.Node]:
-            run = current[:1]
-            while len(run) < LONGEST_PATTERN and len(run[-1].users) == 1:
-                run.append(next(iter(run[-1].users)))
-            return run
-
-        def replace(match: Match, module: nn.Module) -> None:
-            first, last = match.items[0], match.items[-1]
-            _set_submodule(graph_module, first.target, module)
-            modules[first.target] = module
-            with graph.inserting_after(last):
-                fused = graph.call_module(first.target, (first.args[0], *match.operands))
-            last.replace_all_uses_with(fused)
-            for node in reversed(match.items):
-                graph.erase_node(node)
-            erased.update(match.items)
-            current[0] = fused
-
-        return fuse_chain(run_at, value_of, replace, prepack)
-
+    fuser = _GraphFuser(graph_module, prepack)
+    _drop_eval_identities(fuser.graph, fuser.modules)
     summary = FusionSummary(route='fx')
-    for start in list(graph.nodes):
-        description = None if start in erased else fuse_at(start)
+    for start in list(fuser.graph.nodes):
+        description = None if start in fuser.erased else fuser.fuse_at(start)
         if description is not None:
             summary.fused[start.target] = description
     if prepack:
-        _mark_in_place_adds(graph, dict(graph_module.named_modules()))
-    graph.lint()
+        _mark_in_place_adds(fuser.graph, dict(graph_module.named_modules()))
+    fuser.graph.lint()
     graph_module.delete_all_unused_submodules()
     graph_module.recompile()
     summary.unfused = batchnorm_paths(graph_module)

@@ -33,7 +33,7 @@ from channels_last_algo.core.fuse.conv import FusedConv2d
 from channels_last_algo.core.fuse.graph import fuse_graph, trace
 from channels_last_algo.core.fuse.modules import fuse_modules
 from channels_last_algo.core.fuse.summary import FusionSummary
-from channels_last_algo.core.guard import batch_to_channels_last
+from channels_last_algo.core.layout import batch_to_channels_last
 
 __all__ = ['BACKENDS', 'InferenceModel', 'fuse_for_inference']
 
@@ -133,32 +133,111 @@ def _report(model: nn.Module, summary: FusionSummary) -> None:
         )
 
 
+class _ExampleCheck:
+    """The check of a fused copy on the example input: its largest error relative to the model's
+    largest output, the model's output computed once."""
+
+    def __init__(self, model: nn.Module, example_input: Any, backend: str, rtol: float) -> None:
+        self.model = model
+        self.inputs = example_input if isinstance(example_input, tuple) or example_input is None else (example_input,)
+        self.backend = backend
+        self.rtol = rtol
+        self._expected: list[Any] = []
+
+    def mismatch(self, fused: InferenceModel) -> Optional[float]:
+        """The relative error of ``fused`` when over ``rtol``; None when within it, or with no example."""
+        if self.inputs is None:
+            return None
+        with torch.no_grad():
+            if not self._expected:
+                self._expected.append(self.model(*self.inputs))
+            error = _max_relative_error(self._run(fused), self._expected[0])
+        return error if not error <= self.rtol else None
+
+    def _run(self, fused: InferenceModel) -> Any:
+        """``fused`` on the example input; a ``torch.compile`` failure (inductor) as one RuntimeError."""
+        try:
+            return fused(*self.inputs)
+        except Exception as error:  # what torch.compile raises is any of dynamo's and inductor's errors
+            if self.backend == 'eager':
+                raise
+            raise RuntimeError(
+                f'fuse_for_inference(backend={self.backend!r}): torch.compile failed on the fused '
+                f'{type(self.model).__name__}: {type(error).__name__}: {str(error).strip().splitlines()[0]}; '
+                "use backend='eager' (the fused kernels without compiling)"
+            ) from error
+
+
+def _finish(network: nn.Module, summary: FusionSummary, backend: str) -> InferenceModel:
+    """``network`` restrided to NHWC and wrapped (compiled for inductor): eval mode, nothing requiring grad."""
+    with torch.no_grad():
+        apply_channels_last(network)
+    summary.backend = backend
+    fused = InferenceModel(network if backend == 'eager' else torch.compile(network), summary).eval()
+    fused.requires_grad_(False)
+    return fused
+
+
+def _checked(
+    network: nn.Module, summary: FusionSummary, check: _ExampleCheck
+) -> tuple[InferenceModel, Optional[float]]:
+    """The finished copy of ``network`` and its mismatch on the example; the refused shapes noted."""
+    fused = _finish(network, summary, check.backend)
+    error = check.mismatch(fused)
+    summary.refused = _refused_at_example(network)
+    return fused, error
+
+
+def _fx_route(model: nn.Module, prepack: bool, check: _ExampleCheck) -> tuple[Optional[InferenceModel], Optional[str]]:
+    """The fx route's copy, or None and why not: the model does not trace, or its copy does not match."""
+    try:
+        graph_module = trace(copy.deepcopy(model))
+    except Exception as error:  # any model code can fail under symbolic tracing
+        return None, f'{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ""}'
+    fused, error = _checked(graph_module, fuse_graph(graph_module, prepack), check)
+    if error is None:
+        return fused, None
+    return None, f'the traced graph output differs from the model by {error:.2e} (relative)'
+
+
+def _module_route(model: nn.Module, prepack: bool, check: _ExampleCheck, trace_error: Optional[str]) -> InferenceModel:
+    """The module route's copy, which must match the model on the example input."""
+    network = copy.deepcopy(model)
+    summary = fuse_modules(network, prepack)
+    summary.trace_error = trace_error
+    fused, error = _checked(network, summary, check)
+    if error is not None:
+        raise RuntimeError(
+            f'the fused copy of {type(model).__name__} differs from it by {error:.2e} relative to its '
+            f'largest output (> rtol={check.rtol}) on the example input; please report this model'
+        )
+    return fused
+
+
 def fuse_for_inference(
     model: nn.Module, example_input: Any = None, *, traceable: bool = False, rtol: float = 1e-4, backend: str = 'eager'
 ) -> InferenceModel:
     """An eval-only, NHWC, fused copy of ``model`` (see :mod:`channels_last_algo.core.fuse`).
 
     Args:
-        model: a conv net in eval mode. Not modified. Its parameters may require grad: the
-            copy's do not.
-        example_input: an input (a tensor, or a tuple of positional arguments) the copy is
-            checked on: the fx route's output must match ``model``'s within ``rtol`` of the
-            largest output magnitude, else the module route is taken, and its output must
-            match too, else ``RuntimeError``. It also prepacks the weights for its shape, finds
-            the convolutions whose fused kernel refuses that shape (``summary.refused``), and
-            compiles the copy (``backend='inductor'``). When None, nothing is run.
-        traceable: keep plain weights (no oneDNN prepacking) and out-of-place residual adds,
-            as ``torch.export`` needs them; slower in eager mode.
+        model: a conv net in eval mode. Not modified. Its parameters may require grad: the copy's do not.
+        example_input: an input (a tensor, or a tuple of positional arguments) the copy is checked on: the
+            fx route's output must match ``model``'s within ``rtol`` of the largest output magnitude, else
+            the module route is taken, and its output must match too, else ``RuntimeError``. It also
+            prepacks the weights for its shape, finds the convolutions whose fused kernel refuses that
+            shape (``summary.refused``), and compiles the copy (``backend='inductor'``). None: nothing runs.
+        traceable: keep plain weights (no oneDNN prepacking) and out-of-place residual adds, as
+            ``torch.export`` needs them; slower in eager mode.
         rtol: the tolerance of the ``example_input`` check, relative to the largest output.
-        backend: ``'eager'``: the fused oneDNN / cuDNN kernels, called from Python.
-            ``'inductor'``: the fused network (BatchNorm folded) compiled by ``torch.compile``
-            with inductor's freezing, which fuses, prepacks and generates the rest itself;
-            compiling takes minutes for a ResNet-50 on a small CPU, at the first call.
+        backend: ``'eager'``: the fused oneDNN / cuDNN kernels, called from Python. ``'inductor'``: the
+            fused network (BatchNorm folded) compiled by ``torch.compile`` with inductor's freezing, which
+            fuses, prepacks and generates the rest itself; compiling takes minutes for a ResNet-50 on a
+            small CPU, at the first call.
 
     Returns:
         An :class:`InferenceModel` (eval mode, no parameter requiring grad) with the
-        :class:`~channels_last_algo.core.fuse.summary.FusionSummary` in ``.summary``. A
-        warning names the BatchNorms left unfused, if any.
+        :class:`~channels_last_algo.core.fuse.summary.FusionSummary` in ``.summary``. A warning names
+        the BatchNorms left unfused, if any.
 
     Raises:
         ValueError: ``model`` or a submodule of it is in train mode, or a bad ``backend``.
@@ -168,64 +247,10 @@ def fuse_for_inference(
     require_module(model, 'fuse_for_inference')
     require_flags('fuse_for_inference', traceable=traceable)
     _check_arguments(model, traceable, backend)
-    inputs = example_input if isinstance(example_input, tuple) or example_input is None else (example_input,)
     prepack = not traceable and backend == 'eager'
-
-    def finish(network: nn.Module, summary: FusionSummary) -> InferenceModel:
-        with torch.no_grad():
-            apply_channels_last(network)
-        summary.backend = backend
-        fused = InferenceModel(network if backend == 'eager' else torch.compile(network), summary).eval()
-        fused.requires_grad_(False)
-        return fused
-
-    expected = []  # the model's output on the example input, computed once
-
-    def mismatch(fused: InferenceModel) -> Optional[float]:
-        if inputs is None:
-            return None
-        with torch.no_grad():
-            if not expected:
-                expected.append(model(*inputs))
-            try:
-                actual = fused(*inputs)
-            except Exception as error:  # what torch.compile raises is any of dynamo's and inductor's errors
-                if backend == 'eager':
-                    raise
-                raise RuntimeError(
-                    f'fuse_for_inference(backend={backend!r}): torch.compile failed on the fused '
-                    f'{type(model).__name__}: {type(error).__name__}: {str(error).strip().splitlines()[0]}; '
-                    "use backend='eager' (the fused kernels without compiling)"
-                ) from error
-            error = _max_relative_error(actual, expected[0])
-        return error if not error <= rtol else None
-
-    def checked(network: nn.Module, summary: FusionSummary) -> tuple[InferenceModel, Optional[float]]:
-        fused = finish(network, summary)
-        error = mismatch(fused)
-        summary.refused = _refused_at_example(network)
-        return fused, error
-
-    trace_error = None
-    try:
-        graph_module = trace(copy.deepcopy(model))
-    except Exception as error:  # any model code can fail under symbolic tracing
-        trace_error = f'{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ""}'
-    else:
-        fused, error = checked(graph_module, fuse_graph(graph_module, prepack))
-        if error is None:
-            _report(model, fused.summary)
-            return fused
-        trace_error = f'the traced graph output differs from the model by {error:.2e} (relative)'
-
-    network = copy.deepcopy(model)
-    summary = fuse_modules(network, prepack)
-    summary.trace_error = trace_error
-    fused, error = checked(network, summary)
-    if error is not None:
-        raise RuntimeError(
-            f'the fused copy of {type(model).__name__} differs from it by {error:.2e} relative to its '
-            f'largest output (> rtol={rtol}) on the example input; please report this model'
-        )
+    check = _ExampleCheck(model, example_input, backend, rtol)
+    fused, trace_error = _fx_route(model, prepack, check)
+    if fused is None:
+        fused = _module_route(model, prepack, check, trace_error)
     _report(model, fused.summary)
     return fused

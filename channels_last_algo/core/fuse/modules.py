@@ -40,51 +40,63 @@ def _plain_sequential(module: nn.Module) -> bool:
     return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
 
 
-def fuse_modules(model: nn.Module, prepack: bool) -> FusionSummary:
-    """Fold and fuse the patterns in ``model``'s ``nn.Sequential`` containers and turn every
-    other convolution into a :class:`~channels_last_algo.core.fuse.conv.FusedConv2d`, in place."""
-    summary = FusionSummary(route='modules')
-    uses = collections.Counter(id(module) for _, module in model.named_modules(remove_duplicate=False))
+class _ModuleFuser:
+    """One module-route pass over ``model``: how often each module appears in it, and the fusion
+    at a slot of a plain ``nn.Sequential`` or at one module alone."""
 
-    def value_of(element: Element, module: nn.Module, previous: Optional[nn.Module]) -> Any:
-        return element.of_module(module) if previous is not None or uses[id(module)] == 1 else None
+    def __init__(self, model: nn.Module, prepack: bool) -> None:
+        self.model = model
+        self.prepack = prepack
+        self.uses = collections.Counter(id(module) for _, module in model.named_modules(remove_duplicate=False))
 
-    def fuse_slot(slots: dict[str, nn.Module], names: list[str], index: int) -> Optional[str]:
+    def value_of(self, element: Element, module: nn.Module, previous: Optional[nn.Module]) -> Any:
+        """What ``element`` accepts of ``module``; a convolution that appears twice is left alone."""
+        return element.of_module(module) if previous is not None or self.uses[id(module)] == 1 else None
+
+    def fuse_slot(self, slots: dict[str, nn.Module], names: list[str], index: int) -> Optional[str]:
+        """Fuse the run of children from ``names[index]``; absorbed children become ``nn.Identity``."""
+
         def run_at() -> list[str]:  # slot names
             steps = [name for name in names[index + 1 :] if not is_eval_identity(slots[name])]
             return [names[index], *steps[: LONGEST_PATTERN - 1]]
 
         def slot_value(element: Element, slot: str, previous: Optional[str]) -> Any:
-            return value_of(element, slots[slot], None if previous is None else slots[previous])
+            return self.value_of(element, slots[slot], None if previous is None else slots[previous])
 
         def replace(match: Match, module: nn.Module) -> None:
             first, *absorbed = match.items
             slots[first] = module
-            uses[id(module)] = 1  # a folded convolution is matched again
+            self.uses[id(module)] = 1  # a folded convolution is matched again
             for slot in absorbed:
                 slots[slot] = nn.Identity()
 
-        return fuse_chain(run_at, slot_value, replace, prepack)
+        return fuse_chain(run_at, slot_value, replace, self.prepack)
 
+    def fuse_alone(self, path: str) -> Optional[str]:
+        """Fuse the module at ``path`` by itself (a convolution into a ``FusedConv2d``)."""
+        parent, _, name = path.rpartition('.')
+
+        def replace(match: Match, module: nn.Module) -> None:
+            setattr(self.model.get_submodule(parent), name, module)
+
+        return fuse_chain(lambda: [self.model.get_submodule(path)], self.value_of, replace, self.prepack)
+
+
+def fuse_modules(model: nn.Module, prepack: bool) -> FusionSummary:
+    """Fold and fuse the patterns in ``model``'s ``nn.Sequential`` containers and turn every
+    other convolution into a :class:`~channels_last_algo.core.fuse.conv.FusedConv2d`, in place."""
+    summary = FusionSummary(route='modules')
+    fuser = _ModuleFuser(model, prepack)
     for prefix, container in list(model.named_modules()):
         if not _plain_sequential(container):
             continue
         names = list(container._modules)
         for index, name in enumerate(names):
-            description = fuse_slot(container._modules, names, index)
+            description = fuser.fuse_slot(container._modules, names, index)
             if description is not None:
                 summary.fused[f'{prefix}.{name}' if prefix else name] = description
-
-    def fuse_alone(path: str) -> Optional[str]:
-        parent, _, name = path.rpartition('.')
-
-        def replace(match: Match, module: nn.Module) -> None:
-            setattr(model.get_submodule(parent), name, module)
-
-        return fuse_chain(lambda: [model.get_submodule(path)], value_of, replace, prepack)
-
     for path, _ in list(model.named_modules())[1:]:  # not the model itself: it has no slot to replace
-        description = fuse_alone(path)
+        description = fuser.fuse_alone(path)
         if description is not None:
             summary.fused[path] = description
     summary.unfused = batchnorm_paths(model)

@@ -1,4 +1,6 @@
-"""NHWC-preserving replacements for the layers that drop channels last, and the rules that apply them.
+"""The swapped layers: NHWC-preserving replacements for the layers that drop channels last and the
+rules that apply them (:mod:`.rules`), and the kernel safe paths that the known layout kernel bugs
+(:mod:`channels_last_algo.core.safety.bugs`) route layers through (:mod:`.safe_paths`).
 
 The replacements of timm's layers (``channel_concat``, ``split_attention``,
 ``weight_standardization``) import timm and are loaded by the rules only for models that
@@ -13,7 +15,7 @@ Example:
     >>> import torch
     >>> from channels_last_algo.core.layers import repair_model
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1))
-    >>> [record.rule for record in repair_model(model)]
+    >>> [record.reason for record in repair_model(model)]
     ['global_avg_pool']
 """
 
@@ -34,7 +36,8 @@ from channels_last_algo.core.layers.pixel_shuffle import (
     pixel_shuffle_nhwc,
     pixel_unshuffle_nhwc,
 )
-from channels_last_algo.core.layers.rules import RULES, RepairRecord, RepairRule, repair_model, version_in
+from channels_last_algo.core.layers.rules import RULES, RepairRule, repair_model
+from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, SubsampledConv2d
 
 __all__ = [
     'RULES',
@@ -48,8 +51,9 @@ __all__ = [
     'ChannelsLastPixelUnshuffle',
     'ChannelsLastReflectionPad2d',
     'ChannelsLastReplicationPad2d',
-    'RepairRecord',
+    'NCHWAvgPool2d',
     'RepairRule',
+    'SubsampledConv2d',
     'bicubic_upsample_nhwc',
     'global_avg_pool_nhwc',
     'group_norm_nhwc',
@@ -59,5 +63,4 @@ __all__ = [
     'pixel_shuffle_nhwc',
     'pixel_unshuffle_nhwc',
     'repair_model',
-    'version_in',
 ]

@@ -8,14 +8,14 @@ torch versions. A rule applies only where its break exists, so a rule that a new
 makes unnecessary is not applied there; ``tests/test_repair.py`` probes every rule's break
 on the installed torch, so a row whose versions are wrong fails there.
 
-Applying a rule reassigns the module's class in place: the module keeps its ``Parameter``
-and buffer objects (an optimizer built before stays valid), its hooks, and its
-``state_dict`` keys and values, so checkpoints load into the repaired and the unrepaired
-model alike. Layers of other libraries (timm's) are named by their qualified class name,
+Applying a rule reassigns the module's class in place (:mod:`channels_last_algo.core.swap`): the
+module keeps its ``Parameter`` and buffer objects (an optimizer built before stays valid), its
+hooks, and its ``state_dict`` keys and values, so checkpoints load into the repaired and the
+unrepaired model alike. Layers of other libraries (timm's) are named by their qualified class name,
 and their replacements are imported only when a model holds them, so the table costs no
 import. Adding a rule is adding a row to :data:`RULES` and a small layer in this package.
 When several rules match a module, the first applicable row wins. Where no rule applies, the
-boundary fallback (:mod:`channels_last_algo.core.boundary`) keeps the rest of the network NHWC.
+op repair (:mod:`channels_last_algo.core.op_repair`) keeps the rest of the network NHWC.
 
 Some breaks need no rule of their own because they follow from one that has a rule: the
 layer-scale ``mul``/``add`` of ConvNeXt's last blocks and the activation backward before a
@@ -25,8 +25,8 @@ around a UNet's ``ConvTranspose2d`` from the instance norm and bicubic breaks be
 Example:
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.InstanceNorm2d(8))
-    >>> [(r.path, r.original, r.rule) for r in repair_model(model)]
-    [('1', 'torch.nn.modules.instancenorm.InstanceNorm2d', 'instance_norm')]
+    >>> [(r.path, r.kind, r.reason, r.original) for r in repair_model(model)]
+    [('1', 'repair', 'instance_norm', 'torch.nn.modules.instancenorm.InstanceNorm2d')]
     >>> type(model[1]).__name__
     'ChannelsLastInstanceNorm2d'
     >>> repair_model(model)         # idempotent
@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import itertools
 import logging
-import re
 from collections.abc import Callable, Sequence
 from typing import Optional, Union
 
@@ -60,54 +58,14 @@ from channels_last_algo.core.layers.group_norm_nhwc import (
 from channels_last_algo.core.layers.mobilenet_v2 import ChannelsLastMobileNetV2
 from channels_last_algo.core.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d
 from channels_last_algo.core.layers.pixel_shuffle import ChannelsLastPixelShuffle, ChannelsLastPixelUnshuffle
+from channels_last_algo.core.runtime import VersionSpec, model_device
+from channels_last_algo.core.swap import SwapRecord, is_exact_type, qualified_name, require_subclass, swap_first_match
 
-__all__ = ['RULES', 'RepairRecord', 'RepairRule', 'qualified_name', 'repair_model', 'version_in']
+__all__ = ['RULES', 'RepairRule', 'repair_model']
 
 log = logging.getLogger(__name__)
 
 _LAYERS = 'channels_last_algo.core.layers'
-
-
-def qualified_name(cls: type) -> str:
-    return f'{cls.__module__}.{cls.__qualname__}'
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """(2, 7, 0) for '2.7.0+cu126', (2, 15) for '2.15'."""
-    match = re.match(r'\d+(\.\d+)*', version)
-    if match is None:
-        raise ValueError(f'{version!r} is not a version number such as 2.7 or 2.14.1')
-    return tuple(int(part) for part in match.group(0).split('.'))
-
-
-_COMPARE = {
-    '>=': lambda a, b: a >= b,
-    '<=': lambda a, b: a <= b,
-    '==': lambda a, b: a == b,
-    '>': lambda a, b: a > b,
-    '<': lambda a, b: a < b,
-}
-
-
-def version_in(version: str, spec: str) -> bool:
-    """True when ``version`` satisfies every clause of ``spec`` ('>=2.7,<2.15'; '' is any).
-
-    Example:
-        >>> version_in('2.14.1+cu130', '>=2.7,<2.15'), version_in('2.15.0', '>=2.7,<2.15')
-        (True, False)
-    """
-    release = _release(version)
-    for clause in filter(None, (c.strip() for c in spec.split(','))):
-        operator = next((op for op in ('>=', '<=', '==', '>', '<') if clause.startswith(op)), None)
-        if operator is None:
-            raise ValueError(f'torch version clause {clause!r} must start with >=, <=, ==, > or <')
-        bound = _release(clause[len(operator) :].strip())
-        width = max(len(release), len(bound))
-        pad = (0,) * width
-        if not _COMPARE[operator]((release + pad)[:width], (bound + pad)[:width]):
-            return False
-    return True
-
 
 LayerType = Union[type, str]  # a class, or a qualified class name imported only when needed
 
@@ -124,14 +82,15 @@ class RepairRule:
     """One row of the rule table.
 
     Attributes:
-        name: short identifier, reported in :class:`RepairRecord`.
+        name: short identifier, the ``reason`` of its :class:`~channels_last_algo.core.swap.SwapRecord`.
         breaks: the op that drops NHWC without the rule, and in which pass ('aten.cat (forward)').
         original: the layer type holding it (exact type, not subclasses), or its qualified name.
         replacement: a subclass of ``original`` that adds no state and keeps NHWC, or its
             qualified name (imported when a model holds ``original``).
         removes: how the break shows and why the replacement removes it.
         devices: the device types whose kernels have the break.
-        torch_versions: the torch versions that have it ('>=2.7'; see :func:`version_in`).
+        torch_versions: the torch versions that have it, a
+            :class:`~channels_last_algo.core.runtime.VersionSpec` or its clauses ('>=2.7').
         condition: further test on the module's settings; None matches every instance.
     """
 
@@ -141,10 +100,11 @@ class RepairRule:
     replacement: LayerType
     removes: str
     devices: tuple[str, ...] = ('cpu', 'cuda')
-    torch_versions: str = '>=2.7'
+    torch_versions: VersionSpec = VersionSpec.parse('>=2.7')
     condition: Optional[Callable[[nn.Module], bool]] = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, 'torch_versions', VersionSpec.of(self.torch_versions))
         if isinstance(self.original, type) and isinstance(self.replacement, type):
             self.replacement_type()
 
@@ -154,42 +114,19 @@ class RepairRule:
 
     def replacement_type(self) -> type:
         """The replacement class (imported now if named by a string), checked to subclass the original."""
-        replacement, original = _resolve(self.replacement), _resolve(self.original)
-        if not issubclass(replacement, original):
-            raise TypeError(
-                f'repair rule {self.name!r}: replacement {qualified_name(replacement)} must subclass '
-                f'{qualified_name(original)} so that the swapped module keeps its state; '
-                'derive the replacement from the original and override forward only'
-            )
-        return replacement
+        return require_subclass(
+            _resolve(self.replacement), _resolve(self.original), f'repair rule {self.name!r}', 'replacement'
+        )
 
     def applies(self, device: torch.device, version: str = torch.__version__) -> bool:
         """True when the break this rule removes exists on ``device`` with torch ``version``."""
-        return device.type in self.devices and version_in(version, self.torch_versions)
+        return device.type in self.devices and self.torch_versions.contains(version)
 
     def matches(self, module: nn.Module, device: torch.device) -> bool:
         """True when this rule applies to ``module`` in a model on ``device``."""
-        if qualified_name(type(module)) != self.original_name or not self.applies(device):
+        if not is_exact_type(module, self) or not self.applies(device):
             return False
         return self.condition is None or self.condition(module)
-
-
-@dataclasses.dataclass(frozen=True)
-class RepairRecord:
-    """One module that :func:`repair_model` replaced.
-
-    Attributes:
-        path: the module's name in ``model.named_modules()`` ('' for the model itself).
-        original: qualified name of the module's type before the repair.
-        rule: name of the :class:`RepairRule` applied (``'boundary_fallback'`` for the fallback
-            of :mod:`channels_last_algo.core.boundary`).
-        detail: what the repair does there, where the rule name does not say it.
-    """
-
-    path: str
-    original: str
-    rule: str
-    detail: str = ''
 
 
 _TIMM_GHOST = 'timm.models.ghostnet'
@@ -326,17 +263,11 @@ RULES: tuple[RepairRule, ...] = (
 )
 
 
-def _model_device(model: nn.Module) -> torch.device:
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        return tensor.device
-    return torch.device('cpu')
-
-
 def repair_model(
     model: nn.Module,
     device: Optional[Union[torch.device, str]] = None,
     rules: Sequence[RepairRule] = RULES,
-) -> list[RepairRecord]:
+) -> list[SwapRecord]:
     """Swap, in place, every module of ``model`` that a rule matches for its NHWC replacement.
 
     Args:
@@ -347,23 +278,18 @@ def repair_model(
         rules: the rule table, :data:`RULES` unless given.
 
     Returns:
-        One :class:`RepairRecord` per replaced module, in ``named_modules`` order; empty
-        when nothing matched (a repaired model matches nothing again).
+        One :class:`~channels_last_algo.core.swap.SwapRecord` (kind ``'repair'``, the rule's name
+        as its reason) per replaced module, in ``named_modules`` order; empty when nothing
+        matched (a repaired model matches nothing again).
     """
     require_module(model, 'repair_model')
-    device = _model_device(model) if device is None else torch.device(device)
-    records = []
-    for path, module in model.named_modules():
-        rule = next((r for r in rules if r.matches(module, device)), None)
-        if rule is None:
-            continue
-        records.append(RepairRecord(path=path, original=qualified_name(type(module)), rule=rule.name))
-        module.__class__ = rule.replacement_type()
+    device = model_device(model) if device is None else torch.device(device)
+    records = swap_first_match(model, rules, 'repair', lambda rule, module: rule.matches(module, device))
     if records:
         log.info(
             '%s: repaired %d modules for channels last: %s',
             type(model).__name__,
             len(records),
-            ', '.join(sorted({r.rule for r in records})),
+            ', '.join(sorted({r.reason for r in records})),
         )
     return records

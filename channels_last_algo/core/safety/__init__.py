@@ -1,11 +1,15 @@
 """Kernel safety: channels last never crashes a run or changes its numbers where NCHW does not.
 
-- :mod:`.runtime`: the torch version, device and CPU instruction set a bug depends on.
+This package holds the table of known layout kernel bugs and its diagnostics; the safe paths
+are swapped layers (:mod:`channels_last_algo.core.layers.safe_paths`), and the torch version,
+device and CPU instruction set a bug depends on are a
+:class:`~channels_last_algo.core.runtime.Runtime`.
+
 - :mod:`.bugs`: the table of known layout kernel bugs and :func:`make_safe`, which routes the
-  layers they affect through a safe path (:mod:`.safe_layers`); part of ``apply_channels_last``.
+  layers they affect through a safe path; part of ``apply_channels_last``.
 - :mod:`.probe`: run a repro or a model step in a child process, so a crash is a result.
 - :mod:`.layer_check`: every layer's float32 channels-last kernels against float64.
-- :mod:`.doctor`: check one model on this torch and hardware (``channels-last doctor``).
+- :mod:`.diagnostics`: check one model on this torch and hardware (``channels-last doctor``).
 
 Example:
     >>> from channels_last_algo.core.safety import KNOWN_BUGS
@@ -13,27 +17,14 @@ Example:
     ['cuda_avg_pool2d_nhwc_backward_padding', 'onednn_1x1_strided_weight_grad']
 """
 
-from channels_last_algo.core.safety.bugs import (
-    FAILURES,
-    KNOWN_BUGS,
-    KernelBug,
-    SafePathRecord,
-    make_safe,
-    matching_bugs,
-)
+from channels_last_algo.core.safety.bugs import FAILURES, KNOWN_BUGS, KernelBug, make_safe, matching_bugs
 from channels_last_algo.core.safety.probe import ProbeResult, WrongNumbers, run_code, run_isolated
-from channels_last_algo.core.safety.runtime import Runtime
-from channels_last_algo.core.safety.safe_layers import NCHWAvgPool2d, SubsampledConv2d
 
 __all__ = [
     'FAILURES',
     'KNOWN_BUGS',
     'KernelBug',
-    'NCHWAvgPool2d',
     'ProbeResult',
-    'Runtime',
-    'SafePathRecord',
-    'SubsampledConv2d',
     'WrongNumbers',
     'make_safe',
     'matching_bugs',

@@ -8,7 +8,9 @@ instruction sets it occurs on, a minimal reproduction (a Python script, run by
 :func:`~channels_last_algo.core.safety.probe.run_code` in a child process), the failure, and
 the safe path: a subclass of the layer that computes the same numbers without that kernel.
 :func:`make_safe` swaps the class of every matching layer in place (same ``Parameter``
-objects, buffers, hooks and ``state_dict`` keys), as the repair rules do; it is part of
+objects, buffers, hooks and ``state_dict`` keys) with the swap engine the repair rules use
+(:mod:`channels_last_algo.core.swap`); the safe paths live with the other swapped layers
+(:mod:`channels_last_algo.core.layers.safe_paths`). It is part of
 :func:`~channels_last_algo.core.convert.apply_channels_last`.
 
 The conditions are deliberately wider than where a crash was seen (a write past a buffer does
@@ -18,8 +20,8 @@ Example:
     >>> import torch
     >>> stem = torch.nn.Sequential(torch.nn.Conv2d(3, 48, 1, stride=2, bias=False))
     >>> cpu = Runtime(torch_version=(2, 7, 0), device='cpu', cpu_isa='AVX512')
-    >>> [(r.path, r.bug, r.safe_path) for r in make_safe(stem, runtimes=[cpu])]
-    [('0', 'onednn_1x1_strided_weight_grad', 'SubsampledConv2d')]
+    >>> [(r.path, r.kind, r.reason, r.replacement) for r in make_safe(stem, runtimes=[cpu])]
+    [('0', 'safe_path', 'onednn_1x1_strided_weight_grad', 'SubsampledConv2d')]
     >>> make_safe(stem, runtimes=[cpu])     # idempotent
     []
 """
@@ -27,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Optional
@@ -35,10 +36,18 @@ from typing import Optional
 import torch
 from torch import nn
 
-from channels_last_algo.core.safety.runtime import Runtime
-from channels_last_algo.core.safety.safe_layers import NCHWAvgPool2d, SubsampledConv2d
+from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, SubsampledConv2d
+from channels_last_algo.core.runtime import Runtime, VersionSpec, model_device
+from channels_last_algo.core.swap import (
+    SwapRecord,
+    first_matches,
+    is_exact_type,
+    qualified_name,
+    require_subclass,
+    swap_first_match,
+)
 
-__all__ = ['FAILURES', 'KNOWN_BUGS', 'KernelBug', 'SafePathRecord', 'default_runtimes', 'make_safe', 'matching_bugs']
+__all__ = ['FAILURES', 'KNOWN_BUGS', 'KernelBug', 'default_runtimes', 'make_safe', 'matching_bugs']
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +61,16 @@ class KernelBug:
     """One row of the table of known layout kernel bugs.
 
     Attributes:
-        name: short identifier, reported in :class:`SafePathRecord`.
+        name: short identifier, the ``reason`` of its :class:`~channels_last_algo.core.swap.SwapRecord`.
         op: the op and kernel that fail.
         layer: the module type whose settings reach it (matched exactly: a subclass has its own
             forward, which a safe path would replace).
         condition: the test on the layer's settings (and the runtime, where they interact).
         shape_condition: ``condition`` in words, with what the probes saw.
         devices: the device types the kernel runs on.
-        torch_versions: (first affected, first fixed) torch versions; None: no known bound.
+        torch_versions: the torch versions that have it, a
+            :class:`~channels_last_algo.core.runtime.VersionSpec` (first affected, first fixed;
+            None: no known bound) or its clauses ('<2.14').
         cpu_isa: on the CPU, the instruction sets whose kernels fail (None: any).
         failures: what it does, each one of :data:`FAILURES`.
         repro: a self-contained Python script: it exits 0 where the kernel behaves, dies from a
@@ -75,7 +86,7 @@ class KernelBug:
     condition: Callable[[nn.Module, Runtime], bool]
     shape_condition: str
     devices: tuple[str, ...]
-    torch_versions: tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]]]
+    torch_versions: VersionSpec
     cpu_isa: Optional[tuple[str, ...]]
     failures: tuple[str, ...]
     repro: str
@@ -84,23 +95,25 @@ class KernelBug:
     observed: str
 
     def __post_init__(self) -> None:
-        if not issubclass(self.safe_path, self.layer):
-            raise TypeError(
-                f'kernel bug {self.name!r}: safe path {self.safe_path.__name__} must subclass '
-                f'{self.layer.__name__} so that a swapped module keeps its state; derive it from the '
-                'layer and override forward only'
-            )
+        object.__setattr__(self, 'torch_versions', VersionSpec.of(self.torch_versions))
+        self.replacement_type()
         unknown = [f for f in self.failures if f not in FAILURES]
         if not self.failures or unknown:
             raise ValueError(f'kernel bug {self.name!r}: failures {self.failures} must be one or more of {FAILURES}')
 
+    @property
+    def original_name(self) -> str:
+        return qualified_name(self.layer)
+
+    def replacement_type(self) -> type:
+        """The safe path, checked to subclass the layer."""
+        return require_subclass(
+            self.safe_path, self.layer, f'kernel bug {self.name!r}', 'safe path', name=lambda cls: cls.__name__
+        )
+
     def affects(self, runtime: Runtime) -> bool:
         """True when ``runtime``'s device, torch version and CPU instruction set have this bug."""
-        first, fixed = self.torch_versions
-        if runtime.device not in self.devices:
-            return False
-        version = runtime.torch_version
-        if (first is not None and version < first) or (fixed is not None and version >= fixed):
+        if runtime.device not in self.devices or not self.torch_versions.contains(runtime.torch_version):
             return False
         return runtime.device != 'cpu' or self.cpu_isa is None or runtime.cpu_isa in self.cpu_isa
 
@@ -117,7 +130,7 @@ class KernelBug:
     def matches(self, module: nn.Module, runtime: Runtime) -> bool:
         """True when ``module`` reaches the failing kernel on ``runtime`` and is exactly a ``layer``,
         whose forward the safe path may replace."""
-        return type(module) is self.layer and self.reaches(module, runtime)
+        return is_exact_type(module, self) and self.reaches(module, runtime)
 
 
 # The channel block of oneDNN's jit_1x1 kernels for fp32: an AVX-512 register holds 16 floats, AVX2 8.
@@ -180,7 +193,7 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
         'steps ran with right numbers, at batch 1 the process died within twenty steps. Seen in fp32 (torch 2.7 and '
         '2.14) and bf16 (torch 2.14). Stride 3 runs a generic oneDNN kernel here and did not crash.',
         devices=('cpu',),
-        torch_versions=(None, None),
+        torch_versions='',
         cpu_isa=('AVX512', 'AVX2'),
         failures=('crash', 'hang', 'wrong numbers'),
         repro=_ONEDNN_1X1_REPRO,
@@ -207,7 +220,7 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
         condition=_padded,
         shape_condition='padding > 0, input channels last; the forward and padding 0 are right',
         devices=('cuda',),
-        torch_versions=(None, (2, 14, 0)),
+        torch_versions='<2.14',
         cpu_isa=None,
         failures=('wrong numbers',),
         repro=_CUDA_AVG_POOL_REPRO,
@@ -221,27 +234,10 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class SafePathRecord:
-    """One layer that :func:`make_safe` routed through a safe path.
-
-    Attributes:
-        path: the module's name in ``model.named_modules()`` ('' for the model itself).
-        bug: the :class:`KernelBug` name whose condition it matched.
-        original: qualified name of its type before.
-        safe_path: the class it has now.
-    """
-
-    path: str
-    bug: str
-    original: str
-    safe_path: str
-
-
 def default_runtimes(model: nn.Module) -> list[Runtime]:
     """The runtimes a model may train on from here: its device, and CUDA too when the model
     is on the CPU and CUDA is available (a model is often converted before it is moved)."""
-    device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
+    device = model_device(model)
     runtimes = [Runtime.current(device)]
     if device.type == 'cpu' and torch.cuda.is_available():
         runtimes.append(Runtime.current('cuda'))
@@ -255,19 +251,14 @@ def matching_bugs(
     (:meth:`KernelBug.matches`; with ``subclasses``, :meth:`KernelBug.reaches`: also the
     subclasses that no safe path can replace), the first such row per module, in
     ``named_modules`` order."""
-    found = []
-    for path, module in model.named_modules():
-        bug = next(
-            (b for b in bugs if any((b.reaches if subclasses else b.matches)(module, r) for r in runtimes)), None
-        )
-        if bug is not None:
-            found.append((path, module, bug))
-    return found
+    return first_matches(
+        model, bugs, lambda b, module: any((b.reaches if subclasses else b.matches)(module, r) for r in runtimes)
+    )
 
 
 def make_safe(
     model: nn.Module, runtimes: Optional[Sequence[Runtime]] = None, bugs: Sequence[KernelBug] = KNOWN_BUGS
-) -> list[SafePathRecord]:
+) -> list[SwapRecord]:
     """Swap, in place, every layer of ``model`` that a known bug's condition matches for its safe path.
 
     Args:
@@ -276,30 +267,20 @@ def make_safe(
         bugs: the table, :data:`KNOWN_BUGS` unless given.
 
     Returns:
-        One :class:`SafePathRecord` per swapped module; empty when nothing matched (a safe
-        model matches nothing again).
+        One :class:`~channels_last_algo.core.swap.SwapRecord` (kind ``'safe_path'``, the bug's name
+        as its reason, the safe path's class name as its replacement) per swapped module; empty
+        when nothing matched (a safe model matches nothing again).
     """
     runtimes = default_runtimes(model) if runtimes is None else runtimes
-    records = []
-    for path, module, bug in matching_bugs(model, runtimes, bugs):
-        original = type(module)
-        module.__class__ = bug.safe_path
-        records.append(
-            SafePathRecord(
-                path=path,
-                bug=bug.name,
-                safe_path=bug.safe_path.__name__,
-                original=f'{original.__module__}.{original.__qualname__}',
-            )
-        )
+    records = swap_first_match(model, bugs, 'safe_path', lambda b, module: any(b.matches(module, r) for r in runtimes))
     for record in records:
         log.info(
             '%s: layer %s (%s) matches the known layout kernel bug %s on %s; it runs on the safe path %s',
             type(model).__name__,
             record.path or '(root)',
             record.original,
-            record.bug,
+            record.reason,
             ' / '.join(map(str, runtimes)),
-            record.safe_path,
+            record.replacement,
         )
     return records

@@ -158,6 +158,26 @@ def run_code(code: str, timeout: float = 120.0, env: Optional[dict[str, str]] = 
     return ProbeResult(status, seconds, completed.returncode, detail=detail)
 
 
+def _write_call(path: Path, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:
+    """Pickle the call for the child; ValueError saying what to define at module level if it cannot travel."""
+    try:
+        path.write_bytes(pickle.dumps((fn, args, kwargs)))
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise ValueError(
+            f'cannot send {getattr(fn, "__name__", fn)!r} and its arguments to a child process '
+            f'({error}); define the function and the classes of its arguments at module level, '
+            'where the child can import them by name'
+        ) from error
+
+
+def _answer_result(reply: dict[str, Any], seconds: float, returncode: int) -> ProbeResult:
+    """The result of a child that wrote its answer: the value, or the error it raised."""
+    if 'value' in reply:
+        return ProbeResult('ok', seconds, returncode, value=reply['value'])
+    status = 'wrong numbers' if f'{WrongNumbers.__module__}.{WrongNumbers.__qualname__}' in reply['types'] else 'error'
+    return ProbeResult(status, seconds, returncode, detail=_tail(reply['error']))
+
+
 def run_isolated(
     fn: Callable[..., Any], *args: Any, timeout: float = 300.0, env: Optional[dict[str, str]] = None, **kwargs: Any
 ) -> ProbeResult:
@@ -175,16 +195,8 @@ def run_isolated(
     """
     with tempfile.TemporaryDirectory(prefix='channels_last_probe_') as folder:
         call, answer = Path(folder) / 'call.pkl', Path(folder) / 'answer.pkl'
-        try:
-            call.write_bytes(pickle.dumps((fn, args, kwargs)))
-        except (pickle.PicklingError, AttributeError, TypeError) as error:
-            raise ValueError(
-                f'cannot send {getattr(fn, "__name__", fn)!r} and its arguments to a child process '
-                f'({error}); define the function and the classes of its arguments at module level, '
-                'where the child can import them by name'
-            ) from error
-        command = [sys.executable, '-c', _CHILD, str(call), str(answer)]
-        seconds, completed = _run(command, timeout, env)
+        _write_call(call, fn, args, kwargs)
+        seconds, completed = _run([sys.executable, '-c', _CHILD, str(call), str(answer)], timeout, env)
         result = _outcome(seconds, completed, timeout)
         if result is not None:
             return result
@@ -196,7 +208,4 @@ def run_isolated(
                 detail=_tail(completed.stderr) or f'the child exited with status {completed.returncode}',
             )
         reply = pickle.loads(answer.read_bytes())
-    if 'value' in reply:
-        return ProbeResult('ok', seconds, completed.returncode, value=reply['value'])
-    status = 'wrong numbers' if f'{WrongNumbers.__module__}.{WrongNumbers.__qualname__}' in reply['types'] else 'error'
-    return ProbeResult(status, seconds, completed.returncode, detail=_tail(reply['error']))
+    return _answer_result(reply, seconds, completed.returncode)

@@ -1,0 +1,62 @@
+"""Kernel safe paths: layers that compute what the original computes without the kernel that fails.
+
+The known layout kernel bugs (:data:`~channels_last_algo.core.safety.bugs.KNOWN_BUGS`) name these
+classes; :func:`~channels_last_algo.core.safety.bugs.make_safe` swaps a matching layer for one.
+
+Each subclasses the layer it replaces and overrides ``forward`` only, so a module whose class
+is swapped keeps its ``Parameter`` objects, buffers, hooks and ``state_dict`` keys. Neither
+branches on its input, calls ``super()`` or holds a helper module, so a model keeps working
+with ``torch.fx.symbolic_trace``, ``torch.jit.script``, ``torch.export`` and ONNX export.
+
+- :class:`SubsampledConv2d`: a 1x1 convolution with stride s, padding 0, is the unit-stride
+  1x1 convolution of ``x[..., ::s, ::s]``. oneDNN's 1x1 kernels compute the strided case by
+  first gathering exactly that subsample into a workspace; the unit-stride kernel needs no
+  workspace, so its backward cannot overrun one. The slice is a view, which the convolution
+  copies to NHWC (channels-last weights decide its layout): the layer stays NHWC in forward and
+  moves a quarter of the bytes a stride-2 round trip through NCHW would.
+- :class:`NCHWAvgPool2d`: average pooling computed on an NCHW copy, the output restrided to
+  channels last: the NHWC backward kernel is never called.
+
+Example:
+    >>> import torch
+    >>> conv = torch.nn.Conv2d(3, 8, 1, stride=2, bias=False).double().to(memory_format=torch.channels_last)
+    >>> x = torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
+    >>> expected = conv(x)
+    >>> conv.__class__ = SubsampledConv2d
+    >>> torch.equal(conv(x), expected), conv(x).is_contiguous(memory_format=torch.channels_last)
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ['NCHWAvgPool2d', 'SubsampledConv2d']
+
+
+class SubsampledConv2d(nn.Conv2d):
+    """A 1x1 ``nn.Conv2d`` with stride > 1 and padding 0 computed as a unit-stride 1x1
+    convolution of the strided subsample of its input (the same numbers)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        subsample = input[..., :: self.stride[0], :: self.stride[1]]
+        return F.conv2d(subsample, self.weight, self.bias, 1, 0, self.dilation, self.groups)
+
+
+class NCHWAvgPool2d(nn.AvgPool2d):
+    """``nn.AvgPool2d`` computed on an NCHW copy of a 4D input, its output restrided to channels
+    last; the NCHW gradient it returns is what the audit then reports as this path's cost."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        output = F.avg_pool2d(
+            input.to(memory_format=torch.contiguous_format),
+            self.kernel_size,
+            self.stride,
+            self.padding,
+            self.ceil_mode,
+            self.count_include_pad,
+            self.divisor_override,
+        )
+        return output.contiguous(memory_format=torch.channels_last)

@@ -1,0 +1,131 @@
+"""What a distributed setting allows for the memory layout of a model's weights.
+
+In one process and under DDP the weights go channels last: ``ChannelsLast`` restrides them at
+``Event.INIT``, before Composer wraps the model in DDP, and DDP's gradient bucket views take
+the parameters' strides when the wrapper is built, so gradients, buckets and weights are all
+NHWC (1x1 and depthwise kernels included, with their real channels-last strides) and no
+gradient is restrided on its way into a bucket.
+
+Sharding needs contiguous weights: FSDP2 (``fully_shard``) refuses non-contiguous
+parameters, FSDP1 flattens them into a 1D ``FlatParameter`` in logical order, and tensor
+parallelism shards DTensors the same way. There the weights stay contiguous and only the
+activations go NHWC: a convolution whose input is NHWC computes in NHWC (oneDNN and cuDNN take
+the layout from the input or the weight), so its output, and the activations after it, stay
+NHWC; only each weight gradient is copied to the contiguous layout.
+
+A model that is *already* wrapped in DDP is refused: its buckets were built with the old
+strides, so restriding now would copy every gradient every step.
+
+Example:
+    >>> import torch
+    >>> str(weight_layout_for(torch.nn.Conv2d(3, 8, 3)))
+    'weights channels last (no sharding: one process, or DDP wrapped after the conversion)'
+    >>> class FSDP2Config: ...      # any sharding config: Composer's, a Lightning FSDPStrategy
+    >>> plan = weight_layout_for(torch.nn.Conv2d(3, 8, 3), fsdp_config=FSDP2Config())
+    >>> plan.contiguous, plan.sharded
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from channels_last_algo.core.layout import MemoryFormat
+
+__all__ = ['WeightLayoutPlan', 'weight_layout_for']
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightLayoutPlan:
+    """The weight layout a distributed setting allows, and why.
+
+    Attributes:
+        contiguous: keep the 4D/5D weights contiguous (channels first); activations still go
+            NHWC. False: restride the weights to channels last.
+        reason: what in the setting decided it, naming the wrapper, its module path or the config.
+        sharded: the parameters are already sharded or flattened by a wrapper, which owns their
+            storage; nothing may restride them.
+    """
+
+    contiguous: bool
+    reason: str
+    sharded: bool = False
+
+    @property
+    def memory_format(self) -> MemoryFormat:
+        """The weights' memory format: channels first when they stay contiguous."""
+        return MemoryFormat.CHANNELS_FIRST if self.contiguous else MemoryFormat.CHANNELS_LAST
+
+    def __str__(self) -> str:
+        layout = 'weights contiguous, activations NHWC' if self.contiguous else 'weights channels last'
+        return f'{layout} ({self.reason})'
+
+
+def _module_label(path: str) -> str:
+    return f'at {path!r}' if path else 'at the top'
+
+
+def weight_layout_for(
+    model: torch.nn.Module,
+    fsdp_config: Optional[Any] = None,
+    tp_config: Optional[Any] = None,
+) -> WeightLayoutPlan:
+    """The weight layout allowed for ``model``, wrapped as it is now and to be wrapped as configured.
+
+    Args:
+        model: the model, bare or already wrapped (FSDP1, FSDP2, DTensor parameters).
+        fsdp_config: the sharding config the trainer will apply (Composer's ``FSDPConfig`` or
+            ``FSDP2Config`` as ``State.fsdp_config`` holds it, a Lightning ``FSDPStrategy``), or
+            None when the model will not be sharded.
+        tp_config: Composer's tensor-parallel config (``State.tp_config``), or None.
+
+    Raises:
+        ValueError: ``model`` is already wrapped in ``DistributedDataParallel``.
+    """
+    if not torch.distributed.is_available():
+        return WeightLayoutPlan(False, 'torch.distributed is not available: one process')
+    plan = _wrapped_now(model)
+    if plan is not None:
+        return plan
+    if fsdp_config is not None:
+        return WeightLayoutPlan(
+            True, f'{type(fsdp_config).__name__}: FSDP will shard the parameters, which needs them contiguous'
+        )
+    if tp_config is not None:
+        return WeightLayoutPlan(
+            True,
+            f'{type(tp_config).__name__}: tensor parallelism will shard the parameters, which needs them contiguous',
+        )
+    return WeightLayoutPlan(False, 'no sharding: one process, or DDP wrapped after the conversion')
+
+
+def _wrapped_now(model: torch.nn.Module) -> Optional[WeightLayoutPlan]:
+    """The plan a wrapper already around ``model`` (or inside it) imposes; None when unwrapped.
+    Refuses DDP (see :func:`weight_layout_for`)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    for path, module in model.named_modules():
+        if isinstance(module, DistributedDataParallel):
+            raise ValueError(
+                f'{type(model).__name__} is already wrapped in DistributedDataParallel ({_module_label(path)}): '
+                'its gradient buckets keep the strides the parameters had when it was built, so restriding now '
+                'would copy every gradient every step. Convert the bare model first (LayoutGuard.on_init or '
+                'apply_channels_last), then wrap it; the Composer Trainer does this in this order.'
+            )
+        if isinstance(module, FullyShardedDataParallel):
+            return WeightLayoutPlan(
+                True, f'FSDP1 FullyShardedDataParallel {_module_label(path)} flattens the parameters', sharded=True
+            )
+        if isinstance(module, FSDPModule):
+            return WeightLayoutPlan(
+                True, f'FSDP2 fully_shard {_module_label(path)} needs contiguous parameters', sharded=True
+            )
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            return WeightLayoutPlan(True, f'parameter {name!r} is a sharded DTensor', sharded=True)
+    return None

@@ -1,0 +1,20 @@
+"""The benchmarks' shared scaffolding keeps its examples true: the model zoos, the results writer and
+the shared options live outside the package, where ``--doctest-modules`` does not reach, so their
+doctests run here."""
+
+import doctest
+import importlib
+
+import pytest
+
+import conftest  # noqa: F401  (puts the repository root on sys.path, for `benchmarks`)
+
+
+@pytest.mark.parametrize(
+    'module',
+    ['benchmarks.zoo_models', 'benchmarks.functional_models', 'benchmarks.results_writer', 'benchmarks.arguments'],
+)
+def test_examples_hold(module):
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0
+    assert result.failed == 0
