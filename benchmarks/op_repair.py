@@ -48,7 +48,7 @@ from channels_last_algo.core.op_policy import OpLayoutPolicy
 from channels_last_algo.core.op_repair import prune_op_repairs, remove_op_repairs, repair_ops
 from channels_last_algo.core.timing import time_interleaved
 
-HYBRIDS = tuple(e.name for e in zoo.TIMM_ZOO if e.family == 'hybrid-conv-attention') + tuple(
+HYBRIDS = tuple(e.name for e in zoo.TIMM_ZOO + zoo.TIMM_HEAVY_ZOO if e.family == 'hybrid-conv-attention') + tuple(
     e.name for e in zoo._functional().FUNCTIONAL_ZOO
 )
 VARIANTS = ('NCHW', 'CL', 'rules', 'op repair')
@@ -301,7 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     overhead = measure_overhead(args)
     settings = {k: v for k, v in vars(args).items() if k not in ('out', 'models')}
     result = run_record(
-        'op_repair', start, argv, settings=settings, rows=rows, overhead=overhead, policy_look_us=policy_look_us()
+        'op_repair',
+        start,
+        argv,
+        zoo.library_versions(),
+        settings=settings,
+        rows=rows,
+        overhead=overhead,
+        policy_look_us=policy_look_us(),
     )
     table = markdown(result)
     print(table)

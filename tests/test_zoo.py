@@ -47,6 +47,11 @@ TOLERANCE = 1e-6
 # and 28 (2.14), efficientformerv2_s0 from 26 to 21, efficientvit_m0 from 24 to 0, mobilevit_xxs from 9 to 8.
 _ALL = '>=2.7'
 _TOKENS = 'the attention reshapes q, k, v to batch x heads x dim x tokens'
+_ENTRY = (
+    'the attention output is reshaped from tokens to N x C x H x W, channels first, and meets the NHWC '
+    'gradient in the norm and activation after it: an NHWC copy there (the op repair) only moves the break '
+    'to the op before, so it is pruned where it does not lower the count'
+)
 REMAINING: dict[str, tuple[dict[str, dict[tuple[str, str], int]], str]] = {
     'mobilevit_xxs': (
         {_ALL: {('aten.clone.default', 'forward'): 4, ('aten.clone.default', 'backward'): 4}},
@@ -89,6 +94,33 @@ REMAINING: dict[str, tuple[dict[str, dict[tuple[str, str], int]], str]] = {
         {_ALL: {('aten.add.Tensor', 'backward'): 4}},
         'linear attention reshapes q, k, v to tokens; their gradients meet the NHWC '
         'multi-scale branch in the add of the aggregation convolution',
+    ),
+    'halonet26t': (
+        {
+            _ALL: {
+                ('aten.clone.default', 'forward'): 6,
+                ('aten.clone.default', 'backward'): 4,
+                ('aten.threshold_backward.default', 'backward'): 3,
+            }
+        },
+        'halo attention unfolds blocks of the NHWC map into batch x heads x block x tokens copies; its output, '
+        'reshaped from tokens, enters the trunk channels first (' + _ENTRY + ')',
+    ),
+    'botnet26t_256': ({_ALL: {('aten.threshold_backward.default', 'backward'): 3}}, _ENTRY),
+    'lambda_resnet26t': ({_ALL: {('aten.native_batch_norm_backward.default', 'backward'): 3}}, _ENTRY),
+    'tiny_vit_5m_224': (
+        {_ALL: {('aten.cat.default', 'backward'): 3}},
+        'the backward of splitting q, k, v from one token tensor is a cat of their gradients, '
+        'batch x heads x tokens x dim tensors',
+    ),
+    'repvit_m0_9': (
+        {_ALL: {('aten.add.Tensor', 'backward'): 1}},
+        "the add that sums the residual input's gradients, in the backward of the channel mixer's first "
+        "1 x 1 convolution, on the last stage's 2 x 2 map",
+    ),
+    'maxvit_pico_rw_256': (
+        {_ALL: {('aten.clone.default', 'forward'): 6}},
+        'window and grid partitions permute the map into batch x windows x tokens x channels copies',
     ),
 }
 

@@ -40,7 +40,7 @@ from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from channels_last_algo.core.audit import FALLBACK_OP
 from channels_last_algo.core.layout import Layout, layout_of
@@ -86,6 +86,18 @@ def _late(t: torch.Tensor, join: bool) -> bool:
     if _channels_first(t):
         return True
     return join and not _channels_last_ordered(t) and layout_of(t) is not Layout.AMBIGUOUS
+
+
+def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an op's arguments and in their lists (``cat``'s): torch ops nest no deeper,
+    and a pytree walk costs more than the op on small tensors."""
+    found = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found.extend(item for item in value if isinstance(item, torch.Tensor))
+    return found
 
 
 def _image_like(t: Any) -> bool:
@@ -204,7 +216,7 @@ class OpLayoutPolicy(TorchFunctionMode):
         output) gets them all NHWC, so that it writes NHWC; an in-place op's own tensor stays."""
         if func in _SHAPE_ONLY:
             return args, kwargs
-        operands = [t for t in tree_flatten((args, kwargs))[0] if _image_like(t)]
+        operands = [t for t in _tensors_in(args, kwargs) if _image_like(t)]
         if len(operands) < 2 or not any(map(_channels_last_ordered, operands)):
             return args, kwargs
         mine = args[0] if args and _in_place(func) else None
@@ -223,7 +235,7 @@ class OpLayoutPolicy(TorchFunctionMode):
         results = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if _image_like(t)]
         if not results:
             return out
-        inputs = [t for t in tree_flatten((args, kwargs))[0] if _channels_last_ordered(t)]
+        inputs = [t for t in _tensors_in(args, kwargs) if _channels_last_ordered(t)]
         if not inputs:
             return out
         first = args[0] if args else None

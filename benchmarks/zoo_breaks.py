@@ -1,0 +1,127 @@
+"""Layout breaks of the timm zoo and the functional nets: plain channels last, the rules, the op repair.
+
+Each model (random weights, its zoo input, float32, training mode) is audited for one training
+step (forward, a sum loss, backward) three ways:
+
+    CL          model.to(memory_format=torch.channels_last) (Composer's ChannelsLast)
+    rules       apply_channels_last(model): restrided weights, repair rules, kernel safe paths
+    op repair   the same, then the op repair as the layout guard places it (benchmarks/op_repair.py's
+                with_op_repair: placed from one audited step, pruned after a second)
+
+and the report lists, per model, the breaks and the bytes they wrote in each, the modules that keep
+the op repair, the bytes its copies wrote, and the breaks left by op and module. No timing: the
+counts do not depend on load.
+
+Example:
+    .venv-newest/bin/python benchmarks/zoo_breaks.py --out benchmarks/results/cpu-2core
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import sys
+
+import torch
+import zoo_models as zoo  # benchmarks/, next to this script
+from arguments import Option, benchmark_parser
+from op_repair import with_op_repair
+from results_writer import RunStart, run_record, write_results
+
+from channels_last_algo.core.audit import audit_model
+from channels_last_algo.core.audit_report import format_bytes
+from channels_last_algo.core.convert import apply_channels_last
+
+MODELS = tuple(e.name for e in zoo.TIMM_ZOO + zoo.TIMM_HEAVY_ZOO) + tuple(
+    e.name for e in zoo._functional().FUNCTIONAL_ZOO
+)
+WAYS = ('CL', 'rules', 'op repair')
+
+
+def measure(name: str) -> dict:
+    """The breaks of model ``name`` three ways, and where the op repair stays."""
+    entry = zoo.by_name(name)
+    base = zoo.build(entry)
+    x = torch.randn(*entry.input_shape, generator=torch.Generator().manual_seed(0))
+    x = x.to(memory_format=torch.channels_last)
+    plain = copy.deepcopy(base).to(memory_format=torch.channels_last)
+    ruled = copy.deepcopy(base)
+    apply_channels_last(ruled)
+    repaired = copy.deepcopy(ruled)
+    kept = with_op_repair(repaired, x)
+    reports = {'CL': audit_model(plain, x), 'rules': audit_model(ruled, x), 'op repair': audit_model(repaired, x)}
+    left = collections.Counter(f'{b.op} {b.phase} in {b.where}' for b in reports['op repair'].breaks)
+    return {
+        'model': name,
+        'family': entry.family,
+        'breaks': {way: len(r.breaks) for way, r in reports.items()},
+        'break_bytes': {way: sum(b.nbytes for b in r.breaks) for way, r in reports.items()},
+        'op_repaired_modules': kept,
+        'restore_bytes': reports['op repair'].fallback_bytes,
+        'left': dict(left),
+    }
+
+
+def _totals(rows: list[dict]) -> list[str]:
+    cells = []
+    for way in WAYS:
+        broken = [row for row in rows if row['breaks'][way]]
+        nbytes = sum(row['break_bytes'][way] for row in rows)
+        cells.append(f'{sum(row["breaks"][way] for row in rows)} in {len(broken)} models ({format_bytes(nbytes)})')
+    return cells
+
+
+def markdown(result: dict) -> str:
+    m, rows = result['machine'], result['rows']
+    lines = [
+        '# Layout breaks of the zoo: plain channels last, the rules, the op repair',
+        '',
+        f'torch {m["torch"]}, timm {m.get("timm") or "-"}, {m["cpu"]}. Command: `{result["command"]}`',
+        '',
+        'One float32 training step per model at its zoo input (timm nets 2 x 3 x 64 x 64; the functional nets '
+        '16 or 32). Breaks: ops that took NHWC and wrote channels first, forward and backward (bytes they wrote).',
+        '',
+        f'Totals over {len(rows)} models: ' + '; '.join(f'{w}: {c}' for w, c in zip(WAYS, _totals(rows))) + '.',
+        '',
+        '| model | family | CL | rules | op repair | modules repaired | restore copies | '
+        'breaks left (op, phase, module) |',
+        '|---|---|---:|---:|---:|---:|---:|---|',
+    ]
+    for row in rows:
+        b, left = row['breaks'], '; '.join(f'{k} x{v}' for k, v in sorted(row['left'].items()))
+        lines.append(
+            f'| {row["model"]} | {row["family"]} | {b["CL"]} | {b["rules"]} | {b["op repair"]} | '
+            f'{len(row["op_repaired_modules"])} | {format_bytes(row["restore_bytes"])} | {left or "-"} |'
+        )
+    return '\n'.join(lines) + '\n'
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = benchmark_parser(
+        __doc__,
+        out='folder for zoo_breaks-torch<version>.json and .md',
+        name=Option(f'zoo_breaks-torch{".".join(torch.__version__.split(".")[:2])}', 'results file stem'),
+        epilog=False,
+    )
+    parser.add_argument('--models', nargs='+', default=list(MODELS), choices=MODELS, metavar='MODEL')
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    start = RunStart.now()
+    args = parse_args(argv)
+    rows = []
+    for name in args.models:
+        rows.append(measure(name))
+        print(f'{name:<32} {rows[-1]["breaks"]}', flush=True)
+    result = run_record('zoo_breaks', start, argv, machine=zoo.library_versions(), rows=rows)
+    table = markdown(result)
+    print(table)
+    if args.out is not None:
+        write_results(args.out, args.name, result, table)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
