@@ -66,10 +66,22 @@ def with_op_repair(model: nn.Module, x: torch.Tensor) -> list[str]:
     return [r.path for r in records if r.path not in pruned]
 
 
+def plain_channels_last(model: nn.Module) -> tuple[nn.Module | None, str | None]:
+    """A copy of ``model`` after ``model.to(memory_format=torch.channels_last)``, or None and the error it
+    raised (torch refuses the channels-last format for a 5D weight)."""
+    try:
+        return copy.deepcopy(model).to(memory_format=torch.channels_last), None
+    except RuntimeError as error:
+        return None, str(error)
+
+
 def variants(name: str, x: torch.Tensor) -> tuple[dict[str, nn.Module], list[str]]:
-    """The four variants of model ``name``, and the modules that keep the op repair."""
+    """The four variants of model ``name``, and the modules that keep the op repair; ValueError where
+    plain channels last fails on it."""
     base = zoo.build(zoo.by_name(name), num_classes=100)
-    plain = copy.deepcopy(base).to(memory_format=torch.channels_last)
+    plain, error = plain_channels_last(base)
+    if plain is None:
+        raise ValueError(f'{name}: model.to(memory_format=torch.channels_last) fails ({error})')
     ruled = copy.deepcopy(base)
     apply_channels_last(ruled)
     repaired = copy.deepcopy(ruled)
@@ -246,6 +258,7 @@ def markdown(result: dict) -> str:
             f'{b["CL"]} / {b["rules"]} / {b["op repair"]} | {len(row["op_repaired_modules"])} | '
             f'{row["policy calls"]} | {row["restore_bytes"] / 2**20:.1f} |'
         )
+    lines += [f'\nNot timed: {reason}.' for reason in result['skipped']]
     lines += overhead_lines(o, result['policy_look_us'])
     return '\n'.join(lines) + '\n'
 
@@ -293,9 +306,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     start = RunStart.now()
     args = parse_args(argv)
-    rows = []
+    rows, skipped = [], []
     for name in args.models:
-        rows.append(measure(name, args))
+        try:
+            rows.append(measure(name, args))
+        except ValueError as error:  # no CL variant to compare with
+            skipped.append(str(error))
+            print(f'skipped {error}', flush=True)
+            continue
         row = rows[-1]
         print(f'{name:<32} ' + '  '.join(f'{v} {row["median_ms"][v]:7.1f} ms' for v in VARIANTS), flush=True)
     overhead = measure_overhead(args)
@@ -307,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         zoo.library_versions(),
         settings=settings,
         rows=rows,
+        skipped=skipped,
         overhead=overhead,
         policy_look_us=policy_look_us(),
     )

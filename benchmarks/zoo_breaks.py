@@ -26,7 +26,7 @@ import sys
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
 from arguments import Option, benchmark_parser
-from op_repair import with_op_repair
+from op_repair import plain_channels_last, with_op_repair
 from results_writer import RunStart, run_record, write_results
 
 from channels_last_algo.core.audit import audit_model
@@ -45,18 +45,21 @@ def measure(name: str) -> dict:
     base = zoo.build(entry)
     x = torch.randn(*entry.input_shape, generator=torch.Generator().manual_seed(0))
     x = x.to(memory_format=torch.channels_last)
-    plain = copy.deepcopy(base).to(memory_format=torch.channels_last)
     ruled = copy.deepcopy(base)
     apply_channels_last(ruled)
     repaired = copy.deepcopy(ruled)
     kept = with_op_repair(repaired, x)
-    reports = {'CL': audit_model(plain, x), 'rules': audit_model(ruled, x), 'op repair': audit_model(repaired, x)}
+    plain, cl_error = plain_channels_last(base)
+    reports = {'rules': audit_model(ruled, x), 'op repair': audit_model(repaired, x)}
+    if plain is not None:
+        reports['CL'] = audit_model(plain, x)
     left = collections.Counter(f'{b.op} {b.phase} in {b.where}' for b in reports['op repair'].breaks)
     return {
         'model': name,
         'family': entry.family,
-        'breaks': {way: len(r.breaks) for way, r in reports.items()},
-        'break_bytes': {way: sum(b.nbytes for b in r.breaks) for way, r in reports.items()},
+        'cl_error': cl_error,
+        'breaks': {way: len(r.breaks) if (r := reports.get(way)) else None for way in WAYS},
+        'break_bytes': {way: sum(b.nbytes for b in r.breaks) if (r := reports.get(way)) else None for way in WAYS},
         'op_repaired_modules': kept,
         'restore_bytes': reports['op repair'].fallback_bytes,
         'left': dict(left),
@@ -66,9 +69,12 @@ def measure(name: str) -> dict:
 def _totals(rows: list[dict]) -> list[str]:
     cells = []
     for way in WAYS:
-        broken = [row for row in rows if row['breaks'][way]]
-        nbytes = sum(row['break_bytes'][way] for row in rows)
-        cells.append(f'{sum(row["breaks"][way] for row in rows)} in {len(broken)} models ({format_bytes(nbytes)})')
+        ran = [row for row in rows if row['breaks'][way] is not None]
+        broken = [row for row in ran if row['breaks'][way]]
+        nbytes = sum(row['break_bytes'][way] for row in ran)
+        failed = f', {len(rows) - len(ran)} failed' if len(ran) < len(rows) else ''
+        count = sum(row['breaks'][way] for row in ran)
+        cells.append(f'{count} in {len(broken)} models ({format_bytes(nbytes)}{failed})')
     return cells
 
 
@@ -80,7 +86,8 @@ def markdown(result: dict) -> str:
         f'torch {m["torch"]}, timm {m.get("timm") or "-"}, {m["cpu"]}. Command: `{result["command"]}`',
         '',
         'One float32 training step per model at its zoo input (timm nets 2 x 3 x 64 x 64; the functional nets '
-        '16 or 32). Breaks: ops that took NHWC and wrote channels first, forward and backward (bytes they wrote).',
+        '16 or 32). Breaks: ops that took NHWC and wrote channels first, forward and backward (bytes they wrote). '
+        '"fails": `model.to(memory_format=torch.channels_last)` raised (a 5D weight).',
         '',
         f'Totals over {len(rows)} models: ' + '; '.join(f'{w}: {c}' for w, c in zip(WAYS, _totals(rows))) + '.',
         '',
@@ -90,6 +97,7 @@ def markdown(result: dict) -> str:
     ]
     for row in rows:
         b, left = row['breaks'], '; '.join(f'{k} x{v}' for k, v in sorted(row['left'].items()))
+        b = {**b, 'CL': 'fails' if b['CL'] is None else b['CL']}
         lines.append(
             f'| {row["model"]} | {row["family"]} | {b["CL"]} | {b["rules"]} | {b["op repair"]} | '
             f'{len(row["op_repaired_modules"])} | {format_bytes(row["restore_bytes"])} | {left or "-"} |'
