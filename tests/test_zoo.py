@@ -7,8 +7,8 @@ and audited again. The test asserts: the process does not crash; no layout break
 except those listed in :data:`REMAINING` with their reason; outputs, input gradients and
 weight gradients of a float64 step equal the NCHW model's; the ``Parameter`` objects and
 ``state_dict`` keys are unchanged; and ``torch.fx.symbolic_trace`` (and in the newest torch
-``torch.jit.script`` and ``torch.export``) work on the converted model with the same outputs
-wherever they work on the original. Models run several to a subprocess (a layout kernel bug may kill the process: then
+``torch.export``) work on the converted model with the same outputs wherever they work on the
+original. Models run several to a subprocess (a layout kernel bug may kill the process: then
 the models of that process fail, named, and the runner lives).
 
 Run one model by hand: ``python tests/test_zoo.py resnet10t``.
@@ -154,16 +154,13 @@ def _step(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.
     return out.detach(), x.grad, grads
 
 
-# TorchScript and torch.export of each whole model run in the newest torch only (in torch 2.7 they are
-# most of this test's time); tests/test_export_matrix.py takes every swapped layer and the op repair
-# through every exporter in both environments.
+# torch.export of each whole model runs in the newest torch only, and TorchScript (deprecated since
+# torch 2.11) in neither: they were most of this test's time. tests/test_export_matrix.py takes every
+# swapped layer and the op repair through every exporter, TorchScript included, in both environments.
 TOOLS = {
     'fx': lambda m, x: torch.fx.symbolic_trace(m)(x),
     **(
-        {
-            'script': lambda m, x: torch.jit.script(m)(x),
-            'export': lambda m, x: torch.export.export(m, (x,), strict=False).module()(x),
-        }
+        {'export': lambda m, x: torch.export.export(m, (x,), strict=False).module()(x)}
         if version_in(torch.__version__, '>=2.14')
         else {}
     ),
