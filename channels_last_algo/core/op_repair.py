@@ -103,9 +103,9 @@ def _switch(leaving: Optional[OpLayoutPolicy], entering: Optional[OpLayoutPolicy
 def _enter_module(module: nn.Module, args: Any) -> None:
     """Process-wide forward pre-hook: a repaired module's policy in force, suspended in the others."""
     stack = _stack()
-    policy = None if _in_graph_capture() else _policy_of(module)  # a compiler reads no attribute of ours
-    if policy is None and not stack:
+    if not stack and _PATH_ATTRIBUTE not in module.__dict__:  # most calls: no policy, none to suspend
         return
+    policy = None if _in_graph_capture() else _policy_of(module)  # a compiler reads no value of ours
     previous = stack[-1] if stack else None
     stack.append(policy)
     _switch(previous, policy)
