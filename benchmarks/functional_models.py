@@ -5,9 +5,9 @@ call or a tensor op (``x[:, :k]``, ``torch.cat``, an attention reshape, ``x.mean
 in-place update) has no class to swap. Each model here holds one such class of break, written the
 way real networks write it (FasterNet, GhostNet, ConvNeXt, LeViT, Swin, MaxViT, SE, FocalNet,
 SPP/PSP, ShuffleNetV2), at 8 to 32 channels, with BatchNorm, ReLU and GELU, and ends in a pooled
-Linear head (``num_classes`` outputs). They are the test bed of the op repair
-(:mod:`channels_last_algo.core.op_repair`): converted with ``apply_channels_last`` alone, each
-shows at least one layout break of its class in the audit. ``FUNCTIONAL_ZOO`` lists them with their
+Linear head (``num_classes`` outputs). They test that such breaks are left as the user wrote them
+and named: converted with ``apply_channels_last``, each shows at least one layout break of its
+class in the audit, and computes what the NCHW model computes. ``FUNCTIONAL_ZOO`` lists them with their
 family (the class of break) and input shape; :mod:`zoo_models` finds and builds them like its own
 (``by_name``, ``build``: seeded, nothing downloaded). Most breaks are in a block's forward; those of
 :class:`PermuteCatNet`, :class:`SqueezeMeanNet` and :class:`InplaceNet` are in the root model's.

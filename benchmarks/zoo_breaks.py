@@ -1,16 +1,13 @@
-"""Layout breaks of the timm zoo and the functional nets: plain channels last, the rules, the op repair.
+"""Layout breaks of the timm zoo and the functional nets: plain channels last against the rules.
 
 Each model (random weights, its zoo input, float32, training mode) is audited for one training
-step (forward, a sum loss, backward) three ways:
+step (forward, a sum loss, backward) two ways:
 
     CL          model.to(memory_format=torch.channels_last) (Composer's ChannelsLast)
     rules       apply_channels_last(model): restrided weights, repair rules, kernel safe paths
-    op repair   the same, then the op repair as the layout guard places it (benchmarks/op_repair.py's
-                with_op_repair: placed from one audited step, pruned after a second)
 
-and the report lists, per model, the breaks and the bytes they wrote in each, the modules that keep
-the op repair, the bytes its copies wrote, and the breaks left by op and module. No timing: the
-counts do not depend on load.
+and the report lists, per model, the breaks and the bytes they wrote in each, and the breaks left
+by op and module. No timing: the counts do not depend on load.
 
 Example:
     .venv-newest/bin/python benchmarks/zoo_breaks.py --out benchmarks/results/cpu-2core
@@ -26,7 +23,6 @@ import sys
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
 from arguments import Option, benchmark_parser
-from op_repair import plain_channels_last, with_op_repair
 from results_writer import RunStart, run_record, write_results
 
 from channels_last_algo.core.audit import audit_model
@@ -36,32 +32,37 @@ from channels_last_algo.core.convert import apply_channels_last
 MODELS = tuple(e.name for e in zoo.TIMM_ZOO + zoo.TIMM_HEAVY_ZOO) + tuple(
     e.name for e in zoo._functional().FUNCTIONAL_ZOO
 )
-WAYS = ('CL', 'rules', 'op repair')
+WAYS = ('CL', 'rules')
+
+
+def plain_channels_last(model: torch.nn.Module) -> tuple[torch.nn.Module | None, str | None]:
+    """A copy of ``model`` after ``model.to(memory_format=torch.channels_last)``, or None and the error it
+    raised (torch refuses the channels-last format for a 5D weight)."""
+    try:
+        return copy.deepcopy(model).to(memory_format=torch.channels_last), None
+    except RuntimeError as error:
+        return None, str(error)
 
 
 def measure(name: str) -> dict:
-    """The breaks of model ``name`` three ways, and where the op repair stays."""
+    """The breaks of model ``name`` both ways."""
     entry = zoo.by_name(name)
     base = zoo.build(entry)
     x = torch.randn(*entry.input_shape, generator=torch.Generator().manual_seed(0))
     x = x.to(memory_format=torch.channels_last)
     ruled = copy.deepcopy(base)
     apply_channels_last(ruled)
-    repaired = copy.deepcopy(ruled)
-    kept = with_op_repair(repaired, x)
     plain, cl_error = plain_channels_last(base)
-    reports = {'rules': audit_model(ruled, x), 'op repair': audit_model(repaired, x)}
+    reports = {'rules': audit_model(ruled, x)}
     if plain is not None:
         reports['CL'] = audit_model(plain, x)
-    left = collections.Counter(f'{b.op} {b.phase} in {b.where}' for b in reports['op repair'].breaks)
+    left = collections.Counter(f'{b.op} {b.phase} in {b.where}' for b in reports['rules'].breaks)
     return {
         'model': name,
         'family': entry.family,
         'cl_error': cl_error,
         'breaks': {way: len(r.breaks) if (r := reports.get(way)) else None for way in WAYS},
         'break_bytes': {way: sum(b.nbytes for b in r.breaks) if (r := reports.get(way)) else None for way in WAYS},
-        'op_repaired_modules': kept,
-        'restore_bytes': reports['op repair'].fallback_bytes,
         'left': dict(left),
     }
 
@@ -81,7 +82,7 @@ def _totals(rows: list[dict]) -> list[str]:
 def markdown(result: dict) -> str:
     m, rows = result['machine'], result['rows']
     lines = [
-        '# Layout breaks of the zoo: plain channels last, the rules, the op repair',
+        '# Layout breaks of the zoo: plain channels last and the rules',
         '',
         f'torch {m["torch"]}, timm {m.get("timm") or "-"}, {m["cpu"]}. Command: `{result["command"]}`',
         '',
@@ -91,16 +92,14 @@ def markdown(result: dict) -> str:
         '',
         f'Totals over {len(rows)} models: ' + '; '.join(f'{w}: {c}' for w, c in zip(WAYS, _totals(rows))) + '.',
         '',
-        '| model | family | CL | rules | op repair | modules repaired | restore copies | '
-        'breaks left (op, phase, module) |',
-        '|---|---|---:|---:|---:|---:|---:|---|',
+        '| model | family | CL | rules | breaks left (op, phase, module) |',
+        '|---|---|---:|---:|---|',
     ]
     for row in rows:
         b, left = row['breaks'], '; '.join(f'{k} x{v}' for k, v in sorted(row['left'].items()))
         b = {**b, 'CL': 'fails' if b['CL'] is None else b['CL']}
         lines.append(
-            f'| {row["model"]} | {row["family"]} | {b["CL"]} | {b["rules"]} | {b["op repair"]} | '
-            f'{len(row["op_repaired_modules"])} | {format_bytes(row["restore_bytes"])} | {left or "-"} |'
+            f'| {row["model"]} | {row["family"]} | {b["CL"]} | {b["rules"]} | {left or "-"} |'
         )
     return '\n'.join(lines) + '\n'
 

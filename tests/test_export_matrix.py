@@ -1,4 +1,4 @@
-"""Every layer that channels last swaps in, and the op repair, through every exporter: torch.fx,
+"""Every layer that channels last swaps in, through every exporter: torch.fx,
 TorchScript (script and trace), torch.export and both ONNX exporters. Each export is run (an ONNX file in
 onnxruntime) on a new input and compared with the NCHW model before the swap; so are a few torchvision and
 timm models after ``apply_channels_last``."""
@@ -24,14 +24,11 @@ from torchvision.models.mobilenetv2 import MobileNetV2
 from torchvision.models.segmentation.deeplabv3 import ASPP
 from torchvision.models.shufflenetv2 import InvertedResidual
 
-from channels_last_algo.core.audit import audit_model
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.layers import RULES, repair_model
 from channels_last_algo.core.layout import to_channels_last
-from channels_last_algo.core.op_repair import has_op_repair, repair_ops
 from channels_last_algo.core.runtime import Runtime
 from channels_last_algo.core.safety.bugs import KNOWN_BUGS, make_safe
-from conftest import breaking_model
 
 SHAPE = (2, 3, 8, 8)
 SAFE_RUNTIMES = [Runtime((2, 7, 0), 'cpu', 'AVX512'), Runtime((2, 13, 0), 'cuda')]  # where both safe paths apply
@@ -56,7 +53,7 @@ def _std_conv(name, **kwargs):
 
 
 # swapped-in class name -> (builder of the NCHW model, how the swap is made: 'cpu' and 'cuda' are the repair
-# rules for that device, 'safe' the kernel safe paths, 'op_repair' the op repair)
+# rules for that device, 'safe' the kernel safe paths)
 CASES = {
     'ChannelsLastAdaptiveAvgPool2d': (lambda: _between(nn.AdaptiveAvgPool2d(1)), 'cpu'),
     'ChannelsLastMobileNetV2': (
@@ -90,7 +87,6 @@ CASES = {
     'ChannelsLastScaledStdConv2dSame': (_std_conv('ScaledStdConv2dSame', stride=2), 'cpu'),
     'SubsampledConv2d': (lambda: nn.Sequential(nn.Conv2d(3, 8, 1, stride=2), nn.ReLU(), _conv(8, 4)), 'safe'),
     'NCHWAvgPool2d': (lambda: _between(nn.AvgPool2d(3, 2, padding=1)), 'safe'),
-    'op_repair': (breaking_model, 'op_repair'),
 }
 
 
@@ -98,10 +94,10 @@ def test_cases_cover_every_swapped_in_layer():
     rules = {
         r.replacement.rpartition('.')[2] if isinstance(r.replacement, str) else r.replacement.__name__ for r in RULES
     }
-    assert set(CASES) == rules | {b.safe_path.__name__ for b in KNOWN_BUGS} | {'op_repair'}
+    assert set(CASES) == rules | {b.safe_path.__name__ for b in KNOWN_BUGS}
 
 
-def _swap(model, how, x):
+def _swap(model, how):
     if how == 'safe':
         apply_channels_last(model, repair=False, kernel_safety=False)
         make_safe(model, runtimes=SAFE_RUNTIMES)
@@ -110,8 +106,6 @@ def _swap(model, how, x):
         repair_model(model, device='cuda')
     else:
         apply_channels_last(model)
-    if how == 'op_repair':
-        repair_ops(model, audit_model(model, x))
 
 
 def _case(name, dtype):
@@ -125,9 +119,8 @@ def _case(name, dtype):
                 p.add_(torch.randn_like(p), alpha=0.2)
     model = copy.deepcopy(reference)
     x = to_channels_last(torch.randn(SHAPE, dtype=dtype))
-    _swap(model, how, x)
-    swapped = has_op_repair if how == 'op_repair' else lambda m: type(m).__name__ == name
-    assert any(swapped(m) for m in model.modules())
+    _swap(model, how)
+    assert any(type(m).__name__ == name for m in model.modules())
     return reference, model, x
 
 

@@ -30,10 +30,6 @@ that is a view (an N x C x 1 x 1 tensor after global pooling) is free: it is rec
 recorded with the bytes it copies, as is any copy the backward pass of such a reshape runs;
 neither is counted as a break.
 
-*Fallback copies* (``report.fallbacks``): the copies back into NHWC that the op repair
-(:mod:`channels_last_algo.core.op_repair`) makes inside a module holding a break
-that no rule repairs, with the bytes they copy; they are not breaks either.
-
 Each record (:mod:`channels_last_algo.core.audit_report`) names the aten op, the module path
 that was running (in backward: the module whose forward created the autograd node being
 executed), the phase, the shape of the tensor that lost its layout, and the bytes the op
@@ -68,15 +64,15 @@ from collections.abc import Iterator
 from typing import Any, Optional, Union
 
 import torch
-from torch.nn.modules import module as _module_hooks
 from torch.utils import _python_dispatch
 from torch.utils._pytree import tree_flatten
 
 from channels_last_algo.core.arguments import require_flags, require_input, require_module
 from channels_last_algo.core.audit_report import AuditRecord, AuditReport, LayoutBreakError
 from channels_last_algo.core.layout import Layout, layout_of
+from channels_last_algo.core.module_calls import subscribe, unsubscribe
 
-__all__ = ['FALLBACK_OP', 'AuditRecord', 'AuditReport', 'LayoutAudit', 'LayoutBreakError', 'audit_model']
+__all__ = ['AuditRecord', 'AuditReport', 'LayoutAudit', 'LayoutBreakError', 'audit_model']
 
 FORWARD = 'forward'
 BACKWARD = 'backward'
@@ -86,8 +82,6 @@ _aten = torch.ops.aten
 _COPY_OPS = frozenset({_aten.clone, _aten._to_copy, _aten.copy_, _aten.copy})
 # Reshapes that can take a 4D/5D tensor to a lower rank without copying.
 _RESHAPE_OPS = frozenset({_aten.view, _aten._unsafe_view, _aten.squeeze})
-# The op of the op repair's copies (channels_last_algo.core.op_repair); its second argument names the module.
-FALLBACK_OP = 'channels_last_algo::restore_channels_last'
 # Key under which the audit stores (module path, is_exit) in an autograd node's metadata.
 _NODE_KEY = 'channels_last_algo.core.audit'
 
@@ -140,18 +134,16 @@ class LayoutAudit:
         self.strict = strict
         self._breaks: list[AuditRecord] = []
         self._exits: list[AuditRecord] = []
-        self._fallbacks: list[AuditRecord] = []
         self._outside: list[AuditRecord] = []
         self._steps = 0
         self._mode: Optional[_DispatchObserver] = None
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._module_paths: dict[int, str] = {}
         self._param_paths: dict[int, str] = {}
         self._stack: list[str] = []
         self._pending: list[tuple[list[torch.Tensor], Optional[str], bool]] = []
         self._held_clone: Optional[tuple[AuditRecord, torch.Tensor]] = None
         self._failure: Optional[LayoutBreakError] = None
-        self._span = (0, 0, 0, 0)  # where the current span's breaks, exits, fallbacks and outside records begin
+        self._span = (0, 0, 0)  # where the current span's breaks, exits and outside records begin
 
     @property
     def active(self) -> bool:
@@ -164,24 +156,20 @@ class LayoutAudit:
             breaks=list(self._breaks),
             exits=list(self._exits),
             steps=self._steps,
-            fallbacks=list(self._fallbacks),
             outside=list(self._outside),
         )
 
     def start(self) -> None:
-        """Begin recording: install the dispatch mode and the module hooks."""
+        """Begin recording: install the dispatch mode and follow module calls."""
         if self.active:
             raise RuntimeError('this LayoutAudit is already active; call stop() before start()')
         self._module_paths = {id(m): name for name, m in self.model.named_modules()}
         self._param_paths = {id(p): name.rpartition('.')[0] for name, p in self.model.named_parameters()}
         self._stack.clear()
         self._failure = None
-        self._span = (len(self._breaks), len(self._exits), len(self._fallbacks), len(self._outside))
+        self._span = (len(self._breaks), len(self._exits), len(self._outside))
         self._steps += 1
-        self._hooks = [
-            _module_hooks.register_module_forward_pre_hook(self._enter_module),
-            _module_hooks.register_module_forward_hook(self._leave_module, always_call=True),
-        ]
+        subscribe(self)
         self._mode = _DispatchObserver(self)
         self._mode.__enter__()
 
@@ -221,30 +209,27 @@ class LayoutAudit:
         finally:
             self._mode.__exit__(None, None, None)
             self._mode = None
-            for handle in self._hooks:
-                handle.remove()
-            self._hooks = []
+            unsubscribe(self)
             self._stack.clear()
         return self._failure
 
     def _span_report(self) -> AuditReport:
-        first_break, first_exit, first_fallback, first_outside = self._span
+        first_break, first_exit, first_outside = self._span
         return AuditReport(
             breaks=self._breaks[first_break:],
             exits=self._exits[first_exit:],
             steps=1,
-            fallbacks=self._fallbacks[first_fallback:],
             outside=self._outside[first_outside:],
         )
 
-    # module stack (forward attribution)
+    # module stack (forward attribution), as a listener of channels_last_algo.core.module_calls
 
-    def _enter_module(self, module: torch.nn.Module, args: Any) -> None:
+    def entered(self, module: torch.nn.Module, args: tuple) -> None:
         path = self._module_paths.get(id(module))
         if path is not None:
             self._stack.append(path)
 
-    def _leave_module(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+    def left(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, failed: bool) -> None:
         path = self._module_paths.get(id(module))
         if path is not None and path in self._stack:
             while self._stack.pop() != path:
@@ -285,18 +270,6 @@ class LayoutAudit:
         else:
             path, in_exit = self._backward_owner(node)
         outputs = _tensors(out)
-        if func.name() == FALLBACK_OP:
-            self._fallbacks.append(
-                AuditRecord(
-                    str(func),
-                    args[1],
-                    phase,
-                    tuple(args[0].shape),
-                    outputs[0].nbytes,
-                    f'{layout_of(args[0]).value}->{layout_of(outputs[0]).value}',
-                )
-            )
-            return
         is_exit = self._settle_held_clone(func, args, outputs) or in_exit
         if phase == FORWARD and (path is not None or is_exit):
             self._pending.append((outputs, path, is_exit))

@@ -1,5 +1,5 @@
-"""What a layout audit found: :class:`AuditRecord` (one break, exit conversion, fallback copy or
-op outside the model), :class:`AuditReport` (all of them, with totals, a table and a JSON form) and
+"""What a layout audit found: :class:`AuditRecord` (one break, exit conversion or op outside
+the model), :class:`AuditReport` (all of them, with totals, a table and a JSON form) and
 :class:`LayoutBreakError` (what a strict audit raises). :mod:`channels_last_algo.core.audit`
 produces them; the method card is ``docs/audit.md``.
 
@@ -52,7 +52,7 @@ class AuditRecord:
 
 
 _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(AuditRecord))
-_LISTS = ('breaks', 'exits', 'fallbacks', 'outside')  # the record lists of a report, as to_dict writes them
+_LISTS = ('breaks', 'exits', 'outside')  # the record lists of a report, as to_dict writes them
 
 
 def format_bytes(nbytes: int) -> str:
@@ -103,7 +103,6 @@ class AuditReport:
     breaks: list[AuditRecord] = dataclasses.field(default_factory=list)
     exits: list[AuditRecord] = dataclasses.field(default_factory=list)
     steps: int = 1
-    fallbacks: list[AuditRecord] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)  # what made the audit unable to see a break
     outside: list[AuditRecord] = dataclasses.field(default_factory=list)  # drops outside the model: not its breaks
 
@@ -122,10 +121,6 @@ class AuditReport:
     def exit_bytes(self) -> int:
         return sum(r.nbytes for r in self.exits)
 
-    @property
-    def fallback_bytes(self) -> int:
-        return sum(r.nbytes for r in self.fallbacks)
-
     @classmethod
     def merge(cls, reports: Iterable[AuditReport]) -> AuditReport:
         """One report holding the records and steps of several, e.g. one per training step."""
@@ -133,7 +128,6 @@ class AuditReport:
         for report in reports:
             merged.breaks.extend(report.breaks)
             merged.exits.extend(report.exits)
-            merged.fallbacks.extend(report.fallbacks)
             merged.outside.extend(report.outside)
             merged.steps += report.steps
             merged.notes.extend(note for note in report.notes if note not in merged.notes)
@@ -182,8 +176,6 @@ class AuditReport:
         lines += ['breaks:'] + _table(self.breaks) if self.breaks else ['no layout breaks']
         if self.exits:
             lines += ['exit conversions (the tensor leaves the conv trunk):'] + _table(self.exits)
-        if self.fallbacks:
-            lines += [f'op repair copies ({format_bytes(self.fallback_bytes)}):'] + _table(self.fallbacks)
         if self.outside:
             lines += ['outside the model (the loss, code around the model; not breaks of the model):']
             lines += _table(self.outside)

@@ -23,13 +23,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any, Optional
 
 from channels_last_algo.core.audit_report import AuditRecord, AuditReport, format_bytes
 from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.convert import ConversionSummary
-from channels_last_algo.core.swap import SwapRecord
 from channels_last_algo.core.weight_layout import WeightLayoutPlan
 
 __all__ = ['ConsoleBlock', 'audit_block', 'start_block', 'step_metrics', 'timing_line']
@@ -201,9 +200,8 @@ def _rows(records: list[AuditRecord]) -> list[str]:
     return rows
 
 
-def audit_block(report: AuditReport, op_repairs: Sequence[SwapRecord] = ()) -> ConsoleBlock:
-    """The layout breaks the audited steps left in the model, by module path and op, with bytes,
-    and the modules whose ops the op repair keeps NHWC (``op_repairs``).
+def audit_block(report: AuditReport) -> ConsoleBlock:
+    """The layout breaks the audited steps left in the model, by module path and op, with bytes.
 
     Example:
         >>> loss = AuditRecord('aten._log_softmax.default', None, 'forward', (2, 3, 8, 8), 1536, 'NHWC->NCHW')
@@ -222,10 +220,6 @@ def audit_block(report: AuditReport, op_repairs: Sequence[SwapRecord] = ()) -> C
     )
     lines = [f'{_TITLE}: layout audit of {steps}: {found}', *_rows(report.breaks)]
     lines += [f'  not a channels-last run: {note}' for note in report.notes]
-    if op_repairs:
-        where = _named({'NHWC kept': [r.path or '(root)' for r in op_repairs]})
-        copies = f', copies {format_bytes(report.fallback_bytes)}' if report.fallbacks else ''
-        lines.append(f'  op repair: {where}{copies}')
     if report.outside:
         ops = sorted({f'{r.op} ({r.phase})' for r in report.outside})
         outside_bytes = format_bytes(sum(r.nbytes for r in report.outside))
@@ -236,7 +230,6 @@ def audit_block(report: AuditReport, op_repairs: Sequence[SwapRecord] = ()) -> C
         'channels_last/audited_steps': report.steps,
         'channels_last/audit_breaks': len(report.breaks),
         'channels_last/audit_break_bytes': report.break_bytes,
-        'channels_last/audit_fallback_bytes': report.fallback_bytes,
         'channels_last/audit_outside_model': len(report.outside),
     }
     return ConsoleBlock(tuple(lines), params)

@@ -38,9 +38,8 @@ from channels_last_algo.core.convert import ConversionSummary, apply_channels_fi
 from channels_last_algo.core.fuse import FusedEvaluation
 from channels_last_algo.core.inputs import Inputs, InputSelection
 from channels_last_algo.core.layout import to_channels_first, to_channels_last
-from channels_last_algo.core.op_repair import prune_op_repairs, repair_ops
 from channels_last_algo.core.options import check_options
-from channels_last_algo.core.swap import SwapRecord
+from channels_last_algo.core.repair_check import RefusedRepair, RepairCheck
 from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layout_for
 
 __all__ = ['LayoutGuard', 'StepLogs', 'Trial']
@@ -92,11 +91,9 @@ class LayoutGuard:
         strict: raise :class:`~channels_last_algo.core.audit.LayoutBreakError`, naming the first
             break's module path and op, at the end of an audited step that had a break.
         repair: swap the layers that drop NHWC for NHWC-preserving ones at :meth:`on_init`
-            (see :mod:`channels_last_algo.core.layers`); same parameters, keys and numbers. With
-            an audit, also keep NHWC through the ops of each module where the first audited step
-            with breaks found one that no rule removed (listed in :attr:`op_repairs`; see
-            :mod:`channels_last_algo.core.op_repair`), and take it off again where the next
-            audited step shows it changed nothing or its breaks did not go down.
+            (see :mod:`channels_last_algo.core.layers`); same parameters, keys and numbers. Each
+            swapped layer is checked against its original on its first call, and put back where
+            it differs (:mod:`channels_last_algo.core.repair_check`, :attr:`refused_repairs`).
         inputs: which 4D/5D tensors of a batch go NHWC (:mod:`channels_last_algo.core.inputs`):
             ``'auto'`` (default) the ones the model feeds to a convolution, found on the first
             batch of each structure (which passes as it came) and logged; ``'all'``; a list of
@@ -146,8 +143,8 @@ class LayoutGuard:
         self.decision: Optional[LayoutDecision] = None
         self.weight_layout: Optional[WeightLayoutPlan] = None
         self._audit: Optional[LayoutAudit] = None
-        self.op_repairs: list[SwapRecord] = []  # the op repairs in place
-        self._fallback_found: Optional[AuditReport] = None  # the audit that placed them
+        self._repair_check: Optional[RepairCheck] = None
+        self._refused_shown = 0  # how many of the refused repairs the console has shown
         self.console: Optional[Callable[[str], None]] = None  # an integration's console; None: the log
         self._model_name = ''
         self._start_shown = False
@@ -202,7 +199,21 @@ class LayoutGuard:
         report = self.report
         if report is None or report.steps < self.audit_steps:
             return None
-        return audit_block(report, self.op_repairs)
+        return audit_block(report)
+
+    @property
+    def refused_repairs(self) -> list[RefusedRepair]:
+        """The swaps the repair check took back, with how the replacement differed from the original."""
+        return [] if self._repair_check is None else list(self._repair_check.refused)
+
+    def _show_refused(self) -> None:
+        """One warning line per swap the repair check took back since the last one shown."""
+        refused = self.refused_repairs[self._refused_shown :]
+        self._refused_shown += len(refused)
+        for item in refused:
+            if item.record in self.summary.repaired:
+                self.summary.repaired.remove(item.record)
+            self._show(f'channels last: not repaired: {item}', warn=True)
 
     def show_start(self) -> None:
         """Show :attr:`start_block` on :attr:`console` (or log it), once; nothing before :meth:`on_init`."""
@@ -242,6 +253,7 @@ class LayoutGuard:
         self._model_name = type(model).__name__
         if not self.weight_layout.contiguous:
             self.summary = apply_channels_last(model, optimizers=optimizers, repair=self.repair)  # logs it
+            self._repair_check = RepairCheck(model, self.summary.repaired)
         else:
             self.summary = self._keep_weights_contiguous(model, optimizers)
         self._audit = LayoutAudit(model) if self.audit_steps else None
@@ -389,15 +401,14 @@ class LayoutGuard:
             LayoutBreakError: in strict mode, when the step had a layout break.
         """
         self.inputs.finish()
+        self._show_refused()
         if not self.auditing:
             return None
         step_report = self._audit.stop()
-        if self.repair:
-            self._fall_back(step_report)
         failed = self.strict and bool(step_report.breaks)
         report = self._audit.report
         if report.steps == self.audit_steps or failed:
-            self._show(str(audit_block(report, self.op_repairs)), warn=not report.ok)
+            self._show(str(audit_block(report)), warn=not report.ok)
         if failed:
             raise LayoutBreakError(step_report.breaks[0])
         return step_report
@@ -409,17 +420,6 @@ class LayoutGuard:
             return StepLogs({}, {})
         block = self.audit_block
         return StepLogs(step_metrics(step_report), {} if block is None else block.hyperparameters)
-
-    def _fall_back(self, step_report: AuditReport) -> None:
-        """The first audited step with breaks places the op repairs; the next one prunes them."""
-        if self._fallback_found is None:
-            self.op_repairs = repair_ops(self._audit.model, step_report)
-            self._fallback_found = step_report if self.op_repairs else None
-            for record in self.op_repairs:
-                log.info('op repair at %s (%s): %s', record.path, record.original, record.detail)
-        elif self.op_repairs:
-            pruned = set(prune_op_repairs(self._audit.model, step_report, self._fallback_found))
-            self.op_repairs = [r for r in self.op_repairs if r.path not in pruned]
 
     def close(self) -> None:
         """Stop an audit (and a search for the images) left running by a step that raised; safe

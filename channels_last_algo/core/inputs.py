@@ -44,13 +44,10 @@ from __future__ import annotations
 
 import inspect
 import logging
-import sys
-import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Optional, Union
 
 import torch
-from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import (
     GetAttrKey,
@@ -60,10 +57,10 @@ from torch.utils._pytree import (
     tree_leaves,
     tree_unflatten,
 )
-from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakIdKeyDictionary
 
 from channels_last_algo.core.layout import channels_last_format
+from channels_last_algo.core.module_calls import settle_hooks, subscribe, unsubscribe
 
 __all__ = ['Inputs', 'InputSelection', 'check_inputs']
 
@@ -177,37 +174,6 @@ class _Flow(TorchFunctionMode):
         return result
 
 
-def _hooks_on_every_module(selection: InputSelection) -> list[RemovableHandle]:
-    """Global module hooks that call ``selection`` around every module call. They hold it weakly and
-    are taken off when it is collected, never from inside a hook: torch walks its global hooks while
-    a forward unwinds from an error, and a hook that took itself off there would replace that
-    error with "OrderedDict mutated during iteration"."""
-    reference = weakref.ref(selection)
-
-    def call(method: str, module: torch.nn.Module, *failed: bool) -> None:
-        if torch.compiler.is_compiling():  # a hook traced into a compiled graph: nothing to do there
-            return
-        alive = reference()
-        if alive is not None and alive._flow is not None:  # else idle, between batch structures
-            getattr(alive, method)(module, *failed)
-
-    handles = [
-        register_module_forward_pre_hook(lambda module, *args: call('_module_called', module)),
-        register_module_forward_hook(
-            # inside torch's ``except`` when the forward raised: the outermost failed call ends the following
-            lambda module, *args: call('_module_returned', module, sys.exc_info()[0] is not None),
-            always_call=True,
-        ),
-    ]
-    weakref.finalize(selection, _remove, list(handles))
-    return handles
-
-
-def _remove(handles: list[RemovableHandle]) -> None:
-    for handle in handles:
-        handle.remove()
-
-
 class InputSelection:
     """The ``inputs`` option at work: which 4D/5D tensors of each batch structure go NHWC.
 
@@ -230,9 +196,7 @@ class InputSelection:
         self._viewed: dict[Any, frozenset[Path]] = {}  # viewed in a shape NHWC strides cannot take
         self._flow: Optional[_Flow] = None
         self._structure: Any = None
-        self._hooks: list[RemovableHandle] = []
         self._calls: list[bool] = []  # the module calls under way, each: followed inside or not
-        self._compiled_seen = False  # a torch.compile'd module was called while following
         self._named_checked: set[str] = set()  # the batch structures a list of inputs was checked against
 
     def __repr__(self) -> str:
@@ -269,7 +233,7 @@ class InputSelection:
     def convert(self, batch: Any, restride: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         """``batch`` with ``restride`` applied to its selected tensors (new containers, the rest as
         they came); in ``'auto'`` mode the structure must be :meth:`known`."""
-        self._drop_idle_hooks()
+        settle_hooks()  # module hooks left idle by a following that ended inside a module call
         structure = self._structure_of(batch) if self.inputs == 'auto' else None
         flat, spec = tree_flatten_with_path(batch)
         leaves, candidates = [], []
@@ -301,7 +265,6 @@ class InputSelection:
         """``'auto'``: ``batch`` with ``restride`` applied to the 4D/5D tensors ``guess`` picks, and
         those tensors followed through what runs until :meth:`finish`."""
         self.finish()
-        self._drop_idle_hooks()
         self._structure = self._structure_of(batch)
         flat, spec = tree_flatten_with_path(batch)
         followed, leaves, guessed = [], [], set()
@@ -317,15 +280,14 @@ class InputSelection:
             self.chosen[self._structure] = frozenset()
             return batch
         self._flow = _Flow(followed, frozenset(guessed))
-        self._hooks = self._hooks or _hooks_on_every_module(self)
+        subscribe(self)  # module calls: channels_last_algo.core.module_calls
         return tree_unflatten(leaves, spec)
 
-    def _module_called(self, module: torch.nn.Module) -> None:
+    def entered(self, module: torch.nn.Module, args: tuple) -> None:
         """Follow inside the call, except inside a compiled module (where following would make
         torch.compile trace, and later recompile, the graph with the mode on)."""
         outer = self._calls[-1] if self._calls else None
         compiled = isinstance(getattr(module, '_orig_mod', None), torch.nn.Module)  # torch.compile's wrapper
-        self._compiled_seen = self._compiled_seen or compiled
         follow = not compiled and outer is not False
         if follow and not outer:
             self._flow.__enter__()
@@ -333,7 +295,11 @@ class InputSelection:
             self._flow.__exit__(None, None, None)
         self._calls.append(follow)
 
-    def _module_returned(self, module: torch.nn.Module, failed: bool = False) -> None:
+    def left(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, failed: bool) -> None:
+        """The call is over: the mode as the caller had it; the following ends after the outermost
+        call that ran a convolution, or that failed."""
+        if not self._calls:  # a call that began before the following did
+            return
         follow = self._calls.pop()
         outer = self._calls[-1] if self._calls else False
         if follow and not outer:
@@ -341,20 +307,18 @@ class InputSelection:
         elif outer and not follow:
             self._flow.__enter__()
         if not self._calls and (self._flow.convolutions or failed):  # the network ran, or the step failed
-            self.finish(in_hook=True)
+            self.finish()
 
-    def finish(self, in_hook: bool = False) -> None:
+    def finish(self) -> None:
         """Stop following and keep what was found for the batch structure; nothing if not started.
 
         Following runs inside module calls only (from the outermost module's call to its return),
         so it never outlives a forward; it ends by itself after the first outermost call that ran
-        a convolution, or that failed. The hooks idle from then on; they come off at the next batch
-        (``in_hook``: called from one of them, where they cannot come off)."""
+        a convolution, or that failed."""
         flow, self._flow = self._flow, None
         if flow is None:
             return
-        if not in_hook:
-            self._drop_idle_hooks()
+        unsubscribe(self)
         if self._calls and self._calls[-1]:  # called from inside a followed module call
             flow.__exit__(None, None, None)
         self._calls = []
@@ -362,11 +326,6 @@ class InputSelection:
         self.chosen[self._structure] = (flow.fed if flow.convolutions else flow.guessed) - flow.viewed
         self._viewed[self._structure] = frozenset(flow.viewed)
         log.info('channels last inputs: %s', self._describe(self._structure))
-
-    def _drop_idle_hooks(self) -> None:
-        """Take the module hooks off while nothing is followed (compiled graphs saw them: they stay, idle)."""
-        while self._flow is None and self._hooks and not self._compiled_seen:
-            self._hooks.pop().remove()
 
     def describe(self, batch: Any) -> str:
         """Which tensors of ``batch`` go NHWC and why, in one line (for logs)."""

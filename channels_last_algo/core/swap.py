@@ -1,14 +1,12 @@
 """The swap engine: a module changes class in place for an equivalent one, and says so in a
 :class:`SwapRecord`.
 
-Three tables swap modules, each for its reason, the record's ``kind``:
+Two tables swap modules, each for its reason, the record's ``kind``:
 
 - ``'repair'``: a repair rule (:mod:`channels_last_algo.core.layers.rules`) replaces a layer that
   drops NHWC by one that keeps it;
 - ``'safe_path'``: a known layout kernel bug (:mod:`channels_last_algo.core.safety.bugs`) routes a
-  layer around the failing kernel;
-- ``'op_repair'``: the op repair (:mod:`channels_last_algo.core.op_repair`) keeps NHWC through the
-  ops of a module no rule repairs; the module keeps its class, and nothing is swapped.
+  layer around the failing kernel.
 
 A row matches a module of exactly its original type (a subclass has its own forward, which a
 replacement would drop), and its replacement must subclass that type and add no state: the
@@ -52,8 +50,8 @@ __all__ = [
     'swap_first_match',
 ]
 
-KINDS = ('repair', 'safe_path', 'op_repair')
-"""Why a module was changed: a repair rule, a kernel bug's safe path, the op repair's layout policy."""
+KINDS = ('repair', 'safe_path')
+"""Why a module was changed: a repair rule, or a kernel bug's safe path."""
 
 
 def qualified_name(cls: type) -> str:
@@ -68,19 +66,16 @@ class SwapRecord:
     Attributes:
         path: the module's name in ``model.named_modules()`` ('' for the model itself).
         kind: one of :data:`KINDS`.
-        reason: the row applied: the repair rule's name, the kernel bug's name, or
-            ``'op_layout_policy'``.
+        reason: the row applied: the repair rule's name or the kernel bug's name.
         original: qualified name of the module's type before.
-        replacement: name of the class it has now ('' for an op repair: the module keeps its class).
-        detail: what the swap does there, where the reason does not say it.
+        replacement: name of the class it has now.
     """
 
     path: str
     kind: str
     reason: str
     original: str
-    replacement: str = ''
-    detail: str = ''
+    replacement: str
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -14,8 +14,8 @@ hooks, and its ``state_dict`` keys and values, so checkpoints load into the repa
 unrepaired model alike. Layers of other libraries (timm's) are named by their qualified class name,
 and their replacements are imported only when a model holds them, so the table costs no
 import. Adding a rule is adding a row to :data:`RULES` and a small layer in this package.
-When several rules match a module, the first applicable row wins. Where no rule applies, the
-op repair (:mod:`channels_last_algo.core.op_repair`) keeps the rest of the network NHWC.
+When several rules match a module, the first applicable row wins. A break that no rule removes
+stays where it is, and the layout audit names it.
 
 Some breaks need no rule of their own because they follow from one that has a rule: the
 layer-scale ``mul``/``add`` of ConvNeXt's last blocks and the activation backward before a

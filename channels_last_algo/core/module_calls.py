@@ -1,0 +1,173 @@
+"""One tracker of module calls, shared by the layout audit, the input selection and the repair check.
+
+Each of them needs to know which module is running: the audit names the module of a break, the
+input selection follows the first batch inside module calls, and the repair check compares a
+swapped layer with its original on its first call. :func:`follow_module_calls` subscribes a
+:class:`ModuleCallListener`; while one is subscribed, one process-wide forward pre-hook and one
+forward hook (``always_call``: also when the forward raised) call every listener around every
+module call. The hooks do nothing while ``torch.compile`` or ``torch.export`` traces the model,
+whose graph holds the model's own ops only.
+
+The hooks come off once no listener is left, but never from inside a hook: torch walks its global
+hooks while a forward unwinds from an error, and a hook that took itself off there would replace
+that error with "OrderedDict mutated during iteration". An unsubscription made inside a module call
+takes the hooks off at the next (un)subscription made outside one. Hooks that a compiled graph
+has seen stay on, idle: taking them off would make torch recompile that graph.
+
+Example:
+    >>> import torch
+    >>> class Names:
+    ...     def __init__(self):
+    ...         self.seen = []
+    ...     def entered(self, module, args):
+    ...         self.seen.append(type(module).__name__)
+    ...     def left(self, module, args, kwargs, output, failed):
+    ...         return None                         # or an output to use instead
+    >>> names = Names()
+    >>> with follow_module_calls(names):
+    ...     _ = torch.nn.Sequential(torch.nn.ReLU())(torch.ones(1))
+    >>> names.seen
+    ['Sequential', 'ReLU']
+    >>> tracking(names)
+    False
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import weakref
+from collections.abc import Iterator
+from typing import Any, Optional, Protocol
+
+import torch
+from torch.nn.modules import module as module_hooks
+
+__all__ = [
+    'ModuleCallListener',
+    'follow_module_calls',
+    'hooks_installed',
+    'in_graph_capture',
+    'paused',
+    'settle_hooks',
+    'subscribe',
+    'tracking',
+    'unsubscribe',
+]
+
+
+class ModuleCallListener(Protocol):
+    """What :func:`follow_module_calls` calls around each module call."""
+
+    def entered(self, module: torch.nn.Module, args: tuple) -> None:
+        """Before ``module``'s forward runs on ``args``."""
+
+    def left(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, failed: bool) -> Any:
+        """After it returned ``output`` (None and ``failed`` when it raised); a value other than
+        None replaces the output."""
+
+
+_listeners: list[weakref.ref] = []  # held weakly: a listener its owner dropped stops by itself
+_handles: list[Any] = []
+_state = {'depth': 0, 'paused': 0, 'compiled': False}  # hook calls under way, pauses, a compiler saw the hooks
+
+
+def in_graph_capture() -> bool:
+    """True while a tracer or compiler records the model: layouts are its business there."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+
+
+def _pre_hook(module: torch.nn.Module, args: tuple) -> None:
+    if torch.compiler.is_compiling():  # first: a compiled graph guards on nothing of ours
+        return
+    if isinstance(getattr(module, '_orig_mod', None), torch.nn.Module):  # torch.compile's wrapper
+        _state['compiled'] = True
+    if not _listeners or _state['paused']:
+        return
+    _state['depth'] += 1
+    try:
+        for listener in _alive():
+            listener.entered(module, args)
+    finally:
+        _state['depth'] -= 1
+
+
+def _hook(module: torch.nn.Module, args: tuple, *kwargs_output: Any) -> Any:
+    if torch.compiler.is_compiling() or not _listeners or _state['paused']:
+        return None
+    # (kwargs, output) after a forward; (output,) from inside torch's ``except`` when it raised
+    kwargs, output = kwargs_output if len(kwargs_output) == 2 else ({}, kwargs_output[0])
+    failed = sys.exc_info()[0] is not None
+    _state['depth'] += 1
+    try:
+        for listener in _alive():
+            replaced = listener.left(module, args, kwargs, output, failed)
+            output = output if replaced is None else replaced
+    finally:
+        _state['depth'] -= 1
+    return output
+
+
+def _alive() -> list[ModuleCallListener]:
+    """The listeners whose owners still hold them, in subscription order."""
+    return [listener for listener in (reference() for reference in _listeners) if listener is not None]
+
+
+def _forget(reference: weakref.ref) -> None:
+    if reference in _listeners:
+        _listeners.remove(reference)
+
+
+def settle_hooks() -> None:
+    """Hooks on while anyone listens; off when no one does, unless inside a hook or seen by a compiler.
+    Called by every (un)subscription, and by the input selection at each batch."""
+    if _listeners and not _handles:
+        _handles.append(module_hooks.register_module_forward_pre_hook(_pre_hook))
+        _handles.append(module_hooks.register_module_forward_hook(_hook, with_kwargs=True, always_call=True))
+    elif not _listeners and _handles and _state['depth'] == 0 and not _state['compiled']:
+        while _handles:
+            _handles.pop().remove()
+
+
+def subscribe(listener: ModuleCallListener) -> None:
+    """Call ``listener`` around every module call until :func:`unsubscribe`; once only."""
+    reference = weakref.ref(listener, _forget)
+    if reference not in _listeners:
+        _listeners.append(reference)
+    settle_hooks()
+
+
+def unsubscribe(listener: ModuleCallListener) -> None:
+    """Stop calling ``listener``; nothing if it was not subscribed. Safe inside a module call."""
+    _forget(weakref.ref(listener))
+    settle_hooks()
+
+
+@contextlib.contextmanager
+def follow_module_calls(listener: ModuleCallListener) -> Iterator[ModuleCallListener]:
+    """:func:`subscribe` ``listener`` inside the block."""
+    subscribe(listener)
+    try:
+        yield listener
+    finally:
+        unsubscribe(listener)
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No listener is called inside: for module calls a listener makes itself (the repair check's)."""
+    _state['paused'] += 1
+    try:
+        yield
+    finally:
+        _state['paused'] -= 1
+
+
+def hooks_installed() -> bool:
+    """Whether the process-wide hooks are on (idle ones included)."""
+    return bool(_handles)
+
+
+def tracking(listener: Optional[ModuleCallListener] = None) -> bool:
+    """Whether ``listener`` (by default: anyone) is subscribed."""
+    return bool(_alive()) if listener is None else weakref.ref(listener) in _listeners
