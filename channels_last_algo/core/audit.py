@@ -69,6 +69,7 @@ from torch.utils._pytree import tree_flatten
 
 from channels_last_algo.core.arguments import require_flags, require_input, require_module
 from channels_last_algo.core.audit_report import AuditRecord, AuditReport, LayoutBreakError
+from channels_last_algo.core.break_causes import cause_of
 from channels_last_algo.core.layout import Layout, layout_of
 from channels_last_algo.core.module_calls import subscribe, unsubscribe
 
@@ -304,6 +305,7 @@ class LayoutAudit:
                         tuple(tensor.shape),
                         sum(t.nbytes for t in dropped),
                         f'{layout.value}->{layout_of(dropped[0]).value}',
+                        self._cause(func, dropped[0], path, phase),
                     )
         converted = [t for t, layout in zip(outputs, out_layouts) if layout.is_channels_last]
         if converted and path is not None and func.overloadpacket in _COPY_OPS:
@@ -317,8 +319,13 @@ class LayoutAudit:
                     tuple(source.shape),
                     sum(t.nbytes for t in converted),
                     f'{layout.value}->{layout_of(converted[0]).value}',
+                    self._cause(func, source, path, phase),
                 )
         return None
+
+    def _cause(self, func: Any, tensor: torch.Tensor, path: Optional[str], phase: str) -> str:
+        module = self.model.get_submodule(path) if path is not None else None
+        return cause_of(str(func), tensor.dtype, tensor.device.type, module, phase)
 
     def _check_free_exit(self, func: Any, args: tuple, outputs: list[torch.Tensor], path: Optional[str]) -> None:
         source = args[0]

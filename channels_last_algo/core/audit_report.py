@@ -34,6 +34,8 @@ class AuditRecord:
         shape: the shape of the tensor whose layout changed (the op's NHWC input for a break).
         nbytes: bytes the op wrote in the new layout; 0 for a free exit.
         layouts: the change, e.g. ``'NHWC->NCHW'``.
+        cause: why, where torch's kernel and not the model makes the break
+            (:mod:`~channels_last_algo.core.break_causes`); '' otherwise.
     """
 
     op: str
@@ -42,6 +44,7 @@ class AuditRecord:
     shape: tuple[int, ...]
     nbytes: int
     layouts: str
+    cause: str = ''
 
     @property
     def where(self) -> str:
@@ -73,12 +76,17 @@ def _table(records: Sequence[AuditRecord]) -> list[str]:
     """Rows of identical records merged, with a count, in order of first appearance."""
     groups: dict[tuple, list[int]] = {}
     for r in records:
-        key = (r.phase, r.where, r.op, str(r.shape), r.layouts)
+        key = (r.phase, r.where, r.op, str(r.shape), r.layouts, r.cause)
         count_bytes = groups.setdefault(key, [0, 0])
         count_bytes[0] += 1
         count_bytes[1] += r.nbytes
-    header = ('phase', 'module path', 'op', 'shape', 'layouts', 'count', 'bytes')
-    rows = [header] + [key + (str(count), format_bytes(nbytes)) for key, (count, nbytes) in groups.items()]
+    header = ('phase', 'module path', 'op', 'shape', 'layouts', 'count', 'bytes', 'cause')
+    rows = [header] + [
+        (*key[:-1], str(count), format_bytes(nbytes), key[-1]) for key, (count, nbytes) in groups.items()
+    ]
+    if not any(r.cause for r in records):
+        rows = [row[:-1] for row in rows]
+        header = header[:-1]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     return ['  ' + '  '.join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
@@ -157,9 +165,10 @@ class AuditReport:
             records = []
             for i, item in enumerate(data.get(key, [])):
                 fields = set(item) if isinstance(item, dict) else set()
-                if fields != set(_RECORD_FIELDS):
+                if not set(_RECORD_FIELDS) - {'cause'} <= fields <= set(_RECORD_FIELDS):
                     raise ValueError(
-                        f'audit report dict: {key}[{i}] must have exactly the keys {list(_RECORD_FIELDS)}, got {item!r}'
+                        f'audit report dict: {key}[{i}] must have the keys {list(_RECORD_FIELDS)} '
+                        f'("cause" may be left out), got {item!r}'
                     )
                 records.append(AuditRecord(**{**item, 'shape': tuple(item['shape'])}))
             lists[key] = records

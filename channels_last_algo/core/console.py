@@ -183,16 +183,19 @@ def _start_hyperparameters(
 
 
 def _rows(records: list[AuditRecord]) -> list[str]:
-    """Records grouped by module path, op and phase, with a count and bytes, the most bytes first."""
+    """Records grouped by module path, op and phase, with a count, bytes and a known cause, the most bytes first."""
     if not records:
         return []
-    groups: dict[tuple[str, str], list[int]] = {}
+    groups: dict[tuple[str, str, str], list[int]] = {}
     for r in records:
-        count_bytes = groups.setdefault((r.where, f'{r.op} ({r.phase})'), [0, 0])
+        count_bytes = groups.setdefault((r.where, f'{r.op} ({r.phase})', r.cause), [0, 0])
         count_bytes[0] += 1
         count_bytes[1] += r.nbytes
     ordered = sorted(groups.items(), key=lambda item: -item[1][1])
-    cells = [(where, op, f'{count}x', format_bytes(nbytes)) for (where, op), (count, nbytes) in ordered[:_SHOWN]]
+    cells = [
+        (where, op, f'{count}x', format_bytes(nbytes) + (f': {cause}' if cause else ''))
+        for (where, op, cause), (count, nbytes) in ordered[:_SHOWN]
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(3)]
     rows = ['  ' + '  '.join(cell.ljust(w) for cell, w in zip(row, widths + [0])).rstrip() for row in cells]
     if len(ordered) > _SHOWN:

@@ -8,8 +8,8 @@ in a way no zoo did. So :class:`RepairCheck` checks every swapped layer on its f
   random state and buffer values: once as the replacement, once as the original class;
 - it compares the outputs and, where the call records gradients, the gradients that a fixed random
   cotangent gives the inputs and the layer's parameters;
-- each difference is relative to the largest magnitude of the original's tensor, and must be within
-  :data:`TOLERANCES` for its dtype.
+- each difference is relative to the largest magnitude among the original's outputs (or among its
+  gradients), and must be within :data:`TOLERANCES` for its dtype.
 
 A layer that passes keeps its replacement. A layer that fails gets its original class back, that
 call's output is computed again by the original, and :attr:`RepairCheck.refused` names the layer
@@ -32,9 +32,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -47,7 +48,7 @@ from channels_last_algo.core.swap import SwapRecord, qualified_name
 __all__ = ['TOLERANCES', 'RefusedRepair', 'RepairCheck']
 
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
-"""Largest difference allowed, relative to the largest magnitude of the original's tensor, by dtype."""
+"""Largest difference allowed, relative to the largest magnitude of the original's outputs (or gradients), by dtype."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,20 +72,38 @@ class _Pending:
 
 
 class _State:
-    """The random state and the buffer values of a layer at one moment, to go back to."""
+    """The random state and the buffer values of a layer at one moment, to go back to. Buffers are
+    written through ``.data``: a graph that saved them (BatchNorm's) keeps its version counters."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: Optional[torch.nn.Module] = None) -> None:
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.buffers = [(b, b.detach().clone()) for b in module.buffers()]
+        self.buffers = [] if module is None else [(b, b.detach().clone()) for b in module.buffers()]
 
-    def restore(self) -> None:
+    def restore_random_state(self) -> None:
         torch.set_rng_state(self.rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
+
+    def restore(self) -> None:
+        self.restore_random_state()
         with torch.no_grad():
             for buffer, value in self.buffers:
-                buffer.copy_(value)
+                buffer.data.copy_(value)
+
+    @contextlib.contextmanager
+    def buffer_copies(self, module: torch.nn.Module) -> Iterator[None]:
+        """Inside, every buffer of ``module`` is a copy of its value at this moment: an extra pass
+        updates the copies, and the real buffers keep their values and version counters."""
+        values = {id(buffer): value for buffer, value in self.buffers}
+        held = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+        for owner, name, buffer in held:
+            owner._buffers[name] = values[id(buffer)].clone(memory_format=torch.preserve_format)
+        try:
+            yield
+        finally:
+            for owner, name, buffer in held:
+                owner._buffers[name] = buffer
 
 
 def _plain_tensors(tree: Any) -> bool:
@@ -120,10 +139,23 @@ def _side_run(
     return [t.detach() for t in outputs], list(grads)
 
 
+def _largest(tensors: list[Optional[torch.Tensor]]) -> float:
+    """The largest finite magnitude in ``tensors`` (a tiny number where there is none)."""
+    found = [
+        torch.nan_to_num(t.double(), posinf=0, neginf=0).abs().max().item()
+        for t in tensors
+        if t is not None and t.numel()
+    ]
+    return max(found + [1e-30])
+
+
 def _difference(what: str, expected: list, actual: list) -> Optional[str]:
-    """How ``actual`` differs from ``expected`` beyond :data:`TOLERANCES`; None where it does not."""
+    """How ``actual`` differs from ``expected`` beyond :data:`TOLERANCES`, relative to the largest
+    magnitude of all of ``expected`` (a gradient that is zero in exact arithmetic, such as a bias before
+    a norm, holds rounding noise only); None where it does not."""
     if len(expected) != len(actual):
         return f'its {what} has another structure ({len(actual)} tensors, the original {len(expected)})'
+    scale = _largest(expected)
     for e, a in zip(expected, actual):
         if e is None or a is None:
             if (e is None) != (a is None):
@@ -133,7 +165,6 @@ def _difference(what: str, expected: list, actual: list) -> Optional[str]:
             return f'its {what} has shape {tuple(a.shape)}, the original {tuple(e.shape)}'
         same_nan = torch.isnan(e) == torch.isnan(a)
         error = (torch.nan_to_num(a.double()) - torch.nan_to_num(e.double())).abs().max().item() if e.numel() else 0
-        scale = max(torch.nan_to_num(e.double()).abs().max().item() if e.numel() else 0.0, 1e-30)
         tolerance = TOLERANCES.get(e.dtype, TOLERANCES[torch.float32])
         if not bool(same_nan.all()) or error / scale > tolerance:
             return f'{what} differs by {error / scale:.1e} (tolerance {tolerance:.0e})'
@@ -181,10 +212,10 @@ class RepairCheck:
             return None
         pending = self._pending[id(module)]
         gradients = torch.is_grad_enabled()
-        after = _State(module)
+        after = _State()  # the random state the real call left
         with module_calls.paused(), _disable_current_modes():
             reason = self._compare(pending, module, args, kwargs, before, gradients)
-        after.restore()
+        after.restore_random_state()
         if reason is None:
             pending.outputs_checked = True
             if gradients:
@@ -202,8 +233,9 @@ class RepairCheck:
     ) -> Optional[str]:
         runs = []
         for forward in (type(module).forward, pending.original.forward):
-            before.restore()
-            runs.append(_side_run(forward, module, args, kwargs, gradients))
+            before.restore_random_state()
+            with before.buffer_copies(module):
+                runs.append(_side_run(forward, module, args, kwargs, gradients))
         (swapped_out, swapped_grads), (original_out, original_grads) = runs
         return _difference('output', original_out, swapped_out) or _difference(
             'gradient', original_grads, swapped_grads

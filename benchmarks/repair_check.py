@@ -1,0 +1,156 @@
+"""The repair check's cost: the first training step of a converted model with and without the check.
+
+The layout guard compares each layer a repair rule swapped with its original on the layer's first
+call (channels_last_algo/core/repair_check.py): two more forward and backward passes of that layer,
+once. Here each round builds a fresh converted copy of the model per variant (untimed) and times its
+first training step (forward, cross entropy or MSE loss, backward):
+
+    rules           apply_channels_last(model): the swapped layers, unchecked
+    rules+check     the same, with a RepairCheck following the step
+
+then a second step of the checked copy, when the check no longer runs (nothing left to check: its
+hooks are off). Rounds interleave the variants, so load slows both alike. The cost is the median
+over rounds of the paired difference of the first steps, in ms and as a share of a later step.
+
+Example:
+    flock /tmp/channels_last_timing.lock .venv-newest/bin/python benchmarks/repair_check.py \\
+        --out benchmarks/results/cpu-2core
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import zoo_models as zoo  # benchmarks/, next to this script
+from arguments import Option, benchmark_parser
+from results_writer import RunStart, run_record, write_results
+from torch import nn
+
+from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.repair_check import RepairCheck
+
+# torchvision and local models that a repair rule changes on the CPU, and timm ones where timm is installed
+MODELS = ('mobilenet_v2', 'shufflenet_v2_x1_0', 'convnext_tiny', 'unet', 'resnest14d', 'ghostnet_050', 'convnext_atto')
+
+
+def _step(name: str, batch_size: int, image_size: int) -> Callable[[nn.Module], float]:
+    """The seconds of one training step of a model on a fixed batch."""
+    torch.manual_seed(1)
+    images = torch.randn(batch_size, 3, image_size, image_size).to(memory_format=torch.channels_last)
+    target = torch.randn(batch_size, 3, 2 * image_size, 2 * image_size) if name == 'unet' else None
+    labels = torch.randint(0, 100, (batch_size,))
+
+    def step(model: nn.Module) -> float:
+        start = time.perf_counter()
+        output = model(images)
+        loss = (
+            nn.functional.mse_loss(output, target)
+            if target is not None
+            else nn.functional.cross_entropy(output, labels)
+        )
+        loss.backward()
+        return time.perf_counter() - start
+
+    return step
+
+
+def measure(name: str, args: argparse.Namespace) -> dict:
+    entry = zoo.by_name(name)
+    base = zoo.build(entry, num_classes=None if entry.source == 'local' else 100)
+    summary = apply_channels_last(base)
+    step = _step(name, args.batch_size, args.image_size)
+    first = {'rules': [], 'rules+check': []}
+    later = []
+    for _ in range(args.warmup + args.rounds):
+        for variant in first:
+            model = copy.deepcopy(base)
+            check = RepairCheck(model, summary.repaired) if variant == 'rules+check' else None
+            first[variant].append(step(model))
+            if check is not None:
+                assert check.done and not check.refused, check.refused
+                later.append(step(model))
+    first = {v: s[args.warmup :] for v, s in first.items()}
+    later = later[args.warmup :]
+    extra = statistics.median(c - r for c, r in zip(first['rules+check'], first['rules']))
+    return {
+        'model': name,
+        'rules': sorted({r.reason for r in summary.repaired}),
+        'checked_layers': len(summary.repaired),
+        'first_step_ms': {v: 1e3 * statistics.median(s) for v, s in first.items()},
+        'first_step_min_ms': {v: 1e3 * min(s) for v, s in first.items()},
+        'later_step_ms': 1e3 * statistics.median(later),
+        'extra_ms': 1e3 * extra,
+        'extra_share_of_a_step': extra / statistics.median(later),
+    }
+
+
+def markdown(result: dict) -> str:
+    m, s = result['machine'], result['settings']
+    lines = [
+        "# The repair check's cost: the first training step with and without it",
+        '',
+        f'Machine: {m["cpu"]}, {m["cores_usable"]} usable cores, {m["torch_threads"]} torch threads. '
+        f'torch {m["torch"]}, torchvision {m["torchvision"]}. Command: `{result["command"]}`',
+        '',
+        f'1-minute load average {result["load_average_1min"]["before"]:.1f} before and '
+        f'{result["load_average_1min"]["after"]:.1f} after.',
+        '',
+        f'float32, batch {s["batch_size"]} x 3 x {s["image_size"]} x {s["image_size"]}, forward and backward; '
+        f'{s["rounds"]} rounds after {s["warmup"]} warm-up, each on fresh copies, interleaved. Medians (min) in ms. '
+        '"extra" is the median over rounds of the paired difference of the first steps; the check runs on '
+        'the first call of each swapped layer only, so later steps pay nothing.',
+        '',
+        '| model | rules | layers checked | first step, rules | first step, rules + check | extra | '
+        'a later step | extra / later step |',
+        '|---|---|---:|---:|---:|---:|---:|---:|',
+    ]
+    for row in result['rows']:
+        med, low = row['first_step_ms'], row['first_step_min_ms']
+        lines.append(
+            f'| {row["model"]} | {", ".join(row["rules"])} | {row["checked_layers"]} | '
+            f'{med["rules"]:.1f} ({low["rules"]:.1f}) | {med["rules+check"]:.1f} ({low["rules+check"]:.1f}) | '
+            f'{row["extra_ms"]:.1f} | {row["later_step_ms"]:.1f} | {row["extra_share_of_a_step"]:.2f} |'
+        )
+    return '\n'.join(lines) + '\n'
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = benchmark_parser(
+        __doc__, warmup=Option(1), rounds=Option(7), out='folder for repair_check.json and .md', epilog=False
+    )
+    timm = importlib.util.find_spec('timm') is not None
+    available = [name for name in MODELS if zoo.by_name(name).source != 'timm' or timm]
+    parser.add_argument('--models', nargs='+', default=available, choices=MODELS, metavar='MODEL')
+    parser.add_argument('--batch-size', type=int, default=8)
+    parser.add_argument('--image-size', type=int, default=64)
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0 or args.batch_size < 2 or args.image_size < 32:
+        parser.error('need --rounds >= 1, --warmup >= 0, --batch-size >= 2 (BatchNorm) and --image-size >= 32')
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    start = RunStart.now()
+    args = parse_args(argv)
+    rows = []
+    for name in args.models:
+        rows.append(measure(name, args))
+        print(f'{name:<20} extra {rows[-1]["extra_ms"]:.1f} ms, a later step {rows[-1]["later_step_ms"]:.1f} ms')
+    settings = {k: v for k, v in vars(args).items() if k not in ('out', 'models')}
+    result = run_record('repair_check', start, argv, settings=settings, rows=rows)
+    table = markdown(result)
+    print(table)
+    if args.out is not None:
+        write_results(args.out, 'repair_check', result, table)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
