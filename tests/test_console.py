@@ -85,16 +85,45 @@ def test_audit_block_lists_the_breaks_left_by_module_and_op_with_bytes(caplog):
             optimizer.step()
             optimizer.zero_grad()
     block = guard.audit_block
-    nbytes = 2 * 4 * 8 * 16 * 16 * 4  # two steps, one NCHW copy of a 4 x 8 x 16 x 16 float tensor each
+    nbytes = 4 * 8 * 16 * 16 * 4  # the last step's one NCHW copy of a 4 x 8 x 16 x 16 float tensor
     assert (
         block.lines[0]
-        == 'channels last: layout audit of 2 training steps: 2 layout breaks left in the model (64.0 KiB)'
+        == 'channels last: layout audit of 2 training steps: the last left 1 layout break in the model (32.0 KiB)'
     )
-    assert block.lines[1].split() == ['1', 'aten.clone.default', '(forward)', '2x', '64.0', 'KiB']
-    assert block.hyperparameters['channels_last/audit_breaks'] == 2
+    assert block.lines[1].split() == ['1', 'aten.clone.default', '(forward)', '1x', '32.0', 'KiB']
+    assert len(block.lines) == 2  # both steps had the one break: no line on the first
+    assert block.hyperparameters['channels_last/audit_breaks'] == 1
     assert block.hyperparameters['channels_last/audit_break_bytes'] == nbytes
+    assert block.hyperparameters['channels_last/audited_steps'] == 2
     shown = [r for r in caplog.records if r.getMessage() == str(block)]
     assert [r.levelno for r in shown] == [logging.WARNING]  # breaks left: a warning, once
+
+
+class BreaksOnItsFirstCall(nn.Module):
+    """Drops NHWC on its first call only (a lazily built buffer, a warm-up branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x.contiguous() if self.calls == 1 else x
+
+
+def test_audit_block_says_what_the_last_step_left_and_apart_what_the_first_had():
+    """The breaks of the last audited step are what is left; a sum over the steps is not."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), BreaksOnItsFirstCall(), nn.Conv2d(8, 8, 3, padding=1))
+    guard = LayoutGuard(audit_steps=2)
+    guard.on_init(model)
+    for images, _ in tiny_loader(n=8):
+        with guard.step():
+            model(guard.on_batch(images)).sum().backward()
+    assert guard.audit_block.lines == (
+        'channels last: layout audit of 2 training steps: the last left no layout breaks',
+        '  the first audited step had 1 layout break (32.0 KiB)',
+    )
+    assert guard.audit_block.hyperparameters['channels_last/audit_breaks'] == 0
 
 
 def test_auto_mode_says_what_it_times_before_and_what_it_kept_after():

@@ -4,8 +4,8 @@ A :class:`ConsoleBlock` is a few lines for people and a flat dict of ``channels_
 hyperparameters for a trainer's loggers. :func:`start_block` says, when training starts, what
 the conversion did (tensors restrided, layers repaired and by which rule, kernel safe paths),
 the weight layout the parallel setting allows and auto mode's decision with its evidence;
-:func:`audit_block`, after the last audited step, the layout breaks left in the model by module
-and op, with their bytes; :func:`timing_line` is auto mode's word before it measures;
+:func:`audit_block`, after the last audited step, the layout breaks that step left in the model
+by module and op, with their bytes; :func:`timing_line` is auto mode's word before it measures;
 :func:`step_metrics` the metrics of an audited step. The integrations only choose when and
 where to print them: Composer's console, Lightning's ``rank_zero_info``, a plain loop's log
 (:class:`~channels_last_algo.core.guard.LayoutGuard`).
@@ -13,8 +13,8 @@ where to print them: Composer's console, Lightning's ``rank_zero_info``, a plain
 Example:
     >>> from channels_last_algo.core.audit_report import AuditRecord, AuditReport
     >>> record = AuditRecord('aten.cat.default', 'features.1', 'forward', (2, 8, 4, 4), 512, 'NHWC->NCHW')
-    >>> print(audit_block(AuditReport(breaks=[record, record], steps=2)))
-    channels last: layout audit of 2 training steps: 2 layout breaks left in the model (1.0 KiB)
+    >>> print(audit_block(AuditReport(breaks=[record, record])))
+    channels last: layout audit of 1 training step: 2 layout breaks left in the model (1.0 KiB)
       features.1  aten.cat.default (forward)  2x  1.0 KiB
     >>> timing_line(max_rounds=60, max_seconds=60.0).endswith('at most 60 rounds or 60 s ...')
     True
@@ -203,8 +203,9 @@ def _rows(records: list[AuditRecord]) -> list[str]:
     return rows
 
 
-def audit_block(report: AuditReport) -> ConsoleBlock:
-    """The layout breaks the audited steps left in the model, by module path and op, with bytes.
+def audit_block(last: AuditReport, steps: int = 1, first: Optional[AuditReport] = None) -> ConsoleBlock:
+    """What the last of ``steps`` audited training steps left in the model: its layout breaks by
+    module path and op, with bytes; and, apart, the first audited step's count where it differs.
 
     Example:
         >>> loss = AuditRecord('aten._log_softmax.default', None, 'forward', (2, 3, 8, 8), 1536, 'NHWC->NCHW')
@@ -212,28 +213,36 @@ def audit_block(report: AuditReport) -> ConsoleBlock:
         >>> print(block)
         channels last: layout audit of 1 training step: no layout breaks
           not counted, outside the model (the loss or code around it): aten._log_softmax.default (forward), 1.5 KiB
+        >>> cat = AuditRecord('aten.cat.default', 'head', 'forward', (2, 8, 4, 4), 512, 'NHWC->NCHW')
+        >>> print(audit_block(AuditReport(), steps=2, first=AuditReport(breaks=[cat])))
+        channels last: layout audit of 2 training steps: the last left no layout breaks
+          the first audited step had 1 layout break (512 B)
         >>> block.hyperparameters['channels_last/audit_breaks']
         0
     """
-    steps = _count(report.steps, 'training step')
-    found = (
-        f'{_count(len(report.breaks), "layout break")} left in the model ({format_bytes(report.break_bytes)})'
-        if report.breaks
+    left = (
+        f'{_count(len(last.breaks), "layout break")} left in the model ({format_bytes(last.break_bytes)})'
+        if last.breaks
         else 'no layout breaks'
     )
-    lines = [f'{_TITLE}: layout audit of {steps}: {found}', *_rows(report.breaks)]
-    lines += [f'  not a channels-last run: {note}' for note in report.notes]
-    if report.outside:
-        ops = sorted({f'{r.op} ({r.phase})' for r in report.outside})
-        outside_bytes = format_bytes(sum(r.nbytes for r in report.outside))
+    if steps > 1:
+        left = f'the last left {left.replace(" left in the model", " in the model")}'
+    lines = [f'{_TITLE}: layout audit of {_count(steps, "training step")}: {left}', *_rows(last.breaks)]
+    if steps > 1 and first is not None and len(first.breaks) != len(last.breaks):
+        had = _count(len(first.breaks), 'layout break') if first.breaks else 'no layout breaks'
+        lines.append(f'  the first audited step had {had} ({format_bytes(first.break_bytes)})')
+    lines += [f'  not a channels-last run: {note}' for note in last.notes]
+    if last.outside:
+        ops = sorted({f'{r.op} ({r.phase})' for r in last.outside})
+        outside_bytes = format_bytes(sum(r.nbytes for r in last.outside))
         lines.append(
             f'  not counted, outside the model (the loss or code around it): {", ".join(ops)}, {outside_bytes}'
         )
     params = {
-        'channels_last/audited_steps': report.steps,
-        'channels_last/audit_breaks': len(report.breaks),
-        'channels_last/audit_break_bytes': report.break_bytes,
-        'channels_last/audit_outside_model': len(report.outside),
+        'channels_last/audited_steps': steps,
+        'channels_last/audit_breaks': len(last.breaks),
+        'channels_last/audit_break_bytes': last.break_bytes,
+        'channels_last/audit_outside_model': len(last.outside),
     }
     return ConsoleBlock(tuple(lines), params)
 

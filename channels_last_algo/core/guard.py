@@ -143,6 +143,8 @@ class LayoutGuard:
         self.decision: Optional[LayoutDecision] = None
         self.weight_layout: Optional[WeightLayoutPlan] = None
         self._audit: Optional[LayoutAudit] = None
+        self._first_audited: Optional[AuditReport] = None  # the first audited step's report
+        self._last_audited: Optional[AuditReport] = None
         self._repair_check: Optional[RepairCheck] = None
         self._refused_shown = 0  # how many of the refused repairs the console has shown
         self.console: Optional[Callable[[str], None]] = None  # an integration's console; None: the log
@@ -194,12 +196,15 @@ class LayoutGuard:
 
     @property
     def audit_block(self) -> Optional[ConsoleBlock]:
-        """The layout breaks the audited steps left, by module path and op with their bytes, to
-        print; None until every audited step ran."""
+        """The layout breaks the last audited step left, by module path and op with their bytes (and
+        the first step's count where it differs), to print; None until every audited step ran."""
         report = self.report
         if report is None or report.steps < self.audit_steps:
             return None
-        return audit_block(report)
+        return self._audit_block()
+
+    def _audit_block(self) -> ConsoleBlock:
+        return audit_block(self._last_audited, self._audit.report.steps, self._first_audited)
 
     @property
     def refused_repairs(self) -> list[RefusedRepair]:
@@ -405,10 +410,12 @@ class LayoutGuard:
         if not self.auditing:
             return None
         step_report = self._audit.stop()
+        if self._first_audited is None:
+            self._first_audited = step_report
+        self._last_audited = step_report
         failed = self.strict and bool(step_report.breaks)
-        report = self._audit.report
-        if report.steps == self.audit_steps or failed:
-            self._show(str(audit_block(report)), warn=not report.ok)
+        if self._audit.report.steps == self.audit_steps or failed:
+            self._show(str(self._audit_block()), warn=not step_report.ok)
         if failed:
             raise LayoutBreakError(step_report.breaks[0])
         return step_report
