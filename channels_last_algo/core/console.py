@@ -231,13 +231,7 @@ def audit_block(last: AuditReport, steps: int = 1, first: Optional[AuditReport] 
     if steps > 1 and first is not None and len(first.breaks) != len(last.breaks):
         had = _count(len(first.breaks), 'layout break') if first.breaks else 'no layout breaks'
         lines.append(f'  the first audited step had {had} ({format_bytes(first.break_bytes)})')
-    lines += [f'  not a channels-last run: {note}' for note in last.notes]
-    if last.outside:
-        ops = sorted({f'{r.op} ({r.phase})' for r in last.outside})
-        outside_bytes = format_bytes(sum(r.nbytes for r in last.outside))
-        lines.append(
-            f'  not counted, outside the model (the loss or code around it): {", ".join(ops)}, {outside_bytes}'
-        )
+    lines += [f'  not a channels-last run: {note}' for note in last.notes] + _outside_rows(last.outside)
     params = {
         'channels_last/audited_steps': steps,
         'channels_last/audit_breaks': len(last.breaks),
@@ -245,6 +239,15 @@ def audit_block(last: AuditReport, steps: int = 1, first: Optional[AuditReport] 
         'channels_last/audit_outside_model': len(last.outside),
     }
     return ConsoleBlock(tuple(lines), params)
+
+
+def _outside_rows(records: list[AuditRecord]) -> list[str]:
+    """One line on the drops outside the model, which are not counted; none where there are none."""
+    if not records:
+        return []
+    ops = sorted({f'{r.op} ({r.phase})' for r in records})
+    nbytes = format_bytes(sum(r.nbytes for r in records))
+    return [f'  not counted, outside the model (the loss or code around it): {", ".join(ops)}, {nbytes}']
 
 
 def timing_line(max_rounds: int, max_seconds: float) -> str:

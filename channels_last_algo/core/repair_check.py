@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from channels_last_algo.core import module_calls
-from channels_last_algo.core.swap import SwapRecord, qualified_name
+from channels_last_algo.core.swap import SwapRecord, qualified_name, swap_back
 
 __all__ = ['TOLERANCES', 'RefusedRepair', 'RepairCheck']
 
@@ -223,7 +223,7 @@ class RepairCheck:
             return None
         self._finish(module)
         self.refused.append(RefusedRepair(pending.record, reason))
-        module.__class__ = pending.original
+        swap_back(module, pending.original)
         before.restore()
         return pending.original.forward(module, *args, **kwargs)
 

@@ -47,6 +47,7 @@ __all__ = [
     'is_exact_type',
     'qualified_name',
     'require_subclass',
+    'swap_back',
     'swap_first_match',
 ]
 
@@ -144,3 +145,10 @@ def swap_first_match(
         module.__class__ = replacement
         records.append(SwapRecord(path, kind, row.name, qualified_name(original), replacement.__name__))
     return records
+
+
+def swap_back(module: nn.Module, original: type) -> None:
+    """Give a swapped ``module`` its ``original`` class again (a base of its class: same state)."""
+    if not isinstance(module, original):
+        raise TypeError(f'{type(module).__name__} is no swap of {qualified_name(original)}')
+    module.__class__ = original

@@ -8,8 +8,11 @@ whose backward follows the gradient's layout (``silu_backward``, ``hardswish_bac
 ``hardtanh_backward``, ConvNeXt's layer-scale ``mul``) turn NCHW, up to the last convolution.
 Taking the mean over H and W of the (..., H, W, C) view instead makes the backward write
 (..., H, W, C) in order, which is NHWC memory. The same ops serve any rank (an unbatched
-C x H x W input too), so the layer has no branch: ``torch.fx.symbolic_trace``,
-``torch.jit.script``, ``torch.export`` and ONNX export see plain tensor ops. The axes are
+C x H x W input too). An input that came channels first (a break before the layer) is pooled as
+the original pools it, so its gradient keeps the input's layout: an NHWC gradient there would
+meet the NCHW activations before it and add a break. That choice reads strides, so the function
+is a ``torch.fx.wrap`` leaf; ``torch.jit.script``, ``torch.export`` and ONNX export see plain
+tensor ops. The axes are
 counted from the front (from ``x.dim()``): the TorchScript ONNX exporter writes a negative
 ``movedim`` axis into the ONNX ``Transpose`` as it is, which onnxruntime refuses.
 
@@ -32,9 +35,15 @@ __all__ = ['ChannelsLastAdaptiveAvgPool2d', 'global_avg_pool_nhwc', 'is_global_p
 
 
 def global_avg_pool_nhwc(x: torch.Tensor) -> torch.Tensor:
-    """Mean over H and W of a (..., C, H, W) tensor, kept as (..., C, 1, 1), computed in NHWC order."""
+    """Mean over H and W of a (..., C, H, W) tensor, kept as (..., C, 1, 1), computed in NHWC order,
+    or in NCHW order where ``x`` is channels first only."""
+    if x.dim() == 4 and x.is_contiguous() and not x.is_contiguous(memory_format=torch.channels_last):
+        return x.mean(dim=(2, 3), keepdim=True)
     c = x.dim() - 3  # the channel axis
     return x.movedim(c, c + 2).mean(dim=(c, c + 1), keepdim=True).movedim(c + 2, c)
+
+
+torch.fx.wrap('global_avg_pool_nhwc')
 
 
 def is_global_pool(module: nn.AdaptiveAvgPool2d) -> bool:
