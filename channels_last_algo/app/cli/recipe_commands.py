@@ -132,11 +132,14 @@ def add_compare(subparsers: argparse._SubParsersAction) -> None:
         help="time a recipe's training steps with channels last off, on, and Composer's",
         description="Train RECIPE's model on its data with channels last off (NCHW), with Composer's "
         'ChannelsLast and with this project, interleaved step by step after warm-up; print images/s, '
-        'speedups and the layout audit of each.',
+        'speedups with their 95% intervals (a tie where one holds 1.0) and the layout audit of each.',
     )
     _add_recipe_arguments(parser, smoke='--batches 3 --warmup 1 unless given')
     parser.add_argument(
-        '--batches', type=positive_int, help='timed training steps per variant (default 10; 3 with --smoke)'
+        '--batches',
+        type=positive_int,
+        help='timed training steps per variant (default 10; 3 with --smoke; 6 or more give the speedups an '
+        'interval, and more steps a narrower one)',
     )
     parser.add_argument('--warmup', type=count, help='untimed steps per variant first (default 2; 1 with --smoke)')
     parser.add_argument('--json', metavar='FILE', help='also write the results as JSON to FILE')

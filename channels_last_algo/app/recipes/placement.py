@@ -1,10 +1,13 @@
-"""Where and how a recipe's step runs here: the device and precision, each rank's batch, the microbatch.
+"""Where and how a recipe's step runs here: the device and precision, each rank's batch, the microbatch, and the
+loader workers the cores here allow.
 
 Example:
     >>> from channels_last_algo.app.recipes.loading import load_recipe
     >>> recipe = load_recipe('recipes/resnet50_imagenet.yaml')
     >>> CPU_MICROBATCH, microbatch_size(recipe, 'gpu', 8)
     (32, 'auto')
+    >>> loader_workers(recipe) == min(recipe.data.workers, usable_cores())
+    True
 """
 
 from __future__ import annotations
@@ -14,7 +17,15 @@ from typing import Union
 
 from channels_last_algo.app.recipes.schema import Recipe, RecipeError
 
-__all__ = ['CPU_MICROBATCH', 'device_and_precision', 'microbatch_size', 'rank_batch_sizes']
+__all__ = [
+    'CPU_MICROBATCH',
+    'device_and_precision',
+    'loader_workers',
+    'microbatch_size',
+    'rank_batch_sizes',
+    'usable_cores',
+    'workers_words',
+]
 
 # The microbatch 'auto' takes on the CPU. Composer's 'auto' halves the microbatch on a CUDA out-of-memory
 # error and refuses any other device: on the CPU memory runs out without an error to catch (the kernel kills
@@ -66,3 +77,30 @@ def microbatch_size(recipe: Recipe, device: str, rank_batch: int) -> Union[int, 
     if size != 'auto':
         return size
     return 'auto' if device == 'gpu' else min(rank_batch, CPU_MICROBATCH)
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity where the system keeps one, else all of them."""
+    if hasattr(os, 'sched_getaffinity'):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def loader_workers(recipe: Recipe) -> int:
+    """The worker processes each of the recipe's loaders starts: ``data.workers``, at most one per usable core
+    (more only queue for the same cores, and PyTorch warns of them at every loader)."""
+    return min(recipe.data.workers, usable_cores())
+
+
+def workers_words(asked: int, started: int) -> str:
+    """How many loader workers started for ``data.workers: asked``, and why fewer.
+
+    Example:
+        >>> workers_words(8, 2)
+        '2 loader workers (data.workers 8, capped at the 2 cores this process may use)'
+        >>> workers_words(1, 1), workers_words(0, 0)
+        ('1 loader worker (data.workers 1)', '0 loader workers (data.workers 0)')
+    """
+    plural = '' if started == 1 else 's'
+    capped = f', capped at the {started} core{plural} this process may use' if started < asked else ''
+    return f'{started} loader worker{plural} (data.workers {asked}{capped})'

@@ -6,7 +6,9 @@ format string's placeholders) and what it means, from which :mod:`~channels_last
 prints the reference (``channels-last train --help-keys``). :func:`recipe_from_dict` checks a parsed
 YAML mapping against the schema before anything is built, the keys that depend on each other too
 (:func:`check_durations` compares the times in samples), and raises :class:`RecipeError` with the
-key path and what would be valid. Nothing here needs Composer or torch.
+key path and what would be valid. An evaluation or checkpoint interval longer than the run is no
+error: it happens at the end, and :func:`check_durations` returns a note that says so. Nothing here
+needs Composer or torch.
 
 Example:
     >>> recipe = recipe_from_dict({'name': 'r', 'train': {'max_duration': '2ep'}}, 'r.yaml')
@@ -106,7 +108,10 @@ class DataConfig:
         None, between(8, 8192), doc="evaluation: the short side's size before the crop; null: eval_crop * 232 / 224"
     )
     workers: int = _key(
-        0, between(0, 256), doc='data loader worker processes per rank; 0: load in the training process'
+        0,
+        between(0, 256),
+        doc='the most data loader worker processes per rank: each loader starts min(workers, the cores this process '
+        'may use); 0: load in the training process',
     )
     synthetic_train_samples: Optional[int] = _key(
         None, between(1), doc="synthetic training images (without a path); null: ImageNet's 1,281,167"
@@ -172,7 +177,9 @@ class TrainConfig:
     eval_subset_num_batches: int = _key(
         -1, count_or(-1, 'the whole set'), doc='evaluation batches per rank at each evaluation'
     )
-    eval_interval: str = _key('1ep', time_string('ep ba dur'), doc='evaluate this often, and at the end')
+    eval_interval: str = _key(
+        '1ep', time_string('ep ba dur'), doc='evaluate this often, and at the end (only there if longer than the run)'
+    )
     gpu_precision: str = _key(
         'amp_fp16', choices('amp_fp16', 'amp_bf16', 'fp32'), doc='the precision on a GPU (the CPU trains in fp32)'
     )
@@ -184,7 +191,9 @@ class TrainConfig:
         'runs/{name}', placeholders('name'), doc="the run's checkpoint folder, locked while it trains"
     )
     save_interval: str = _key(
-        '1ep', time_string('ep ba dur'), doc='write a checkpoint this often, and at the end (before that evaluation)'
+        '1ep',
+        time_string('ep ba dur'),
+        doc='write a checkpoint this often and at the end, before that evaluation (only there if longer than the run)',
     )
     save_num_checkpoints_to_keep: int = _key(
         -1, count_or(-1, 'keep all'), doc='the newest checkpoints kept in save_folder; older ones are deleted'
@@ -281,6 +290,15 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str, error) -> Any:
     return cls(**values)
 
 
+# what a warmup as long as the run does, and the keys that fix it
+_NO_DECAY = (
+    'the cosine decay would never start: give a scheduler.t_warmup shorter than train.max_duration (a tenth of it, '
+    'say) or a longer train.max_duration'
+)
+# the intervals that also happen at the end of the run, so that one longer than the run happens there only
+_AT_END = ('eval_interval', 'save_interval')
+
+
 def _check_together(recipe: Recipe, error) -> None:
     """The rules that tie two keys together; the durations too when the training set's size is in the recipe."""
     data = recipe.data
@@ -300,23 +318,25 @@ def _check_together(recipe: Recipe, error) -> None:
     if (warmup_unit == unit and warmup >= length) or (warmup_unit == 'dur' and warmup >= 1):
         raise error(
             f'scheduler.t_warmup: {recipe.scheduler.t_warmup!r} is not shorter than train.max_duration '
-            f'{recipe.train.max_duration!r}; the cosine decay would never start'
+            f'{recipe.train.max_duration!r}; {_NO_DECAY}'
         )
     if data.path is None and data.synthetic_train_samples is not None:
         check_durations(recipe, data.synthetic_train_samples, 'data.synthetic_train_samples', error)
 
 
-def check_durations(recipe: Recipe, train_samples: int, samples_from: str, error) -> None:
-    """The recipe's times measured in samples through the training set's size, ``train_samples`` images
-    (from ``samples_from``, for the message): one full batch an epoch, a warmup shorter than the run, and
-    evaluation and checkpoint intervals no longer than the run (each also happens at the end).
+def check_durations(recipe: Recipe, train_samples: int, samples_from: str, error) -> tuple[Recipe, Optional[str]]:
+    """The recipe's times in samples through the training set's size, ``train_samples`` images (from ``samples_from``,
+    for the messages): an ``error`` for what would change the training (no full batch an epoch, a warmup not shorter
+    than the run); returned, the recipe as it runs, each evaluation or checkpoint interval longer than the run set to
+    ``'1dur'`` (once, at the end, as Composer does), and one note naming those keys (None when there are none).
 
     Example:
         >>> recipe = recipe_from_dict({'name': 'r', 'train': {'max_duration': '3ba', 'global_batch_size': 4}}, 'r.yaml')
-        >>> check_durations(recipe, 16, 'data.synthetic_train_samples', RecipeError)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        channels_last_algo.app.recipes.schema.RecipeError: train.eval_interval: '1ep' (16 samples) is longer than ...
+        >>> as_run, note = check_durations(recipe, 16, 'data.synthetic_train_samples', RecipeError)
+        >>> as_run.train.eval_interval, as_run.train.save_interval
+        ('1dur', '1dur')
+        >>> print(note)  # doctest: +ELLIPSIS
+        train.eval_interval '1ep' (16 samples) and train.save_interval '1ep' (16 samples) are longer than ...
     """
     batch = recipe.train.global_batch_size
     epoch = train_samples // batch
@@ -333,28 +353,33 @@ def check_durations(recipe: Recipe, train_samples: int, samples_from: str, error
         amount, unit = parse_time(text)
         return amount * length if unit == 'dur' else amount * per_unit[unit]
 
-    scale = f'{batch} images a batch, {epoch} batches an epoch of the {train_samples} samples of {samples_from}'
-    _check_times_in_run(recipe, samples, length, scale, error)
-
-
-def _check_times_in_run(recipe: Recipe, samples: Callable[[str], float], length: int, scale: str, error) -> None:
-    """A warmup shorter than the run of ``length`` samples, and evaluation and checkpoint intervals no longer
-    than it; ``samples`` measures a time string in samples, ``scale`` says how (for the message)."""
-    run = recipe.train.max_duration
+    scale = (
+        f'{length:,} samples; {batch} images a batch, {epoch} batches an epoch of the {train_samples} samples '
+        f'of {samples_from}'
+    )
     warmup = recipe.scheduler.t_warmup
     if samples(warmup) >= length and samples(warmup) > 0:
         raise error(
             f'scheduler.t_warmup: {warmup!r} ({samples(warmup):,.0f} samples) is not shorter than train.max_duration '
-            f'{run!r} ({length:,} samples; {scale}); the cosine decay would never start'
+            f'{run!r} ({scale}); {_NO_DECAY}'
         )
-    for key in ('eval_interval', 'save_interval'):
-        interval = getattr(recipe.train, key)
-        if samples(interval) > length:
-            raise error(
-                f'train.{key}: {interval!r} ({samples(interval):,.0f} samples) is longer than train.max_duration '
-                f'{run!r} ({length:,} samples; {scale}), so it would happen only at the end: give 1dur for that, '
-                'or a shorter interval'
-            )
+    return _intervals_at_end(recipe, samples, scale)
+
+
+def _intervals_at_end(recipe: Recipe, samples: Callable[[str], float], scale: str) -> tuple[Recipe, Optional[str]]:
+    """``recipe`` with each evaluation or checkpoint interval longer than the run set to ``'1dur'``, and the note
+    naming them (None when none is); ``samples`` measures a time string in samples, ``scale`` says how."""
+    run = recipe.train.max_duration
+    at_end = {key: getattr(recipe.train, key) for key in _AT_END if samples(getattr(recipe.train, key)) > samples(run)}
+    if not at_end:
+        return recipe, None
+    named = ' and '.join(f'train.{key} {value!r} ({samples(value):,.0f} samples)' for key, value in at_end.items())
+    note = (
+        f'{named} {"are" if len(at_end) > 1 else "is"} longer than train.max_duration {run!r} ({scale}), '
+        f'so {"each happens" if len(at_end) > 1 else "it happens"} once, at the end of the run'
+    )
+    as_run = dataclasses.replace(recipe.train, **dict.fromkeys(at_end, '1dur'))
+    return dataclasses.replace(recipe, train=as_run), note
 
 
 def recipe_from_dict(data: Any, source: str) -> Recipe:

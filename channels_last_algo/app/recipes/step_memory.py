@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten
 
 from channels_last_algo.app.recipes import models
 from channels_last_algo.app.recipes.algorithms import algorithm_registry
-from channels_last_algo.app.recipes.placement import microbatch_size
+from channels_last_algo.app.recipes.placement import loader_workers, microbatch_size
 from channels_last_algo.app.recipes.rules import parse_time
 from channels_last_algo.app.recipes.schema import Recipe, RecipeError
 
@@ -245,9 +245,9 @@ class StepEstimate(NamedTuple):
 
 
 def _batches_in_memory(recipe: Recipe, device: str) -> int:
-    """The loaded batches of one loader in memory: on the CPU the one in use and the ``data.workers``'
-    prefetched ones (two each, PyTorch's default), on a GPU the one moved to it."""
-    return 1 + 2 * recipe.data.workers if device == 'cpu' else 1
+    """The loaded batches of one loader in memory: on the CPU the one in use and its workers' prefetched ones
+    (two each, PyTorch's default; :func:`loader_workers`), on a GPU the one moved to it."""
+    return 1 + 2 * loader_workers(recipe) if device == 'cpu' else 1
 
 
 def _loaded_bytes(recipe: Recipe, device: str, batches: tuple[int, int]) -> tuple[int, int]:

@@ -9,11 +9,12 @@ Three variants train the same model from the same initial weights on the same ba
   of the data path, no conversion at all on the way in.
 
 After warm-up steps, each round times one full training step (forward, loss, backward,
-optimizer step) of every variant in turn, so a noisy machine slows all of them alike. The
-recipe's model (with BlurPool's layers when the recipe turns BlurPool on), optimizer, label
-smoothing and precision are used; EMA and progressive resizing, which do not change the
-per-step work of a layout, are left out. A layout audit of one extra step of each variant
-counts its breaks.
+optimizer step) of every variant in turn, so a noisy machine slows all of them alike. Each
+speedup is the median of the per-round ratios with its 95% interval; an interval that holds 1.0
+is a tie at this noise. The recipe's model (with BlurPool's layers when the recipe turns BlurPool
+on), optimizer, label smoothing and precision are used; EMA and progressive resizing, which do
+not change the per-step work of a layout, are left out. A layout audit of one extra step of each
+variant counts its breaks.
 
 Example:
     >>> from channels_last_algo.app.recipes.loading import load_recipe
@@ -22,6 +23,8 @@ Example:
     >>> result = compare_recipe(recipe, batches=1, warmup=1)
     >>> [row['variant'] for row in result['rows']]
     ['NCHW', 'composer ChannelsLast', 'channels_last_algo']
+    >>> print(format_comparison(result).splitlines()[-1])
+    for a number to trust: more steps (--batches 20 or more) on a quiet machine, with nothing else running
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 from channels_last_algo.app.data.loaders import NormalizeBatch, build_loader
 from channels_last_algo.app.recipes import models
 from channels_last_algo.app.recipes.optimizers import build_optimizer
-from channels_last_algo.app.recipes.placement import device_and_precision
+from channels_last_algo.app.recipes.placement import device_and_precision, loader_workers, workers_words
 from channels_last_algo.app.recipes.schema import Recipe, RecipeError
 from channels_last_algo.app.recipes.step_memory import (
     ALLOCATOR_SLACK,
@@ -47,6 +50,7 @@ from channels_last_algo.app.recipes.step_memory import (
     size_text,
 )
 from channels_last_algo.app.recipes.training_data import build_datasets
+from channels_last_algo.app.runs.speedups import interval_span, interval_words, is_tie
 from channels_last_algo.core.audit import LayoutAudit
 from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.machine_description import describe_machine, machine_label
@@ -55,6 +59,9 @@ from channels_last_algo.core.timing import synchronizer, time_interleaved
 __all__ = ['compare_recipe', 'format_comparison']
 
 _AUTOCAST = {'amp_fp16': torch.float16, 'amp_bf16': torch.bfloat16}
+_CONFIDENCE = 0.95  # of the speedups' intervals
+_TRUST = 'for a number to trust: more steps (--batches 20 or more) on a quiet machine, with nothing else running'
+_REFERENCES = {'vs_nchw': 'NCHW', 'vs_composer': 'composer ChannelsLast'}  # each speedup column's reference
 
 
 def _batches(
@@ -67,7 +74,7 @@ def _batches(
         train_data,
         batch_size=recipe.train.global_batch_size,
         train=True,
-        workers=recipe.data.workers,
+        workers=loader_workers(recipe),
         seed=recipe.train.seed,
     )
     normalize = NormalizeBatch()
@@ -134,9 +141,9 @@ def compare_recipe(
 ) -> dict[str, Any]:
     """Time ``batches`` interleaved training steps of each variant after ``warmup`` untimed ones.
 
-    Returns a JSON-ready dict: the machine, settings, and one row per variant with min and
-    median step time (s), images/s, speedups over NCHW and over Composer's ChannelsLast (medians of
-    the per-round ratios), and the layout audit's break count and bytes.
+    Returns a JSON-ready dict: the machine, settings (the loader workers started too), and one row per variant:
+    min and median step time (s), images/s, speedups over NCHW and over Composer's ChannelsLast (medians of the
+    per-round ratios) with their 95% intervals (None against itself or under 6 batches), and the audit's breaks.
     """
     if batches < 1 or warmup < 0:
         raise ValueError(f'batches must be >= 1 and warmup >= 0, got batches={batches}, warmup={warmup}')
@@ -156,6 +163,11 @@ def compare_recipe(
         synchronize=synchronizer(device),
     )
     rows = _rows(timings, _audits(variants, step, data[-1]), recipe.train.global_batch_size)
+    return {**_settings(recipe, precision), 'warmup': warmup, 'batches': batches, 'rows': rows}
+
+
+def _settings(recipe: Recipe, precision: str) -> dict[str, Any]:
+    """What the comparison ran on: the recipe, model, machine, precision, batch, crop and loader workers."""
     return {
         'recipe': recipe.name,
         'model': recipe.model.name,
@@ -163,9 +175,9 @@ def compare_recipe(
         'precision': precision,
         'batch_size': recipe.train.global_batch_size,
         'image_size': recipe.data.train_crop,
-        'warmup': warmup,
-        'batches': batches,
-        'rows': rows,
+        'data_workers': recipe.data.workers,
+        'loader_workers': loader_workers(recipe),
+        'confidence': _CONFIDENCE,
     }
 
 
@@ -200,8 +212,19 @@ def _audits(variants: dict[str, Any], step: Callable[[str, Any], None], batch: A
     return audits
 
 
+def _speedups(timings: Any, name: str) -> dict[str, Any]:
+    """``name``'s speedups over each reference (medians of the per-round ratios) and their intervals; a
+    variant against itself is 1.0, with no interval."""
+    speedups = {}
+    for column, reference in _REFERENCES.items():
+        ratio = None if name == reference else timings.ratio(reference, name, _CONFIDENCE)
+        speedups[f'speedup_{column}'] = 1.0 if ratio is None else ratio.median
+        speedups[f'speedup_{column}_interval'] = None if ratio is None else ratio.interval
+    return speedups
+
+
 def _rows(timings: Any, audits: dict[str, Any], batch_size: int) -> list[dict[str, Any]]:
-    """One row per variant: its step times, images/s, speedups (medians of the per-round ratios) and audit."""
+    """One row per variant: its step times, images/s, speedups with their intervals, and audit."""
     medians = {name: statistics.median(samples) for name, samples in timings.seconds.items()}
     return [
         {
@@ -209,8 +232,7 @@ def _rows(timings: Any, audits: dict[str, Any], batch_size: int) -> list[dict[st
             'min_s': min(samples),
             'median_s': medians[name],
             'images_per_s': batch_size / medians[name],
-            'speedup_vs_nchw': timings.ratio('NCHW', name).median,
-            'speedup_vs_composer': timings.ratio('composer ChannelsLast', name).median,
+            **_speedups(timings, name),
             'layout_breaks': len(audits[name].breaks),
             'break_bytes': audits[name].break_bytes,
         }
@@ -218,20 +240,38 @@ def _rows(timings: Any, audits: dict[str, Any], batch_size: int) -> list[dict[st
     ]
 
 
+def _speedup_cell(row: dict[str, Any], column: str) -> str:
+    """A speedup with its interval, marked ``tie`` where the interval holds 1.0."""
+    interval = row[f'speedup_{column}_interval']
+    cell = f'{row[f"speedup_{column}"]:.2f}x'
+    if interval is None:
+        return cell
+    return f'{cell} ({interval_span(interval)})' + (' tie' if is_tie(interval) else '')
+
+
 def format_comparison(result: dict[str, Any]) -> str:
-    """The comparison as a readable table."""
+    """The comparison as a readable table, then what its intervals say and how to get a number to trust."""
+    confidence = f'{result["confidence"]:.0%} interval'
     lines = [
         f'{result["recipe"]}: {result["model"]}, batch {result["batch_size"]} x {result["image_size"]}px, '
         f'{result["precision"]}, {machine_label(result["machine"])}',
         f'{result["batches"]} timed training steps per variant after {result["warmup"]} warm-up, interleaved',
+        f'data: {workers_words(result["data_workers"], result["loader_workers"])}, all batches loaded first',
         '',
-        f'{"variant":<23} {"min ms":>9} {"median ms":>10} {"images/s":>9} {"vs NCHW":>8} {"vs Composer":>12} '
-        f'{"breaks":>7}',
+        f'{"variant":<21} {"min ms":>8} {"median ms":>10} {"images/s":>9}  {f"vs NCHW ({confidence})":<26} '
+        f'{f"vs Composer ({confidence})":<26} {"breaks":>6}',
     ]
     for row in result['rows']:
         lines.append(
-            f'{row["variant"]:<23} {row["min_s"] * 1e3:9.1f} {row["median_s"] * 1e3:10.1f} '
-            f'{row["images_per_s"]:9.1f} {row["speedup_vs_nchw"]:7.2f}x {row["speedup_vs_composer"]:11.2f}x '
-            f'{row["layout_breaks"]:7d}'
+            f'{row["variant"]:<21} {row["min_s"] * 1e3:8.1f} {row["median_s"] * 1e3:10.1f} '
+            f'{row["images_per_s"]:9.1f}  {_speedup_cell(row, "vs_nchw"):<26} {_speedup_cell(row, "vs_composer"):<26} '
+            f'{row["layout_breaks"]:6d}'
         )
+    lines.append('')
+    intervals = [row[f'speedup_{column}_interval'] for row in result['rows'] for column in _REFERENCES]
+    if any(is_tie(interval) for interval in intervals):
+        lines.append(f'tie: the {confidence} holds 1.0, a tie at this noise')
+    if not any(intervals):
+        lines.append(interval_words(None, '--batches', result['confidence']))
+    lines.append(_TRUST)
     return '\n'.join(lines)

@@ -20,6 +20,7 @@ import statistics
 import torch
 from torch import nn
 
+from channels_last_algo.app.runs.speedups import interval_words
 from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.layout import layout_of
 from channels_last_algo.core.timing import Ratio, Timings, time_interleaved
@@ -150,11 +151,8 @@ def speedup_line(ratio: Ratio) -> str:
         >>> speedup_line(Ratio(1.3, 0.05, None, 3, 0.95))  # doctest: +ELLIPSIS
         'channels last vs NCHW: 1.30x, the median of 3 paired steps; too few steps for an interval...'
     """
-    if ratio.interval is None:
-        spread = 'too few steps for an interval (--steps 6 or more give one)'
-    else:
-        spread = f'95% interval {ratio.interval[0]:.2f}x to {ratio.interval[1]:.2f}x'
     return (
-        f'channels last vs NCHW: {ratio.median:.2f}x, the median of {ratio.rounds} paired steps; {spread}. '
+        f'channels last vs NCHW: {ratio.median:.2f}x, the median of {ratio.rounds} paired steps; '
+        f'{interval_words(ratio.interval, "--steps", ratio.confidence)}. '
         'A few steps on a shared machine are noisy: a demonstration, not a measurement (see benchmarks/)'
     )

@@ -37,6 +37,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from channels_last_algo.app.data.image_folder import CorruptImageError, printable, scan_images
+from channels_last_algo.app.recipes.placement import loader_workers
 from channels_last_algo.app.recipes.schema import Recipe, RecipeError
 from channels_last_algo.app.recipes.training_data import build_datasets
 from channels_last_algo.app.runs.checkpoint_files import RunFolderError
@@ -112,8 +113,8 @@ def check_data_set(recipe: Recipe, data_path: Optional[str] = None) -> int:
     line on stderr naming them when it is ``skip`` (training will skip them)."""
     train, val = build_datasets(recipe, data_path)
     images = sum(len(getattr(split, 'samples', [])) for split in (train, val))
-    bad_train = scan_images(train, recipe.data.workers)
-    bad = bad_train + scan_images(val, recipe.data.workers)
+    bad_train = scan_images(train, loader_workers(recipe))
+    bad = bad_train + scan_images(val, loader_workers(recipe))
     if bad and recipe.data.on_corrupt == 'skip':
         _check_every_class_keeps_an_image(train, {path for path, _ in bad_train})
     if bad:

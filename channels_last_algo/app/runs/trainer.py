@@ -1,5 +1,7 @@
 """A Composer ``Trainer`` for a recipe: its model, NHWC loaders, optimizer, schedule, algorithms and atomic
-checkpoints in its locked run folder.
+checkpoints in its locked run folder. Before Composer's own output, on standard error, rank 0 says what the run
+loads (the training set and the loader workers started), and notes an evaluation or checkpoint interval longer
+than the run, which then happens once, at the end.
 
 Example::
 
@@ -10,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -17,7 +20,13 @@ from channels_last_algo.app.data.loaders import build_data_spec
 from channels_last_algo.app.recipes import models
 from channels_last_algo.app.recipes.algorithms import build_algorithms
 from channels_last_algo.app.recipes.optimizers import build_optimizer, build_scheduler
-from channels_last_algo.app.recipes.placement import device_and_precision, microbatch_size, rank_batch_sizes
+from channels_last_algo.app.recipes.placement import (
+    device_and_precision,
+    loader_workers,
+    microbatch_size,
+    rank_batch_sizes,
+    workers_words,
+)
 from channels_last_algo.app.recipes.schema import Recipe, RecipeError, check_durations
 from channels_last_algo.app.recipes.step_memory import check_step_memory
 from channels_last_algo.app.recipes.training_data import build_datasets, training_set_name
@@ -31,15 +40,29 @@ def _error(recipe: Recipe):
     return lambda message: RecipeError(f'{recipe.source}: {message}')
 
 
-def _loaders(recipe: Recipe, data_path: Optional[str], device: str, batches: tuple[int, int]) -> tuple[Any, Any]:
-    """The training DataSpec and the evaluator, for the rank's ``batches`` (training, evaluation); the
-    evaluator splits its batches into microbatches as training does."""
+def _data(recipe: Recipe, data_path: Optional[str], writer: bool) -> tuple[Recipe, tuple[Any, Any]]:
+    """The recipe as it runs (:func:`check_durations`: intervals longer than the run at its end) and its training
+    and evaluation sets; what it loads, and the note on those intervals, on the ``writer`` rank's standard error
+    (with Composer's console, before it)."""
+    train_data, eval_data = build_datasets(recipe, data_path)
+    source = training_set_name(recipe, data_path)
+    recipe, note = check_durations(recipe, len(train_data), source, _error(recipe))
+    workers = workers_words(recipe.data.workers, loader_workers(recipe))
+    if writer:
+        print(f'channels-last train: data: {len(train_data):,} training images ({source}); {workers}', file=sys.stderr)
+        if note is not None:
+            print(f'channels-last train: note: {note}', file=sys.stderr)
+    return recipe, (train_data, eval_data)
+
+
+def _loaders(recipe: Recipe, data: tuple[Any, Any], device: str, batches: tuple[int, int]) -> tuple[Any, Any]:
+    """The training DataSpec and the evaluator of the training and evaluation sets ``data``, for the rank's
+    ``batches`` (training, evaluation); the evaluator splits its batches into microbatches as training does."""
     from composer.core import Evaluator
 
     train_batch, eval_batch = batches
-    train_data, eval_data = build_datasets(recipe, data_path)
-    check_durations(recipe, len(train_data), training_set_name(recipe, data_path), _error(recipe))
-    options = dict(workers=recipe.data.workers, seed=recipe.train.seed)
+    train_data, eval_data = data
+    options = dict(workers=loader_workers(recipe), seed=recipe.train.seed)
     try:
         train_loader = build_data_spec(train_data, batch_size=train_batch, train=True, **options)
     except ValueError as exc:  # fewer training images than one batch
@@ -139,7 +162,8 @@ def _trainer(
     from composer import Trainer
 
     device, precision, batches = placement
-    train_loader, evaluator = _loaders(recipe, data_path, device, batches)
+    recipe, data = _data(recipe, data_path, checkpointing[2])
+    train_loader, evaluator = _loaders(recipe, data, device, batches)
     model, checkpoints = _model_and_checkpoints(recipe, *checkpointing)
     return Trainer(
         model=model,
