@@ -27,6 +27,8 @@ from timm.layers.split_attn import SplitAttn
 
 from channels_last_algo.core.layers.global_avg_pool import global_avg_pool_nhwc
 
+torch.fx.wrap('global_avg_pool_nhwc')  # reads strides: a leaf of fx traces here too
+
 __all__ = ['ChannelsLastSplitAttn', 'radix_sum_nhwc']
 
 
