@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from channels_last_algo.core import module_calls
 from channels_last_algo.core.audit import LayoutAudit
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.guard import LayoutGuard
@@ -98,7 +99,7 @@ def test_a_repair_that_changes_a_result_is_taken_back_and_said(monkeypatch, capl
 
 def test_a_first_call_without_gradients_checks_outputs_then_the_first_with_gradients(monkeypatch):
     monkeypatch.setattr(ChannelsLastInstanceNorm2d, 'forward', _wrong_gradient)
-    model = _model().eval()
+    model = _model()
     check = RepairCheck(model, apply_channels_last(model).repaired)
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
     with torch.no_grad():
@@ -132,11 +133,22 @@ def test_the_check_leaves_buffers_random_state_and_audit_as_the_call_left_them()
     assert len(audit.report.breaks) <= len(plain_audit.report.breaks)
 
 
-def test_graph_capture_is_not_checked_and_the_next_plain_call_is():
+def test_in_evaluation_mode_the_first_call_ends_the_check_and_takes_the_hooks_off():
+    """Inference only: the outputs are checked, and no hook stays on (torch 2.7's strict torch.export
+    fails while any global module hook is on)."""
     model = _model().eval()
     check = RepairCheck(model, apply_channels_last(model).repaired)
+    with torch.no_grad():
+        model(torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last))
+    assert check.done and check.refused == []
+    assert not module_calls.tracking(check)
+
+
+def test_graph_capture_is_not_checked_and_the_next_plain_call_is():
+    model = _model()
+    check = RepairCheck(model, apply_channels_last(model).repaired)
     x = torch.randn(1, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
-    torch.jit.trace(model, x)
+    torch.jit.trace(model, x, check_trace=False)  # no eager rerun to compare
     assert not check.done
     model(x).sum().backward()
     assert check.done and check.refused == []

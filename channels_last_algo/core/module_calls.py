@@ -11,8 +11,8 @@ whose graph holds the model's own ops only.
 The hooks come off once no listener is left, but never from inside a hook: torch walks its global
 hooks while a forward unwinds from an error, and a hook that took itself off there would replace
 that error with "OrderedDict mutated during iteration". An unsubscription made inside a module call
-takes the hooks off at the next (un)subscription made outside one. Hooks that a compiled graph
-has seen stay on, idle: taking them off would make torch recompile that graph.
+takes the hooks off at the next (un)subscription made outside one. Hooks off matter: torch 2.7's
+``torch.export`` (strict) fails on a model while any global module hook is on.
 
 Example:
     >>> import torch
@@ -69,7 +69,7 @@ class ModuleCallListener(Protocol):
 
 _listeners: list[weakref.ref] = []  # held weakly: a listener its owner dropped stops by itself
 _handles: list[Any] = []
-_state = {'depth': 0, 'paused': 0, 'compiled': False}  # hook calls under way, pauses, a compiler saw the hooks
+_state = {'depth': 0, 'paused': 0}  # hook calls under way, pauses
 
 
 def in_graph_capture() -> bool:
@@ -80,8 +80,6 @@ def in_graph_capture() -> bool:
 def _pre_hook(module: torch.nn.Module, args: tuple) -> None:
     if torch.compiler.is_compiling():  # first: a compiled graph guards on nothing of ours
         return
-    if isinstance(getattr(module, '_orig_mod', None), torch.nn.Module):  # torch.compile's wrapper
-        _state['compiled'] = True
     if not _listeners or _state['paused']:
         return
     _state['depth'] += 1
@@ -119,12 +117,12 @@ def _forget(reference: weakref.ref) -> None:
 
 
 def settle_hooks() -> None:
-    """Hooks on while anyone listens; off when no one does, unless inside a hook or seen by a compiler.
+    """Hooks on while anyone listens; off when no one does, unless inside a hook.
     Called by every (un)subscription, and by the input selection at each batch."""
     if _listeners and not _handles:
         _handles.append(module_hooks.register_module_forward_pre_hook(_pre_hook))
         _handles.append(module_hooks.register_module_forward_hook(_hook, with_kwargs=True, always_call=True))
-    elif not _listeners and _handles and _state['depth'] == 0 and not _state['compiled']:
+    elif not _listeners and _handles and _state['depth'] == 0:
         while _handles:
             _handles.pop().remove()
 

@@ -18,7 +18,8 @@ module-call listeners are paused, so nothing records them. Afterwards the buffer
 state are as the real call left them. The cost is two forward and backward passes of each swapped
 layer, once. A call under graph capture (``torch.compile``, ``torch.export``, ``jit.trace``) or
 on tensor subclasses is not checked; the next plain call is. A first call without gradients checks
-the outputs, and the first call with gradients checks the gradients too.
+the outputs; in training mode the first call with gradients then checks the gradients too, and in
+evaluation mode (inference only, or an evaluation before training) the check ends there.
 
 Example:
     >>> import torch
@@ -218,7 +219,7 @@ class RepairCheck:
         after.restore_random_state()
         if reason is None:
             pending.outputs_checked = True
-            if gradients:
+            if gradients or not module.training:
                 self._finish(module)
             return None
         self._finish(module)
