@@ -152,3 +152,13 @@ def test_graph_capture_is_not_checked_and_the_next_plain_call_is():
     assert not check.done
     model(x).sum().backward()
     assert check.done and check.refused == []
+
+
+def test_layers_of_a_compiled_model_end_their_check_at_its_first_call():
+    """Inside torch.compile's graph no layer is called eagerly: the check ends, and lets go of them."""
+    model = _model()
+    check = RepairCheck(model, apply_channels_last(model).repaired)
+    compiled = torch.compile(model, backend='eager')
+    compiled(torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)).sum().backward()
+    assert check.done and check.refused == []
+    assert not module_calls.tracking(check)

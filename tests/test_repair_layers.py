@@ -3,6 +3,7 @@ in forward and backward, and leaves a repaired model usable with fx, TorchScript
 and ONNX export."""
 
 import copy
+import gc
 import io
 
 import pytest
@@ -184,6 +185,9 @@ def _traced_case(name):
 
 @pytest.mark.parametrize('name', TRACED)
 def test_repaired_model_traces_scripts_and_exports_with_the_same_outputs(name):
+    # compiled models of earlier tests, once collected, take the idle module-call hooks off, which
+    # torch 2.7's strict torch.export refuses (docs/audit.md)
+    gc.collect()
     reference, model, x = _traced_case(name)
     with torch.no_grad():
         expected = reference(x.contiguous())

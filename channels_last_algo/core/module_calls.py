@@ -12,7 +12,9 @@ The hooks come off once no listener is left, but never from inside a hook: torch
 hooks while a forward unwinds from an error, and a hook that took itself off there would replace
 that error with "OrderedDict mutated during iteration". An unsubscription made inside a module call
 takes the hooks off at the next (un)subscription made outside one. Hooks off matter: torch 2.7's
-``torch.export`` (strict) fails on a model while any global module hook is on.
+``torch.export`` (strict) fails on a model while any global module hook is on. But a compiled
+graph guards on the number of global hooks: while a ``torch.compile`` wrapper that ran with them
+lives, they stay on, idle, and come off when it is collected.
 
 Example:
     >>> import torch
@@ -70,6 +72,7 @@ class ModuleCallListener(Protocol):
 _listeners: list[weakref.ref] = []  # held weakly: a listener its owner dropped stops by itself
 _handles: list[Any] = []
 _state = {'depth': 0, 'paused': 0}  # hook calls under way, pauses
+_compiled = weakref.WeakSet()  # torch.compile wrappers called while the hooks were on
 
 
 def in_graph_capture() -> bool:
@@ -80,6 +83,9 @@ def in_graph_capture() -> bool:
 def _pre_hook(module: torch.nn.Module, args: tuple) -> None:
     if torch.compiler.is_compiling():  # first: a compiled graph guards on nothing of ours
         return
+    if isinstance(getattr(module, '_orig_mod', None), torch.nn.Module) and module not in _compiled:
+        _compiled.add(module)  # its graph guards on the number of global hooks: they stay while it lives
+        weakref.finalize(module, settle_hooks)
     if not _listeners or _state['paused']:
         return
     _state['depth'] += 1
@@ -112,17 +118,21 @@ def _alive() -> list[ModuleCallListener]:
 
 
 def _forget(reference: weakref.ref) -> None:
+    """Drop ``reference``; where its listener was collected, also the hooks if nobody else listens."""
     if reference in _listeners:
         _listeners.remove(reference)
+    if reference() is None:
+        settle_hooks()
 
 
 def settle_hooks() -> None:
-    """Hooks on while anyone listens; off when no one does, unless inside a hook.
+    """Hooks on while anyone listens; off when no one does, unless inside a hook or while a compiled
+    wrapper that saw them lives (removing them would make torch recompile its graph).
     Called by every (un)subscription, and by the input selection at each batch."""
     if _listeners and not _handles:
         _handles.append(module_hooks.register_module_forward_pre_hook(_pre_hook))
         _handles.append(module_hooks.register_module_forward_hook(_hook, with_kwargs=True, always_call=True))
-    elif not _listeners and _handles and _state['depth'] == 0:
+    elif not _listeners and _handles and _state['depth'] == 0 and not list(_compiled):
         while _handles:
             _handles.pop().remove()
 

@@ -17,9 +17,11 @@ and the difference. Inside the extra passes, dispatch modes (the layout audit, a
 module-call listeners are paused, so nothing records them. Afterwards the buffers and the random
 state are as the real call left them. The cost is two forward and backward passes of each swapped
 layer, once. A call under graph capture (``torch.compile``, ``torch.export``, ``jit.trace``) or
-on tensor subclasses is not checked; the next plain call is. A first call without gradients checks
-the outputs; in training mode the first call with gradients then checks the gradients too, and in
-evaluation mode (inference only, or an evaluation before training) the check ends there.
+on tensor subclasses is not checked; the next plain call is. Layers inside a ``torch.compile``
+wrapper are never called eagerly: the wrapper's first call ends their check, unchecked. A first
+call without gradients checks the outputs; in training mode the first call with gradients then
+checks the gradients too, and in evaluation mode (inference only, or an evaluation before
+training) the check ends there.
 
 Example:
     >>> import torch
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
@@ -47,6 +50,8 @@ from channels_last_algo.core import module_calls
 from channels_last_algo.core.swap import SwapRecord, qualified_name, swap_back
 
 __all__ = ['TOLERANCES', 'RefusedRepair', 'RepairCheck']
+
+log = logging.getLogger(__name__)
 
 TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 """Largest difference allowed, relative to the largest magnitude of the original's outputs (or gradients), by dtype."""
@@ -199,6 +204,9 @@ class RepairCheck:
         return not self._pending
 
     def entered(self, module: torch.nn.Module, args: tuple) -> None:
+        compiled = getattr(module, '_orig_mod', None)  # torch.compile's wrapper: its insides run as a graph
+        if isinstance(compiled, torch.nn.Module):
+            self._skip_compiled(compiled)
         pending = self._pending.get(id(module))
         if pending is None or pending.module() is not module or module_calls.in_graph_capture():
             return
@@ -242,8 +250,18 @@ class RepairCheck:
             'gradient', original_grads, swapped_grads
         )
 
+    def _skip_compiled(self, model: torch.nn.Module) -> None:
+        """The layers of a compiled ``model`` are never called eagerly: no check for them."""
+        inside = {id(m) for m in model.modules()} & set(self._pending)
+        for key in inside:
+            log.info('repair check: %s runs compiled, not checked', self._pending[key].record.path)
+            self._finish_key(key)
+
     def _finish(self, module: torch.nn.Module) -> None:
-        del self._pending[id(module)]
+        self._finish_key(id(module))
+
+    def _finish_key(self, key: int) -> None:
+        del self._pending[key]
         if not self._pending:
             module_calls.unsubscribe(self)
 
