@@ -72,6 +72,8 @@ def measure(name: str, args: argparse.Namespace) -> dict:
         for variant in first:
             model = copy.deepcopy(base)
             check = RepairCheck(model, summary.repaired) if variant == 'rules+check' else None
+            if check is not None:
+                check.start()
             first[variant].append(step(model))
             if check is not None:
                 assert check.done and not check.refused, check.refused

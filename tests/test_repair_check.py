@@ -101,6 +101,7 @@ def test_a_first_call_without_gradients_checks_outputs_then_the_first_with_gradi
     monkeypatch.setattr(ChannelsLastInstanceNorm2d, 'forward', _wrong_gradient)
     model = _model()
     check = RepairCheck(model, apply_channels_last(model).repaired)
+    check.start()
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
     with torch.no_grad():
         model(x)
@@ -117,7 +118,7 @@ def test_the_check_leaves_buffers_random_state_and_audit_as_the_call_left_them()
     reference = nn.Sequential(*layers).double()
     model = copy.deepcopy(reference)
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
-    RepairCheck(model, apply_channels_last(model).repaired)
+    RepairCheck(model, apply_channels_last(model).repaired).start()
     plain = copy.deepcopy(reference).to(memory_format=torch.channels_last)
     torch.manual_seed(1)
     with LayoutAudit(plain) as plain_audit:
@@ -138,6 +139,7 @@ def test_in_evaluation_mode_the_first_call_ends_the_check_and_takes_the_hooks_of
     fails while any global module hook is on)."""
     model = _model().eval()
     check = RepairCheck(model, apply_channels_last(model).repaired)
+    check.start()
     with torch.no_grad():
         model(torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last))
     assert check.done and check.refused == []
@@ -147,6 +149,7 @@ def test_in_evaluation_mode_the_first_call_ends_the_check_and_takes_the_hooks_of
 def test_graph_capture_is_not_checked_and_the_next_plain_call_is():
     model = _model()
     check = RepairCheck(model, apply_channels_last(model).repaired)
+    check.start()
     x = torch.randn(1, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
     torch.jit.trace(model, x, check_trace=False)  # no eager rerun to compare
     assert not check.done
@@ -158,6 +161,7 @@ def test_layers_of_a_compiled_model_end_their_check_at_its_first_call():
     """Inside torch.compile's graph no layer is called eagerly: the check ends, and lets go of them."""
     model = _model()
     check = RepairCheck(model, apply_channels_last(model).repaired)
+    check.start()
     compiled = torch.compile(model, backend='eager')
     compiled(torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)).sum().backward()
     assert check.done and check.refused == []

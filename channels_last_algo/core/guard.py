@@ -373,6 +373,8 @@ class LayoutGuard:
         first batch of a structure goes NHWC by a guess (a channel count some convolution takes)
         while its forward shows which are images (:mod:`channels_last_algo.core.inputs`)."""
         self.inputs.finish()
+        if self._repair_check is not None:
+            self._repair_check.start()  # before the model's first call; nothing once every layer is checked
         if not self.channels_last:
             return batch
         if self.inputs.known(batch):
@@ -407,6 +409,8 @@ class LayoutGuard:
         """
         self.inputs.finish()
         self._show_refused()
+        if self._repair_check is not None:
+            self._repair_check.end_step()
         if not self.auditing:
             return None
         step_report = self._audit.stop()
@@ -432,6 +436,8 @@ class LayoutGuard:
         """Stop an audit (and a search for the images) left running by a step that raised; safe
         to call at any time."""
         self.inputs.finish()
+        if self._repair_check is not None:
+            self._repair_check.close()
         if self.auditing:
             self._audit.stop()
 

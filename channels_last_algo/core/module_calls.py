@@ -8,10 +8,11 @@ forward hook (``always_call``: also when the forward raised) call every listener
 module call. The hooks do nothing while ``torch.compile`` or ``torch.export`` traces the model,
 whose graph holds the model's own ops only.
 
-The hooks come off once no listener is left, but never from inside a hook: torch walks its global
-hooks while a forward unwinds from an error, and a hook that took itself off there would replace
-that error with "OrderedDict mutated during iteration". An unsubscription made inside a module call
-takes the hooks off at the next (un)subscription made outside one. Hooks off matter: torch 2.7's
+The hooks come off once no listener is left. They never take themselves off while a forward unwinds
+from an error: torch walks its live table of global hooks there, and removing one would replace
+that error with "OrderedDict mutated during iteration". After a normal return torch calls them
+from a copy of the table, so idle hooks come off at the next module call that returns, or at the
+next (un)subscription. Hooks off matter: torch 2.7's
 ``torch.export`` (strict) fails on a model while any global module hook is on. But a compiled
 graph guards on the number of global hooks: while a ``torch.compile`` wrapper that ran with them
 lives, they stay on, idle, and come off when it is collected.
@@ -97,7 +98,7 @@ def _pre_hook(module: torch.nn.Module, args: tuple) -> None:
 
 
 def _hook(module: torch.nn.Module, args: tuple, *kwargs_output: Any) -> Any:
-    if torch.compiler.is_compiling() or not _listeners or _state['paused']:
+    if torch.compiler.is_compiling() or _state['paused']:
         return None
     # (kwargs, output) after a forward; (output,) from inside torch's ``except`` when it raised
     kwargs, output = kwargs_output if len(kwargs_output) == 2 else ({}, kwargs_output[0])
@@ -109,6 +110,8 @@ def _hook(module: torch.nn.Module, args: tuple, *kwargs_output: Any) -> Any:
             output = output if replaced is None else replaced
     finally:
         _state['depth'] -= 1
+    if not _listeners and not failed:  # idle: off now (torch calls forward hooks from a copy of its table)
+        settle_hooks()
     return output
 
 

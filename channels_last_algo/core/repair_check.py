@@ -18,7 +18,8 @@ module-call listeners are paused, so nothing records them. Afterwards the buffer
 state are as the real call left them. The cost is two forward and backward passes of each swapped
 layer, once. A call under graph capture (``torch.compile``, ``torch.export``, ``jit.trace``) or
 on tensor subclasses is not checked; the next plain call is. Layers inside a ``torch.compile``
-wrapper are never called eagerly: the wrapper's first call ends their check, unchecked. A first
+wrapper are never called eagerly: the wrapper's first call ends their check, unchecked, and so does
+a training step that shows no module call (``model.compile()``, a trainer's compile option). A first
 call without gradients checks the outputs; in training mode the first call with gradients then
 checks the gradients too, and in evaluation mode (inference only, or an evaluation before
 training) the check ends there.
@@ -28,6 +29,7 @@ Example:
     >>> from channels_last_algo.core.convert import apply_channels_last
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.InstanceNorm2d(8))
     >>> check = RepairCheck(model, apply_channels_last(model).repaired)
+    >>> check.start()
     >>> _ = model(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
     >>> check.done, check.refused, type(model[1]).__name__
     (True, [], 'ChannelsLastInstanceNorm2d')
@@ -189,12 +191,16 @@ class RepairCheck:
         self.refused: list[RefusedRepair] = []
         self._pending: dict[int, _Pending] = {}
         self._entered: dict[int, _State] = {}
+        self._calls_seen = False  # a module call was seen since the last end_step
         for record in records:
             if record.kind != 'repair':
                 continue
             module = model.get_submodule(record.path)
             original = next(c for c in type(module).__mro__ if qualified_name(c) == record.original)
             self._pending[id(module)] = _Pending(weakref.ref(module), record, original)
+
+    def start(self) -> None:
+        """Follow module calls (from the batch before the model's first call) until every layer is checked."""
         if self._pending:
             module_calls.subscribe(self)
 
@@ -204,6 +210,7 @@ class RepairCheck:
         return not self._pending
 
     def entered(self, module: torch.nn.Module, args: tuple) -> None:
+        self._calls_seen = True
         compiled = getattr(module, '_orig_mod', None)  # torch.compile's wrapper: its insides run as a graph
         if isinstance(compiled, torch.nn.Module):
             self._skip_compiled(compiled)
@@ -265,7 +272,15 @@ class RepairCheck:
         if not self._pending:
             module_calls.unsubscribe(self)
 
+    def end_step(self) -> None:
+        """A training step ended. Where it showed no module call, the model runs as a compiled graph
+        (``model.compile()``, a trainer's compile option): nothing will be checked, so stop."""
+        if self._pending and not self._calls_seen:
+            log.info('repair check: the model runs compiled; %d swapped layers not checked', len(self._pending))
+            self.close()
+        self._calls_seen = False
+
     def close(self) -> None:
-        """Check nothing more."""
+        """Check nothing more (the layers not checked yet keep their replacement)."""
         self._pending.clear()
         module_calls.unsubscribe(self)
