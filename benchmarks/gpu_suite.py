@@ -1,0 +1,323 @@
+"""The GPU suite: one call on one CUDA device that runs the tests with a CUDA path and measures the speedups.
+
+    ./run gpu                                   # one CUDA device, about 8 minutes at most; writes
+                                                # benchmarks/results/<gpu>-torch<version>/
+    ./run gpu --smoke --out DIR                 # the whole script on the CPU, small and short
+
+It needs torch, torchvision and pytest only (timm where installed; no Composer). Each part writes
+``DIR/<part>.json`` and ``DIR/<part>.md``; a part that fails records its error and the next one runs,
+and a part that the time budget (``--budget``) no longer allows is recorded as skipped:
+
+    machine     the GPU, driver, CUDA, cuDNN and torch versions
+    tests       pytest of the test files with a CUDA path (CUDA_TEST_FILES): summary line and exit code
+    resnet50    ResNet-50 (the smoke run: ResNet-18) training steps in AMP (fp16, bf16), batch 256 at
+                224 px, interleaved: NCHW, model.to(channels_last) (Composer's one line), this project
+                (LayoutGuard), torch.compile NCHW, torch.compile + this project; median, 95% interval,
+                images/s
+    zoo         AMP training steps of small nets and of nets with grouped convolutions or GroupNorm:
+                NCHW, plain channels last, this project, auto mode's decision, and the audit's breaks
+                on the device
+    inference   fp16 inference of ResNet-50: NCHW eager, channels-last eager, this project's fused
+                model, torch.compile of the channels-last model
+
+Every timed comparison interleaves its variants round by round (channels_last_algo.core.timing), so
+the device's clocks and other load touch all alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torchvision
+from torch import nn
+
+from channels_last_algo.core.audit import audit_model
+from channels_last_algo.core.fuse import fuse_for_inference
+from channels_last_algo.core.guard import LayoutGuard
+from channels_last_algo.core.machine_description import describe_machine
+from channels_last_algo.core.timing import Timings, synchronizer, time_interleaved
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_TEST_FILES = (
+    'tests/test_repair.py',
+    'tests/test_repair_layers.py',
+    'tests/test_repair_check.py',
+    'tests/test_safety.py',
+    'tests/test_data.py',
+    'tests/test_fuse.py',
+    'tests/test_compile.py',
+    'tests/test_contracts.py',
+    'tests/test_video.py',
+)
+
+
+def _group_norm_resnet18() -> nn.Module:
+    return torchvision.models.resnet18(weights=None, norm_layer=lambda channels: nn.GroupNorm(32, channels))
+
+
+ZOO: dict[str, Callable[[], nn.Module]] = {
+    'mobilenet_v3_large': lambda: torchvision.models.mobilenet_v3_large(weights=None),
+    'resnet18_groupnorm': _group_norm_resnet18,
+    'efficientnet_b0': lambda: torchvision.models.efficientnet_b0(weights=None),
+    'regnet_y_400mf': lambda: torchvision.models.regnet_y_400mf(weights=None),
+    'resnext50_32x4d': lambda: torchvision.models.resnext50_32x4d(weights=None),
+    'shufflenet_v2_x1_0': lambda: torchvision.models.shufflenet_v2_x1_0(weights=None),
+}
+PRECISIONS = {'fp16': torch.float16, 'bf16': torch.bfloat16}
+
+
+class Settings:
+    """Sizes and bounds: the GPU run's, or the CPU smoke run's."""
+
+    def __init__(self, smoke: bool, budget: float) -> None:
+        self.device = torch.device('cpu' if smoke else 'cuda')
+        self.model = 'resnet18' if smoke else 'resnet50'  # the smoke run compiles a smaller net
+        self.batch, self.size = (4, 64) if smoke else (256, 224)
+        self.zoo_batch, self.zoo_size = (2, 64) if smoke else (128, 224)
+        self.rounds, self.warmup = (2, 1) if smoke else (10, 3)
+        self.precisions = ('bf16',) if smoke else tuple(PRECISIONS)
+        self.zoo = tuple(ZOO)[:2] if smoke else tuple(ZOO)
+        self.deadline = time.monotonic() + budget
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+def _training_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> Callable:
+    """One AMP training step (forward, loss, backward, SGD step) of ``model`` on a fixed batch."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    scaler = torch.amp.GradScaler(images.device.type, enabled=dtype == torch.float16)
+
+    def step() -> None:
+        with torch.autocast(images.device.type, dtype=dtype):
+            loss = nn.functional.cross_entropy(model(images), labels)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _summary(timings: Timings, images: int, reference: str) -> dict[str, Any]:
+    """Per variant: median and min ms, images/s, and the median ratio to ``reference`` with its interval."""
+    rows = {}
+    for name, seconds in timings.seconds.items():
+        if not seconds:
+            continue
+        ratio = timings.ratio(reference, name) if name != reference else None
+        rows[name] = {
+            'median_ms': 1e3 * timings.median(name),
+            'min_ms': 1e3 * timings.min(name),
+            'images_per_s': images / timings.median(name),
+            f'speedup_vs_{reference}': None if ratio is None else ratio.median,
+            'interval': None if ratio is None else ratio.interval,
+        }
+    return {'rows': rows, 'errors': timings.errors, 'rounds': timings.rounds}
+
+
+def _variants(build: Callable[[], nn.Module], settings: Settings, compiled: bool) -> dict[str, tuple[nn.Module, bool]]:
+    """The models to time, each with whether its batch goes NHWC."""
+    base = build().to(settings.device)
+    plain = copy.deepcopy(base).to(memory_format=torch.channels_last)
+    ours = copy.deepcopy(base)
+    LayoutGuard().on_init(ours)
+    variants = {'nchw': (base, False), 'to_channels_last': (plain, True), 'channels_last_algo': (ours, True)}
+    if compiled:
+        variants['compile_nchw'] = (torch.compile(copy.deepcopy(base)), False)
+        variants['compile_channels_last_algo'] = (torch.compile(copy.deepcopy(ours)), True)
+    return variants
+
+
+def _time_training(
+    build: Callable[[], nn.Module], settings: Settings, dtype: torch.dtype, batch: int, size: int, compiled: bool
+) -> dict[str, Any]:
+    images = torch.randn(batch, 3, size, size, device=settings.device)
+    labels = torch.randint(0, 1000, (batch,), device=settings.device)
+    steps = {}
+    for name, (model, nhwc) in _variants(build, settings, compiled).items():
+        inputs = images.contiguous(memory_format=torch.channels_last) if nhwc else images
+        steps[name] = _training_step(model, inputs, labels, dtype)
+    timings = time_interleaved(
+        steps,
+        rounds=settings.rounds,
+        warmup=settings.warmup,
+        synchronize=synchronizer(settings.device),
+        max_seconds=max(settings.left() / 2, 1.0),
+        catch=True,
+    )
+    return _summary(timings, batch, 'nchw')
+
+
+def part_resnet50(settings: Settings) -> dict[str, Any]:
+    build = lambda: getattr(torchvision.models, settings.model)(weights=None)  # noqa: E731
+    return {
+        precision: _time_training(build, settings, PRECISIONS[precision], settings.batch, settings.size, compiled=True)
+        for precision in settings.precisions
+    }
+
+
+def part_zoo(settings: Settings) -> dict[str, Any]:
+    results = {}
+    for name in settings.zoo:
+        if settings.left() < 30:
+            results[name] = {'skipped': 'time budget spent'}
+            continue
+        build = ZOO[name]
+        result = _time_training(
+            build, settings, PRECISIONS[settings.precisions[0]], settings.zoo_batch, settings.zoo_size, compiled=False
+        )
+        model = build().to(settings.device)
+        guard = LayoutGuard(mode='auto')
+        guard.on_init(model)
+        x = torch.randn(settings.zoo_batch, 3, settings.zoo_size, settings.zoo_size, device=settings.device)
+        labels = torch.randint(0, 1000, (settings.zoo_batch,), device=settings.device)
+        loss = lambda m, b, labels=labels: nn.functional.cross_entropy(m(b), labels)  # noqa: E731
+        decision = guard.decide(model, x, loss, max_seconds=20)
+        audited = build().to(settings.device)
+        LayoutGuard().on_init(audited)
+        report = audit_model(audited, x.contiguous(memory_format=torch.channels_last))
+        results[name] = result | {
+            'auto_kept': decision.layout,
+            'breaks_after_rules': len(report.breaks),
+            'breaks': sorted({f'{b.op} {b.phase} in {b.where}' for b in report.breaks}),
+        }
+    return results
+
+
+def part_inference(settings: Settings) -> dict[str, Any]:
+    dtype = PRECISIONS[settings.precisions[0]]
+    base = getattr(torchvision.models, settings.model)(weights=None).eval().to(settings.device)
+    x = torch.randn(settings.batch // 4 or 1, 3, settings.size, settings.size, device=settings.device)
+    x_nhwc = x.contiguous(memory_format=torch.channels_last)
+    plain = copy.deepcopy(base).to(memory_format=torch.channels_last)
+    fused = fuse_for_inference(copy.deepcopy(base), x_nhwc)
+    inductor = torch.compile(copy.deepcopy(plain))
+
+    def run(model: nn.Module, inputs: torch.Tensor) -> Callable[[], None]:
+        def call() -> None:
+            with torch.inference_mode(), torch.autocast(settings.device.type, dtype=dtype):
+                model(inputs)
+
+        return call
+
+    calls = {
+        'nchw': run(base, x),
+        'channels_last': run(plain, x_nhwc),
+        'fused': run(fused, x_nhwc),
+        'compile_channels_last': run(inductor, x_nhwc),
+    }
+    timings = time_interleaved(
+        calls, rounds=settings.rounds, warmup=settings.warmup, synchronize=synchronizer(settings.device), catch=True
+    )
+    return _summary(timings, x.shape[0], 'nchw')
+
+
+def part_tests(settings: Settings) -> dict[str, Any]:
+    command = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *CUDA_TEST_FILES]
+    if settings.device.type == 'cpu':
+        command += ['-k', 'cuda']  # the smoke run: only the tests named for CUDA, which skip here
+    timeout = max(settings.left() / 3, 30.0)
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {'command': ' '.join(command), 'exit_code': None, 'summary': f'no result after {timeout:.0f} s'}
+    lines = done.stdout.strip().splitlines()
+    failed = [line for line in lines if line.startswith('FAILED')]
+    return {
+        'command': ' '.join(command),
+        'exit_code': done.returncode,
+        'summary': lines[-1] if lines else '',
+        'failed': failed,
+    }
+
+
+def part_machine(settings: Settings) -> dict[str, Any]:
+    info = describe_machine()
+    if settings.device.type == 'cuda':
+        info |= {
+            'gpu': torch.cuda.get_device_name(settings.device),
+            'cuda': torch.version.cuda,
+            'cudnn': torch.backends.cudnn.version(),
+            'driver': _driver(),
+        }
+    return info | {'torch': torch.__version__, 'torchvision': torchvision.__version__}
+
+
+def _driver() -> str:
+    try:
+        query = ['nvidia-smi', '--query-gpu=driver_version', '--format=csv,noheader']
+        return subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return 'unknown'
+
+
+PARTS = {
+    'machine': part_machine,
+    'tests': part_tests,
+    'resnet50': part_resnet50,
+    'zoo': part_zoo,
+    'inference': part_inference,
+}
+
+
+def _markdown(name: str, result: Any) -> str:
+    return f'# GPU suite: {name}\n\n```json\n{json.dumps(result, indent=2, default=str)}\n```\n'
+
+
+def run_part(name: str, settings: Settings, out: Path) -> dict[str, Any]:
+    """Run one part and write its files; an error or a spent budget is the part's result."""
+    start = time.monotonic()
+    if name != 'machine' and settings.left() < 10:
+        result: Any = {'skipped': 'time budget spent'}
+    else:
+        try:
+            result = PARTS[name](settings)
+        except Exception as error:  # noqa: BLE001  (recorded; the next part runs)
+            result = {'error': f'{type(error).__name__}: {error}'}
+    record = {'part': name, 'seconds': round(time.monotonic() - start, 1), 'result': result}
+    (out / f'{name}.json').write_text(json.dumps(record, indent=2, default=str) + '\n')
+    (out / f'{name}.md').write_text(_markdown(name, record))
+    print(f'gpu suite: {name} done in {record["seconds"]} s', flush=True)
+    return record
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.partition('\n\n')[0])
+    parser.add_argument('--out', type=Path, required=True, help="folder for the parts' .json and .md files")
+    parser.add_argument('--smoke', action='store_true', help='the whole script on the CPU, small and short')
+    parser.add_argument('--budget', type=float, default=None, help='seconds for all parts (480; smoke: 240)')
+    parser.add_argument('--parts', nargs='+', choices=tuple(PARTS), default=list(PARTS))
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        parser.error('no CUDA device here; run with --smoke to check the script on the CPU')
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    settings = Settings(args.smoke, args.budget or (240.0 if args.smoke else 480.0))
+    if settings.device.type == 'cuda':
+        torch.backends.cudnn.benchmark = True
+    if args.out is None:
+        name = torch.cuda.get_device_name() if settings.device.type == 'cuda' else 'cpu-smoke'
+        slug = ''.join(c if c.isalnum() else '-' for c in name.lower()).strip('-')
+        args.out = ROOT / 'benchmarks' / 'results' / f'{slug}-torch{".".join(torch.__version__.split(".")[:2])}'
+    args.out.mkdir(parents=True, exist_ok=True)
+    records = [run_part(name, settings, args.out) for name in args.parts]
+    failed = [r['part'] for r in records if isinstance(r['result'], dict) and 'error' in r['result']]
+    print(f'gpu suite: {len(records)} parts written to {args.out}' + (f'; failed: {failed}' if failed else ''))
+    return 1 if failed else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

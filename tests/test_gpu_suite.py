@@ -1,0 +1,40 @@
+"""The GPU suite's whole script, run on the CPU as ``--smoke`` (small models and inputs, two rounds), so that
+the call a lent GPU machine gets works the first time. It runs in the newest environment only: the GPU
+machines have torch 2.11 and no Composer, and the smoke run costs about two minutes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from channels_last_algo.core.runtime import version_in
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {'nchw', 'to_channels_last', 'channels_last_algo', 'compile_nchw', 'compile_channels_last_algo'}
+
+
+@pytest.mark.skipif(not version_in(torch.__version__, '>=2.11'), reason='the GPU machines have torch 2.11 or newer')
+def test_the_smoke_run_writes_every_part_with_every_variant(tmp_path):
+    command = [sys.executable, 'benchmarks/gpu_suite.py', '--smoke', '--out', str(tmp_path)]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=os.environ | {'PYTHONPATH': '.'}
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    parts = {path.stem: json.loads(path.read_text())['result'] for path in tmp_path.glob('*.json')}
+    assert set(parts) == {'machine', 'tests', 'resnet50', 'zoo', 'inference'}
+    assert parts['tests']['exit_code'] == 0, parts['tests']
+    training = parts['resnet50']['bf16']
+    assert set(training['rows']) == VARIANTS and training['errors'] == {}
+    speedups = [row['speedup_vs_nchw'] for name, row in training['rows'].items() if name != 'nchw']
+    assert all(0.1 < s < 10 for s in speedups), training
+    for name, result in parts['zoo'].items():
+        assert result['auto_kept'] in ('channels_last', 'channels_first'), (name, result)
+        assert isinstance(result['breaks_after_rules'], int)
+    assert set(parts['inference']['rows']) == {'nchw', 'channels_last', 'fused', 'compile_channels_last'}
+    assert (tmp_path / 'resnet50.md').read_text().startswith('# GPU suite: resnet50')
