@@ -18,6 +18,13 @@ from torch import nn
 from torch.utils import _python_dispatch
 from torch.utils.data import DataLoader, TensorDataset
 
+# Child processes of tests (rank programs, models checked in a subprocess) import the package as the
+# tests do, from any working directory: a checkout run with PYTHONPATH=. (a GPU machine's) gets the
+# checkout's absolute path in front.
+os.environ['PYTHONPATH'] = os.pathsep.join(
+    [str(Path(__file__).resolve().parent.parent)]
+    + [str(Path(entry).resolve()) for entry in os.environ.get('PYTHONPATH', '').split(os.pathsep) if entry]
+)
 sys.path.insert(0, str(Path(__file__).parent))  # `from conftest import ...` in test modules
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `from benchmarks import ...`, from any folder
 

@@ -42,7 +42,7 @@ def _step(model, x):
     torch.manual_seed(0)
     outputs = _outputs(model(x))
     torch.manual_seed(1)
-    loss = sum((y * torch.randn(y.shape)).sum() for y in outputs)
+    loss = sum((y * torch.randn(y.shape).to(y.device)).sum() for y in outputs)  # the same numbers on any device
     loss.backward()
     grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
