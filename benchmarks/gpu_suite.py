@@ -2,7 +2,8 @@
 
     ./run gpu                                   # one CUDA device, about 8 minutes at most; writes
                                                 # benchmarks/results/<gpu>-torch<version>/
-    ./run gpu --smoke --out DIR                 # the whole script on the CPU, small and short
+    ./run gpu --smoke --out DIR                 # the whole script on the CPU, small and short (its
+                                                # compiled variants use dynamo's eager backend)
 
 It needs torch, torchvision and pytest only (timm where installed; no Composer). Each part writes
 ``DIR/<part>.json`` and ``DIR/<part>.md``; a part that fails records its error and the next one runs,
@@ -81,6 +82,7 @@ class Settings:
     def __init__(self, smoke: bool, budget: float) -> None:
         self.device = torch.device('cpu' if smoke else 'cuda')
         self.model = 'resnet18' if smoke else 'resnet50'  # the smoke run compiles a smaller net
+        self.backend = 'eager' if smoke else 'inductor'  # the smoke run: dynamo's capture, no code generation
         self.batch, self.size = (4, 64) if smoke else (256, 224)
         self.zoo_batch, self.zoo_size = (2, 64) if smoke else (128, 224)
         self.rounds, self.warmup = (2, 1) if smoke else (10, 3)
@@ -133,8 +135,8 @@ def _variants(build: Callable[[], nn.Module], settings: Settings, compiled: bool
     LayoutGuard().on_init(ours)
     variants = {'nchw': (base, False), 'to_channels_last': (plain, True), 'channels_last_algo': (ours, True)}
     if compiled:
-        variants['compile_nchw'] = (torch.compile(copy.deepcopy(base)), False)
-        variants['compile_channels_last_algo'] = (torch.compile(copy.deepcopy(ours)), True)
+        variants['compile_nchw'] = (torch.compile(copy.deepcopy(base), backend=settings.backend), False)
+        variants['compile_channels_last_algo'] = (torch.compile(copy.deepcopy(ours), backend=settings.backend), True)
     return variants
 
 
@@ -201,7 +203,7 @@ def part_inference(settings: Settings) -> dict[str, Any]:
     x_nhwc = x.contiguous(memory_format=torch.channels_last)
     plain = copy.deepcopy(base).to(memory_format=torch.channels_last)
     fused = fuse_for_inference(copy.deepcopy(base), x_nhwc)
-    inductor = torch.compile(copy.deepcopy(plain))
+    inductor = torch.compile(copy.deepcopy(plain), backend=settings.backend)
 
     def run(model: nn.Module, inputs: torch.Tensor) -> Callable[[], None]:
         def call() -> None:
