@@ -146,7 +146,6 @@ class LayoutGuard:
         self._first_audited: Optional[AuditReport] = None  # the first audited step's report
         self._last_audited: Optional[AuditReport] = None
         self._repair_check: Optional[RepairCheck] = None
-        self._refused_shown = 0  # how many of the refused repairs the console has shown
         self.console: Optional[Callable[[str], None]] = None  # an integration's console; None: the log
         self._model_name = ''
         self._start_shown = False
@@ -212,13 +211,11 @@ class LayoutGuard:
         return [] if self._repair_check is None else list(self._repair_check.refused)
 
     def _show_refused(self) -> None:
-        """One warning line per swap the repair check took back since the last one shown."""
-        refused = self.refused_repairs[self._refused_shown :]
-        self._refused_shown += len(refused)
-        for item in refused:
+        """One warning line per swap the repair check took back, once: a shown one has left the summary."""
+        for item in self.refused_repairs:
             if item.record in self.summary.repaired:
                 self.summary.repaired.remove(item.record)
-            self._show(f'channels last: not repaired: {item}', warn=True)
+                self._show(f'channels last: not repaired: {item}', warn=True)
 
     def show_start(self) -> None:
         """Show :attr:`start_block` on :attr:`console` (or log it), once; nothing before :meth:`on_init`."""

@@ -103,6 +103,10 @@ def _hook(module: torch.nn.Module, args: tuple, *kwargs_output: Any) -> Any:
     # (kwargs, output) after a forward; (output,) from inside torch's ``except`` when it raised
     kwargs, output = kwargs_output if len(kwargs_output) == 2 else ({}, kwargs_output[0])
     failed = sys.exc_info()[0] is not None
+    if not _listeners:  # idle: off now unless unwinding (torch calls forward hooks from a copy of its table)
+        if not failed and not _compiled:
+            settle_hooks()
+        return None
     _state['depth'] += 1
     try:
         for listener in _alive():
@@ -110,8 +114,6 @@ def _hook(module: torch.nn.Module, args: tuple, *kwargs_output: Any) -> Any:
             output = output if replaced is None else replaced
     finally:
         _state['depth'] -= 1
-    if not _listeners and not failed:  # idle: off now (torch calls forward hooks from a copy of its table)
-        settle_hooks()
     return output
 
 
@@ -135,7 +137,7 @@ def settle_hooks() -> None:
     if _listeners and not _handles:
         _handles.append(module_hooks.register_module_forward_pre_hook(_pre_hook))
         _handles.append(module_hooks.register_module_forward_hook(_hook, with_kwargs=True, always_call=True))
-    elif not _listeners and _handles and _state['depth'] == 0 and not list(_compiled):
+    elif not _listeners and _handles and _state['depth'] == 0 and not _compiled:
         while _handles:
             _handles.pop().remove()
 
