@@ -16,13 +16,15 @@ from channels_last_algo.core.audit import audit_model
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.layers import (
     RULES,
+    ChannelsLastAdaptiveAvgPool2d,
     ChannelsLastInstanceNorm2d,
     RepairRule,
     repair_model,
+    unrepaired_subclasses,
 )
 from channels_last_algo.core.layout import is_channels_last, to_channels_last
 from channels_last_algo.core.runtime import version_in
-from channels_last_algo.core.swap import SwapRecord
+from channels_last_algo.core.swap import Replacement, SwapRecord, UncoveredLayer
 from conftest import zoo
 
 UNet = zoo.UNet
@@ -266,12 +268,16 @@ def test_rule_removes_the_break_it_names_where_its_row_says_it_exists(rule):
     assert after.breaks == [], str(after)
 
 
+class SameIdentity(Replacement, nn.Identity):
+    """A replacement that computes what ``nn.Identity`` does."""
+
+
 def test_rules_apply_only_to_the_torch_versions_and_devices_in_their_row():
     row = RepairRule(
         name='old',
         breaks='x (forward)',
         original=nn.Identity,
-        replacement=nn.Identity,
+        replacement=SameIdentity,
         removes='x',
         devices=('cuda',),
         torch_versions='>=2.7,<2.10',
@@ -337,16 +343,40 @@ def test_rules_skip_modules_whose_settings_they_do_not_cover():
     assert repair_model(model) == []
 
 
-def test_subclasses_of_a_rule_type_are_left_alone():
+def test_subclasses_of_a_rule_type_with_their_own_forward_are_left_alone_and_named():
     class MyPool(nn.AdaptiveAvgPool2d):
         def forward(self, x):
             return super().forward(x) * 2
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), MyPool(1))
     assert repair_model(model) == []
+    assert unrepaired_subclasses(model) == [
+        UncoveredLayer('1', 'repair', 'global_avg_pool', f'{__name__}.{MyPool.__qualname__}', ('forward',))
+    ]
+    assert apply_channels_last(model).not_covered == unrepaired_subclasses(model)
 
 
-def test_repair_keeps_parameter_objects_hooks_and_pickles():
+def test_subclasses_of_a_rule_type_that_keep_its_forward_are_repaired_and_keep_their_class():
+    class NamedPool(nn.AdaptiveAvgPool2d):
+        def extra_repr(self) -> str:
+            return 'named'
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), NamedPool(1))
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    expected = model.double()(x)
+    [record] = repair_model(model)
+    assert (record.reason, record.original, record.replacement) == (
+        'global_avg_pool',
+        f'{__name__}.{NamedPool.__qualname__}',
+        'ChannelsLastAdaptiveAvgPool2d',
+    )
+    assert isinstance(model[1], NamedPool) and isinstance(model[1], ChannelsLastAdaptiveAvgPool2d)
+    assert repr(model[1]).endswith('(named)') and unrepaired_subclasses(model) == []
+    torch.testing.assert_close(model(to_channels_last(x)), expected)
+    assert repair_model(model) == []
+
+
+def test_repair_keeps_parameter_objects_and_hooks_copies_keep_it_and_pickles_hold_the_original():
     model = UNet()
     params = list(model.parameters())
     calls = []
@@ -365,10 +395,17 @@ def test_repair_keeps_parameter_objects_hooks_and_pickles():
     model(torch.randn(1, 3, 16, 16))
     assert calls == [1]
     hook.remove()  # a lambda does not pickle
-    restored = pickle.loads(pickle.dumps(model))
-    assert type(restored.down1[1]) is ChannelsLastInstanceNorm2d
+    assert type(copy.deepcopy(model).down1[1]) is ChannelsLastInstanceNorm2d
+    restored = pickle.loads(pickle.dumps(model))  # loads without this package (tests/test_pickle_without_package.py)
+    assert type(restored.down1[1]) is nn.InstanceNorm2d
 
 
-def test_a_replacement_must_subclass_the_original():
+def test_a_replacement_must_subclass_the_original_and_the_replacement_base():
     with pytest.raises(TypeError, match="repair rule 'bad'.*must subclass torch.nn.modules.conv.Conv2d"):
         RepairRule(name='bad', breaks='none', original=nn.Conv2d, replacement=nn.Identity, removes='nothing')
+
+    class PlainConv(nn.Conv2d):
+        pass
+
+    with pytest.raises(TypeError, match="'bad'.*must subclass channels_last_algo.core.swap.Replacement, then"):
+        RepairRule(name='bad', breaks='none', original=nn.Conv2d, replacement=PlainConv, removes='nothing')

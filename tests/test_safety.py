@@ -110,9 +110,10 @@ def test_avg_pool_condition(pool, runtime, expected):
     assert AVG_POOL.matches(pool, runtime) is expected
 
 
-def test_subclasses_reach_the_kernel_but_are_not_replaced():
+def test_subclasses_with_their_own_forward_reach_the_kernel_but_are_not_replaced():
     class OwnForward(nn.Conv2d):
-        pass
+        def forward(self, x):
+            return super().forward(x)
 
     conv = OwnForward(3, 48, 1, stride=2)
     assert ONEDNN.reaches(conv, XEON) and not ONEDNN.matches(conv, XEON)

@@ -8,15 +8,24 @@ Two tables swap modules, each for its reason, the record's ``kind``:
 - ``'safe_path'``: a known layout kernel bug (:mod:`channels_last_algo.core.safety.bugs`) routes a
   layer around the failing kernel.
 
-A row matches a module of exactly its original type (a subclass has its own forward, which a
-replacement would drop), and its replacement must subclass that type and add no state: the
-module keeps its ``Parameter`` and buffer objects (an optimizer built before stays valid), its
-hooks and its ``state_dict`` keys. :func:`swap_first_match` is the one place that reassigns
-a module's ``__class__``.
+A row matches a module by what it computes (:func:`swappable`): its class is the row's original
+type, or a subclass that keeps every method the replacement takes over (:func:`taken_over`: its
+``forward``, say, and ``_conv_forward`` for a convolution). A subclass that only sets itself up
+differently (its own ``__init__`` or ``reset_parameters``) or a parametrized module
+(``torch.nn.utils.parametrize``) is swapped; one with its own ``forward`` is not, and
+:func:`uncovered` names it. The replacement must subclass the original, derive from
+:class:`Replacement` and add no state: the module keeps its ``Parameter`` and buffer objects (an
+optimizer built before stays valid), its hooks and its ``state_dict`` keys. A subclass gets a
+class that derives from both the replacement and its own class (:func:`swap_class`), so its
+``isinstance`` checks, parametrizations and overrides still hold. :func:`swap_first_match` is the
+one place that reassigns a module's ``__class__``; :func:`swap_back` gives the exact class back.
+
+A swapped module pickles as the class it had before (:class:`Replacement`), so a whole model
+saved with ``torch.save`` loads where this package is not installed; its copies keep the swap.
 
 Example:
     >>> import torch
-    >>> class Halved(torch.nn.ReLU):
+    >>> class Halved(Replacement, torch.nn.ReLU):
     ...     def forward(self, x):
     ...         return super().forward(x) / 2
     >>> class Row:
@@ -33,22 +42,34 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol, TypeVar
+import functools
+import inspect
+import types
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Optional, Protocol, TypeVar
 
 from torch import nn
 
 __all__ = [
     'KINDS',
+    'Replacement',
     'SwapRecord',
     'SwapRow',
+    'UncoveredLayer',
     'first_matches',
-    'is_exact_type',
+    'original_class',
+    'overridden',
     'qualified_name',
     'require_subclass',
     'swap_back',
+    'swap_class',
     'swap_first_match',
+    'swappable',
+    'taken_over',
+    'uncovered',
+    'unswapped_class',
 ]
 
 KINDS = ('repair', 'safe_path')
@@ -83,6 +104,69 @@ class SwapRecord:
             raise ValueError(f'swap record kind {self.kind!r} must be one of {KINDS}')
 
 
+@dataclasses.dataclass(frozen=True)
+class UncoveredLayer:
+    """A module that a row would swap but whose class defines its own version of a method the
+    swap takes over, so it keeps its class (and its layout break or kernel bug).
+
+    Attributes:
+        path: the module's name in ``model.named_modules()`` ('' for the model itself).
+        kind: one of :data:`KINDS`: the table whose row it needed.
+        reason: that row: the repair rule's name or the kernel bug's name.
+        layer: qualified name of the module's class.
+        overrides: the methods its class defines that the swap would replace (``('forward',)``).
+    """
+
+    path: str
+    kind: str
+    reason: str
+    layer: str
+    overrides: tuple[str, ...]
+
+
+class Replacement:
+    """The base of every replacement class. A swapped module pickles as the class it had before
+    the swap (:func:`unswapped_class`) with the same state, so ``torch.save(model)`` loads where
+    this package is not installed; ``copy.copy`` and ``copy.deepcopy`` (EMA, the package's own
+    copies) keep the swapped class. Copies take the state ``nn.Module`` pickles, also for a
+    parametrized module, whose ``__getstate__`` refuses pickling but whose copies torch allows.
+
+    Example:
+        >>> import copy, pickle, torch
+        >>> class Doubled(Replacement, torch.nn.ReLU):
+        ...     def forward(self, x):
+        ...         return torch.relu(x) * 2
+        >>> module = torch.nn.ReLU()
+        >>> module.__class__ = Doubled
+        >>> type(pickle.loads(pickle.dumps(module))).__name__, type(copy.deepcopy(module)).__name__
+        ('ReLU', 'Doubled')
+    """
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        original = unswapped_class(type(self))
+        return original.__new__, (original,), self.__getstate__()
+
+    def __copy__(self) -> Any:
+        copied = type(self).__new__(type(self))
+        copied.__setstate__(nn.Module.__getstate__(self))
+        return copied
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(nn.Module.__getstate__(self), memo))
+        return copied
+
+
+def unswapped_class(cls: type) -> type:
+    """The class a module of class ``cls`` had before its swap: the one after :class:`Replacement`
+    in its method resolution order (every replacement names ``Replacement`` first, then the
+    original; :func:`swap_class` puts the module's class after the replacement), or ``cls``
+    itself where it is no swap."""
+    order = cls.__mro__
+    return order[order.index(Replacement) + 1] if Replacement in order else cls
+
+
 class SwapRow(Protocol):
     """What the engine needs of a table row: its name, the qualified name of the type it
     matches, and its replacement class (checked with :func:`require_subclass`)."""
@@ -100,19 +184,124 @@ Row = TypeVar('Row', bound=SwapRow)
 
 def require_subclass(replacement: type, original: type, row: str, role: str, name=qualified_name) -> type:
     """``replacement``, which must subclass ``original`` so that a swapped module keeps its
-    state; TypeError naming ``row`` (``"repair rule 'x'"``), the ``role`` of the replacement
-    and both classes (named by ``name``) otherwise."""
+    state, with :class:`Replacement` as its first base and ``original`` next, so that it pickles
+    as ``original``; TypeError naming ``row`` (``"repair rule 'x'"``), the ``role`` of the
+    replacement and the classes (named by ``name``) otherwise."""
+    declaration = f'class {replacement.__name__}(Replacement, {original.__name__})'
     if not issubclass(replacement, original):
         raise TypeError(
-            f'{row}: {role} {name(replacement)} must subclass {name(original)} so that the swapped module '
-            f'keeps its state; derive the {role} from the original and override forward only'
+            f'{row}: {role} {name(replacement)} must subclass {name(original)} so that the swapped module keeps '
+            f'its state; declare it as {declaration} and override forward only'
+        )
+    if unswapped_class(replacement) is not original:
+        raise TypeError(
+            f'{row}: {role} {name(replacement)} must subclass {name(Replacement)}, then {name(original)}, so that '
+            f'the swapped module pickles as the original; declare it as {declaration}'
         )
     return replacement
 
 
-def is_exact_type(module: nn.Module, row: SwapRow) -> bool:
-    """True when ``module``'s type is exactly the row's original (not a subclass of it)."""
-    return qualified_name(type(module)) == row.original_name
+def original_class(module: nn.Module, row: SwapRow) -> Optional[type]:
+    """The row's original type among ``module``'s class and its bases (found by qualified
+    name, so a row may name a class of a library that is not imported); None where absent."""
+    return next((cls for cls in type(module).__mro__ if qualified_name(cls) == row.original_name), None)
+
+
+def _layer_methods(original: type) -> set[str]:
+    """The methods (not dunders) that ``original`` and its bases below ``nn.Module`` define."""
+    return {
+        name
+        for cls in original.__mro__[: original.__mro__.index(nn.Module)]
+        for name, value in vars(cls).items()
+        if not name.startswith('__') and isinstance(value, (types.FunctionType, staticmethod, classmethod))
+    }
+
+
+def _names_in(code: types.CodeType) -> Iterator[str]:
+    """The global and attribute names ``code`` and the functions nested in it use."""
+    yield from code.co_names
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _names_in(constant)
+
+
+def _code(owner: type, name: str) -> Optional[types.CodeType]:
+    """The code of ``owner``'s method ``name`` (a function, a static or a class method); None if none."""
+    value = inspect.getattr_static(owner, name, None)
+    return getattr(getattr(value, '__func__', value), '__code__', None)
+
+
+@functools.cache
+def taken_over(original: type, replacement: type) -> frozenset[str]:
+    """The methods of ``original`` that a swap to ``replacement`` stops running as they are:
+    ``forward``, the ones the replacement defines, and the ones that the original's versions of
+    these call by name (``_conv_forward`` in ``nn.Conv2d.forward``), and so on.
+
+    Example:
+        >>> from channels_last_algo.core.layers.safe_paths import SubsampledConv2d
+        >>> sorted(taken_over(nn.Conv2d, SubsampledConv2d))
+        ['_conv_forward', 'forward']
+    """
+    methods = _layer_methods(original)
+    names = {'forward'} | (methods & set(vars(replacement)))
+    pending = list(names)
+    while pending:
+        code = _code(original, pending.pop())
+        called = (set(_names_in(code)) & methods) - names if code else set()
+        names |= called
+        pending += called
+    return frozenset(names)
+
+
+def overridden(module: nn.Module, row: SwapRow) -> tuple[str, ...]:
+    """The methods that a swap by ``row`` takes over (:func:`taken_over`) and that ``module``'s
+    class defines itself, sorted; empty where it computes as the row's original, or is none."""
+    original = original_class(module, row)
+    if original is None:
+        return ()
+    own = type(module)
+    return tuple(
+        sorted(
+            name
+            for name in taken_over(original, row.replacement_type())
+            if inspect.getattr_static(own, name, None) is not inspect.getattr_static(original, name, None)
+        )
+    )
+
+
+def swappable(module: nn.Module, row: SwapRow) -> bool:
+    """True when a swap by ``row`` keeps what ``module`` computes: its class is the row's
+    original, or a subclass that defines none of the methods the swap takes over (one with its
+    own ``__init__`` or ``reset_parameters``, a parametrized module)."""
+    return original_class(module, row) is not None and not overridden(module, row)
+
+
+@functools.cache
+def _combined(replacement: type, module_class: type) -> type:
+    return type(
+        replacement.__name__,
+        (replacement, module_class),
+        {'__module__': replacement.__module__, '__doc__': f'{replacement.__name__} for a {module_class.__name__}.'},
+    )
+
+
+def swap_class(module_class: type, replacement: type) -> type:
+    """The class a module of ``module_class`` gets for ``replacement``: the replacement itself
+    where it subclasses ``module_class`` (the row's original), else a class derived from both,
+    made once per pair, whose methods are the replacement's first and then ``module_class``'s.
+
+    Example:
+        >>> from channels_last_algo.core.layers.safe_paths import SubsampledConv2d
+        >>> class Stem(nn.Conv2d):
+        ...     def reset_parameters(self):
+        ...         nn.init.zeros_(self.weight)
+        >>> swapped = swap_class(Stem, SubsampledConv2d)
+        >>> swapped.__name__, issubclass(swapped, Stem), swapped.forward is SubsampledConv2d.forward
+        ('SubsampledConv2d', True, True)
+        >>> swap_class(nn.Conv2d, SubsampledConv2d) is SubsampledConv2d, swap_class(Stem, SubsampledConv2d) is swapped
+        (True, True)
+    """
+    return replacement if issubclass(replacement, module_class) else _combined(replacement, module_class)
 
 
 def first_matches(
@@ -132,23 +321,36 @@ def first_matches(
 def swap_first_match(
     model: nn.Module, rows: Sequence[SwapRow], kind: str, matches: Callable[[SwapRow, nn.Module], bool]
 ) -> list[SwapRecord]:
-    """Swap, in place, the class of every module of ``model`` whose type is exactly a row's
-    original (:func:`is_exact_type`) and that the row ``matches``, for the first such row's
-    replacement.
+    """Swap, in place, the class of every module of ``model`` that a row may swap
+    (:func:`swappable`) and ``matches``, for the first such row's replacement (:func:`swap_class`).
 
     Returns:
         One :class:`SwapRecord` of ``kind`` per swapped module, in ``named_modules`` order.
     """
     records = []
-    for path, module, row in first_matches(model, rows, lambda r, m: is_exact_type(m, r) and matches(r, m)):
+    for path, module, row in first_matches(model, rows, lambda r, m: swappable(m, r) and matches(r, m)):
         original, replacement = type(module), row.replacement_type()
-        module.__class__ = replacement
+        module.__class__ = swap_class(original, replacement)
         records.append(SwapRecord(path, kind, row.name, qualified_name(original), replacement.__name__))
     return records
 
 
+def uncovered(
+    model: nn.Module, rows: Sequence[SwapRow], kind: str, reaches: Callable[[SwapRow, nn.Module], bool]
+) -> list[UncoveredLayer]:
+    """Every module of ``model`` that a row ``reaches`` (its settings need the row's swap; false
+    for a module swapped already) but whose class overrides a method the swap takes over
+    (:func:`overridden`), so that no swap may replace it; the first such row per module, in
+    ``named_modules`` order."""
+    found = first_matches(model, rows, lambda r, m: reaches(r, m) and bool(overridden(m, r)))
+    return [
+        UncoveredLayer(path, kind, row.name, qualified_name(type(module)), overridden(module, row))
+        for path, module, row in found
+    ]
+
+
 def swap_back(module: nn.Module, original: type) -> None:
-    """Give a swapped ``module`` its ``original`` class again (a base of its class: same state)."""
+    """Give a swapped ``module`` its ``original`` class again, exactly (a base of its class: same state)."""
     if not isinstance(module, original):
         raise TypeError(f'{type(module).__name__} is no swap of {qualified_name(original)}')
     module.__class__ = original

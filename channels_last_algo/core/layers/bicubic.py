@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from channels_last_algo.core.swap import Replacement
+
 __all__ = ['ChannelsLastBicubicUpsample', 'MATMUL_MAX_SIZE', 'bicubic_upsample', 'bicubic_upsample_nhwc', 'is_bicubic']
 
 MATMUL_MAX_SIZE = 512
@@ -111,7 +113,7 @@ def bicubic_upsample(
 torch.fx.wrap('bicubic_upsample')
 
 
-class ChannelsLastBicubicUpsample(nn.Upsample):
+class ChannelsLastBicubicUpsample(Replacement, nn.Upsample):
     """``nn.Upsample(mode='bicubic')`` (the only mode the rule swaps) whose forward and backward keep NHWC."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

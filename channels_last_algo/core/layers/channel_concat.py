@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from timm.models.ghostnet import GhostModule, GhostModuleV2
 
+from channels_last_algo.core.swap import Replacement
+
 __all__ = ['ChannelsLastGhostModule', 'ChannelsLastGhostModuleV2', 'concat_channels_nhwc']
 
 
@@ -42,7 +44,7 @@ def concat_channels_nhwc(first: torch.Tensor, second: torch.Tensor, channels: in
     return torch.cat((first, kept), dim=1)
 
 
-class ChannelsLastGhostModule(GhostModule):
+class ChannelsLastGhostModule(Replacement, GhostModule):
     """timm's ``GhostModule`` concatenating and slicing its two branches in NHWC order."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +52,7 @@ class ChannelsLastGhostModule(GhostModule):
         return concat_channels_nhwc(x1, self.cheap_operation(x1), self.out_chs)
 
 
-class ChannelsLastGhostModuleV2(GhostModuleV2):
+class ChannelsLastGhostModuleV2(Replacement, GhostModuleV2):
     """timm's ``GhostModuleV2`` (attention gate) concatenating and slicing in NHWC order."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

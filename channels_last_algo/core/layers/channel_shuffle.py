@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torchvision.models.shufflenetv2 import InvertedResidual
 
+from channels_last_algo.core.swap import Replacement
+
 __all__ = ['ChannelsLastInvertedResidual', 'interleave_channels']
 
 
@@ -28,7 +30,7 @@ def interleave_channels(first: torch.Tensor, second: torch.Tensor) -> torch.Tens
     return stacked.flatten(-2).permute(0, 3, 1, 2)
 
 
-class ChannelsLastInvertedResidual(InvertedResidual):
+class ChannelsLastInvertedResidual(Replacement, InvertedResidual):
     """ShuffleNetV2 block computing concatenation and channel shuffle as one NHWC interleave."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from channels_last_algo.core.swap import Replacement
+
 __all__ = ['ChannelsLastAdaptiveAvgPool2d', 'global_avg_pool_nhwc', 'is_global_pool']
 
 
@@ -53,7 +55,7 @@ def is_global_pool(module: nn.AdaptiveAvgPool2d) -> bool:
     return sizes == (1, 1)
 
 
-class ChannelsLastAdaptiveAvgPool2d(nn.AdaptiveAvgPool2d):
+class ChannelsLastAdaptiveAvgPool2d(Replacement, nn.AdaptiveAvgPool2d):
     """``nn.AdaptiveAvgPool2d`` to 1 x 1 (the only setting the rule swaps) whose backward writes
     an NHWC gradient.
 

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from channels_last_algo.core.swap import Replacement
+
 __all__ = [
     'ChannelsLastGroupNorm',
     'ChannelsLastInstanceNorm2d',
@@ -105,7 +107,7 @@ def uses_input_statistics(module: nn.InstanceNorm2d) -> bool:
     return not module.track_running_stats
 
 
-class ChannelsLastGroupNorm(nn.GroupNorm):
+class ChannelsLastGroupNorm(Replacement, nn.GroupNorm):
     """``nn.GroupNorm`` computed in channels-last order (same parameters and numbers)."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -114,7 +116,7 @@ class ChannelsLastGroupNorm(nn.GroupNorm):
         return group_norm_nhwc(input, self.num_groups, self.weight, self.bias, self.eps)
 
 
-class ChannelsLastInstanceNorm2d(nn.InstanceNorm2d):
+class ChannelsLastInstanceNorm2d(Replacement, nn.InstanceNorm2d):
     """``nn.InstanceNorm2d`` without running statistics (the only kind the rule swaps),
     computed in channels-last order."""
 

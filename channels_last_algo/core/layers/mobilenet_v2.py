@@ -20,13 +20,14 @@ import torch
 from torchvision.models.mobilenetv2 import MobileNetV2
 
 from channels_last_algo.core.layers.global_avg_pool import global_avg_pool_nhwc
+from channels_last_algo.core.swap import Replacement
 
 torch.fx.wrap('global_avg_pool_nhwc')  # reads strides: a leaf of fx traces here too
 
 __all__ = ['ChannelsLastMobileNetV2']
 
 
-class ChannelsLastMobileNetV2(MobileNetV2):
+class ChannelsLastMobileNetV2(Replacement, MobileNetV2):
     """``MobileNetV2`` whose global pool keeps the gradient NHWC; same parameters and outputs."""
 
     def _forward_impl(self, x: torch.Tensor) -> torch.Tensor:

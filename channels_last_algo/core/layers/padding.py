@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from channels_last_algo.core.swap import Replacement
+
 __all__ = ['ChannelsLastReflectionPad2d', 'ChannelsLastReplicationPad2d', 'pad_nhwc']
 
 
@@ -62,7 +64,7 @@ def pad(x: torch.Tensor, padding: Sequence[int], mode: str) -> torch.Tensor:
 torch.fx.wrap('pad')
 
 
-class ChannelsLastReflectionPad2d(nn.ReflectionPad2d):
+class ChannelsLastReflectionPad2d(Replacement, nn.ReflectionPad2d):
     """``nn.ReflectionPad2d`` that returns NHWC on every device."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -71,7 +73,7 @@ class ChannelsLastReflectionPad2d(nn.ReflectionPad2d):
         return pad(input, self.padding, 'reflect')
 
 
-class ChannelsLastReplicationPad2d(nn.ReplicationPad2d):
+class ChannelsLastReplicationPad2d(Replacement, nn.ReplicationPad2d):
     """``nn.ReplicationPad2d`` that returns NHWC on every device."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from channels_last_algo.core.swap import Replacement
+
 __all__ = ['ChannelsLastPixelShuffle', 'ChannelsLastPixelUnshuffle', 'pixel_shuffle_nhwc', 'pixel_unshuffle_nhwc']
 
 
@@ -64,7 +66,7 @@ torch.fx.wrap('pixel_shuffle')
 torch.fx.wrap('pixel_unshuffle')
 
 
-class ChannelsLastPixelShuffle(nn.PixelShuffle):
+class ChannelsLastPixelShuffle(Replacement, nn.PixelShuffle):
     """``nn.PixelShuffle`` that returns NHWC on every device."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -73,7 +75,7 @@ class ChannelsLastPixelShuffle(nn.PixelShuffle):
         return pixel_shuffle(input, self.upscale_factor)
 
 
-class ChannelsLastPixelUnshuffle(nn.PixelUnshuffle):
+class ChannelsLastPixelUnshuffle(Replacement, nn.PixelUnshuffle):
     """``nn.PixelUnshuffle`` that returns NHWC on every device."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

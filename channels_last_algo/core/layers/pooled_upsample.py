@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torchvision.models.segmentation.deeplabv3 import ASPPPooling
 
+from channels_last_algo.core.swap import Replacement
+
 __all__ = ['ChannelsLastASPPPooling', 'as_channels_last_map']
 
 
@@ -30,7 +32,7 @@ def as_channels_last_map(x: torch.Tensor) -> torch.Tensor:
     return dense.as_strided(dense.shape, (dense.shape[1], 1, dense.shape[1], dense.shape[1]))
 
 
-class ChannelsLastASPPPooling(ASPPPooling):
+class ChannelsLastASPPPooling(Replacement, ASPPPooling):
     """torchvision's ``ASPPPooling`` whose upsampled output is NHWC."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

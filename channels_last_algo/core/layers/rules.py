@@ -1,12 +1,13 @@
 """The repair rules: which layer that drops NHWC is replaced by which NHWC-preserving layer.
 
 Each :class:`RepairRule` is a row of data: the op that breaks (what the audit shows without
-the rule), the layer type that holds it (matched exactly, so subclasses with their own
-forward are left alone), an optional condition on the layer's settings, the replacement (a
-subclass that only overrides ``forward``), and where the break exists: the devices and the
-torch versions. A rule applies only where its break exists, so a rule that a newer torch
-makes unnecessary is not applied there; ``tests/test_repair.py`` probes every rule's break
-on the installed torch, so a row whose versions are wrong fails there.
+the rule), the layer type that holds it (and its subclasses that compute as it does; one with
+its own ``forward`` is left alone and named by :func:`unrepaired_subclasses`), an optional
+condition on the layer's settings, the replacement (a subclass that only overrides
+``forward``), and where the break exists: the devices and the torch versions. A rule applies
+only where its break exists, so a rule that a newer torch makes unnecessary is not applied
+there; ``tests/test_repair.py`` probes every rule's break on the installed torch, so a row
+whose versions are wrong fails there.
 
 Applying a rule reassigns the module's class in place (:mod:`channels_last_algo.core.swap`): the
 module keeps its ``Parameter`` and buffer objects (an optimizer built before stays valid), its
@@ -59,9 +60,18 @@ from channels_last_algo.core.layers.mobilenet_v2 import ChannelsLastMobileNetV2
 from channels_last_algo.core.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d
 from channels_last_algo.core.layers.pixel_shuffle import ChannelsLastPixelShuffle, ChannelsLastPixelUnshuffle
 from channels_last_algo.core.runtime import VersionSpec, model_device
-from channels_last_algo.core.swap import SwapRecord, is_exact_type, qualified_name, require_subclass, swap_first_match
+from channels_last_algo.core.swap import (
+    SwapRecord,
+    UncoveredLayer,
+    original_class,
+    qualified_name,
+    require_subclass,
+    swap_first_match,
+    swappable,
+    uncovered,
+)
 
-__all__ = ['RULES', 'RepairRule', 'repair_model']
+__all__ = ['RULES', 'RepairRule', 'repair_model', 'unrepaired_subclasses']
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +94,9 @@ class RepairRule:
     Attributes:
         name: short identifier, the ``reason`` of its :class:`~channels_last_algo.core.swap.SwapRecord`.
         breaks: the op that drops NHWC without the rule, and in which pass ('aten.cat (forward)').
-        original: the layer type holding it (exact type, not subclasses), or its qualified name.
+        original: the layer type holding it, or its qualified name; its subclasses that keep
+            the methods the replacement takes over match too
+            (:func:`~channels_last_algo.core.swap.swappable`).
         replacement: a subclass of ``original`` that adds no state and keeps NHWC, or its
             qualified name (imported when a model holds ``original``).
         removes: how the break shows and why the replacement removes it.
@@ -122,11 +134,18 @@ class RepairRule:
         """True when the break this rule removes exists on ``device`` with torch ``version``."""
         return device.type in self.devices and self.torch_versions.contains(version)
 
-    def matches(self, module: nn.Module, device: torch.device) -> bool:
-        """True when this rule applies to ``module`` in a model on ``device``."""
-        if not is_exact_type(module, self) or not self.applies(device):
+    def reaches(self, module: nn.Module, device: torch.device) -> bool:
+        """True when ``module``, an ``original`` or a subclass not swapped yet, holds this rule's
+        break in a model on ``device``."""
+        if original_class(module, self) is None or not self.applies(device):
+            return False
+        if isinstance(module, self.replacement_type()):
             return False
         return self.condition is None or self.condition(module)
+
+    def matches(self, module: nn.Module, device: torch.device) -> bool:
+        """True when this rule applies to ``module`` in a model on ``device`` and may swap its class."""
+        return swappable(module, self) and self.reaches(module, device)
 
 
 _TIMM_GHOST = 'timm.models.ghostnet'
@@ -293,3 +312,21 @@ def repair_model(
             ', '.join(sorted({r.reason for r in records})),
         )
     return records
+
+
+def unrepaired_subclasses(
+    model: nn.Module, device: Optional[Union[torch.device, str]] = None, rules: Sequence[RepairRule] = RULES
+) -> list[UncoveredLayer]:
+    """The modules of ``model`` that a rule's break holds but whose class overrides what the
+    replacement takes over (its own ``forward``), so :func:`repair_model` leaves them as they are.
+
+    Example:
+        >>> class OwnPool(nn.AdaptiveAvgPool2d):
+        ...     def forward(self, x):
+        ...         return super().forward(x) * 2
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), OwnPool(1))
+        >>> [(u.path, u.reason, u.overrides) for u in unrepaired_subclasses(model)]
+        [('1', 'global_avg_pool', ('forward',))]
+    """
+    device = model_device(model) if device is None else torch.device(device)
+    return uncovered(model, rules, 'repair', lambda rule, module: rule.reaches(module, device))

@@ -3,8 +3,9 @@
 The known layout kernel bugs (:data:`~channels_last_algo.core.safety.bugs.KNOWN_BUGS`) name these
 classes; :func:`~channels_last_algo.core.safety.bugs.make_safe` swaps a matching layer for one.
 
-Each subclasses the layer it replaces and overrides ``forward`` only, so a module whose class
-is swapped keeps its ``Parameter`` objects, buffers, hooks and ``state_dict`` keys. Neither
+Each subclasses the layer it replaces (and :class:`~channels_last_algo.core.swap.Replacement`, so
+it pickles as that layer) and overrides ``forward`` only, so a module whose class is swapped
+keeps its ``Parameter`` objects, buffers, hooks and ``state_dict`` keys. Neither
 branches on its input, calls ``super()`` or holds a helper module, so a model keeps working
 with ``torch.fx.symbolic_trace``, ``torch.jit.script``, ``torch.export`` and ONNX export.
 
@@ -33,10 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from channels_last_algo.core.swap import Replacement
+
 __all__ = ['NCHWAvgPool2d', 'SubsampledConv2d']
 
 
-class SubsampledConv2d(nn.Conv2d):
+class SubsampledConv2d(Replacement, nn.Conv2d):
     """A 1x1 ``nn.Conv2d`` with stride > 1 and padding 0 computed as a unit-stride 1x1
     convolution of the strided subsample of its input (the same numbers)."""
 
@@ -45,7 +48,7 @@ class SubsampledConv2d(nn.Conv2d):
         return F.conv2d(subsample, self.weight, self.bias, 1, 0, self.dilation, self.groups)
 
 
-class NCHWAvgPool2d(nn.AvgPool2d):
+class NCHWAvgPool2d(Replacement, nn.AvgPool2d):
     """``nn.AvgPool2d`` computed on an NCHW copy of a 4D input, its output restrided to channels
     last; the NCHW gradient it returns is what the audit then reports as this path's cost."""
 

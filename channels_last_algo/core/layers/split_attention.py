@@ -26,6 +26,7 @@ import torch
 from timm.layers.split_attn import SplitAttn
 
 from channels_last_algo.core.layers.global_avg_pool import global_avg_pool_nhwc
+from channels_last_algo.core.swap import Replacement
 
 torch.fx.wrap('global_avg_pool_nhwc')  # reads strides: a leaf of fx traces here too
 
@@ -46,7 +47,7 @@ def radix_sum_nhwc(x: torch.Tensor, radix: int, weights: torch.Tensor | None = N
     return groups.sum(dim=3).permute(0, 3, 1, 2)
 
 
-class ChannelsLastSplitAttn(SplitAttn):
+class ChannelsLastSplitAttn(Replacement, SplitAttn):
     """timm's ``SplitAttn`` with its radix sums over the channels-last view; output NHWC."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from timm.layers.padding import pad_same
 from timm.layers.std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
 
+from channels_last_algo.core.swap import Replacement
+
 __all__ = [
     'ChannelsLastScaledStdConv2d',
     'ChannelsLastScaledStdConv2dSame',
@@ -53,7 +55,7 @@ def standardized_weight_nhwc(weight: torch.Tensor, gain: Optional[torch.Tensor],
 torch.fx.wrap('pad_same')
 
 
-class ChannelsLastStdConv2d(StdConv2d):
+class ChannelsLastStdConv2d(Replacement, StdConv2d):
     """timm's ``StdConv2d``, its weight standardised in channels-last order."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +63,7 @@ class ChannelsLastStdConv2d(StdConv2d):
         return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
-class ChannelsLastStdConv2dSame(StdConv2dSame):
+class ChannelsLastStdConv2dSame(Replacement, StdConv2dSame):
     """timm's ``StdConv2dSame``, its weight standardised in channels-last order."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,7 +73,7 @@ class ChannelsLastStdConv2dSame(StdConv2dSame):
         return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
-class ChannelsLastScaledStdConv2d(ScaledStdConv2d):
+class ChannelsLastScaledStdConv2d(Replacement, ScaledStdConv2d):
     """timm's ``ScaledStdConv2d`` (NFNets), its weight standardised in channels-last order."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +81,7 @@ class ChannelsLastScaledStdConv2d(ScaledStdConv2d):
         return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
-class ChannelsLastScaledStdConv2dSame(ScaledStdConv2dSame):
+class ChannelsLastScaledStdConv2dSame(Replacement, ScaledStdConv2dSame):
     """timm's ``ScaledStdConv2dSame``, its weight standardised in channels-last order."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,14 @@ Example:
     ['cuda_avg_pool2d_nhwc_backward_padding', 'onednn_1x1_strided_weight_grad']
 """
 
-from channels_last_algo.core.safety.bugs import FAILURES, KNOWN_BUGS, KernelBug, make_safe, matching_bugs
+from channels_last_algo.core.safety.bugs import (
+    FAILURES,
+    KNOWN_BUGS,
+    KernelBug,
+    make_safe,
+    matching_bugs,
+    unsafe_subclasses,
+)
 from channels_last_algo.core.safety.probe import ProbeResult, WrongNumbers, run_code, run_isolated
 
 __all__ = [
@@ -30,4 +37,5 @@ __all__ = [
     'matching_bugs',
     'run_code',
     'run_isolated',
+    'unsafe_subclasses',
 ]

@@ -40,14 +40,16 @@ from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, SubsampledC
 from channels_last_algo.core.runtime import Runtime, VersionSpec, model_device
 from channels_last_algo.core.swap import (
     SwapRecord,
+    UncoveredLayer,
     first_matches,
-    is_exact_type,
     qualified_name,
     require_subclass,
     swap_first_match,
+    swappable,
+    uncovered,
 )
 
-__all__ = ['FAILURES', 'KNOWN_BUGS', 'KernelBug', 'default_runtimes', 'make_safe', 'matching_bugs']
+__all__ = ['FAILURES', 'KNOWN_BUGS', 'KernelBug', 'default_runtimes', 'make_safe', 'matching_bugs', 'unsafe_subclasses']
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,9 @@ class KernelBug:
     Attributes:
         name: short identifier, the ``reason`` of its :class:`~channels_last_algo.core.swap.SwapRecord`.
         op: the op and kernel that fail.
-        layer: the module type whose settings reach it (matched exactly: a subclass has its own
-            forward, which a safe path would replace).
+        layer: the module type whose settings reach it; its subclasses that keep the methods the
+            safe path takes over match too (:func:`~channels_last_algo.core.swap.swappable`), one
+            with its own ``forward`` does not (:func:`unsafe_subclasses`).
         condition: the test on the layer's settings (and the runtime, where they interact).
         shape_condition: ``condition`` in words, with what the probes saw.
         devices: the device types the kernel runs on.
@@ -75,7 +78,8 @@ class KernelBug:
         failures: what it does, each one of :data:`FAILURES`.
         repro: a self-contained Python script: it exits 0 where the kernel behaves, dies from a
             signal where it crashes, and fails an ``assert`` where the numbers are wrong.
-        safe_path: the replacement class (a subclass of ``layer`` that overrides forward only).
+        safe_path: the replacement class (a subclass of ``layer`` and of
+            :class:`~channels_last_algo.core.swap.Replacement` that overrides forward only).
         references: the trackers' threads.
         observed: where the probes of this project ran the repro, and what they saw.
     """
@@ -128,9 +132,9 @@ class KernelBug:
         )
 
     def matches(self, module: nn.Module, runtime: Runtime) -> bool:
-        """True when ``module`` reaches the failing kernel on ``runtime`` and is exactly a ``layer``,
-        whose forward the safe path may replace."""
-        return is_exact_type(module, self) and self.reaches(module, runtime)
+        """True when ``module`` reaches the failing kernel on ``runtime`` and computes as a ``layer``
+        (:func:`~channels_last_algo.core.swap.swappable`), so the safe path may replace its class."""
+        return swappable(module, self) and self.reaches(module, runtime)
 
 
 # The channel block of oneDNN's jit_1x1 kernels for fp32: an AVX-512 register holds 16 floats, AVX2 8.
@@ -284,3 +288,22 @@ def make_safe(
             record.replacement,
         )
     return records
+
+
+def unsafe_subclasses(
+    model: nn.Module, runtimes: Optional[Sequence[Runtime]] = None, bugs: Sequence[KernelBug] = KNOWN_BUGS
+) -> list[UncoveredLayer]:
+    """The modules of ``model`` that reach a known bug's failing kernel on any of ``runtimes``
+    (by default :func:`default_runtimes`) but whose class overrides what the safe path takes
+    over (its own ``forward``), so :func:`make_safe` cannot replace it.
+
+    Example:
+        >>> class OwnForward(nn.Conv2d):
+        ...     def forward(self, x):
+        ...         return super().forward(x)
+        >>> cpu = Runtime(torch_version=(2, 7, 0), device='cpu', cpu_isa='AVX512')
+        >>> [(u.path, u.reason, u.overrides) for u in unsafe_subclasses(nn.Sequential(OwnForward(3, 48, 1, 2)), [cpu])]
+        [('0', 'onednn_1x1_strided_weight_grad', ('forward',))]
+    """
+    runtimes = default_runtimes(model) if runtimes is None else runtimes
+    return uncovered(model, bugs, 'safe_path', lambda b, module: any(b.reaches(module, r) for r in runtimes))
