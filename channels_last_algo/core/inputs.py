@@ -13,13 +13,19 @@ package). :class:`InputSelection` decides per batch structure, by the ``inputs``
   model calls ``.view()`` on it (or on what it derives from it before a convolution) with a
   shape that NHWC strides cannot take. That first batch goes NHWC where a guess says so (in
   the guard: its channel count is some convolution's ``in_channels``); a ``.view()`` that the
-  guess made fail runs on a contiguous copy instead; where no convolution is seen (a compiled
-  forward, whose graph is not followed) the guess stands. The choice is logged and kept
-  (:attr:`InputSelection.chosen`); later batches of that structure are converted at once.
+  guess made fail runs on a contiguous copy instead, and when the following ends, the guess's
+  NHWC copies that no convolution took are channels first again, in the batch's own tensors (a
+  dense target the loss views). Where no convolution is seen (a compiled forward, whose graph is
+  not followed) the guess stands. The choice is logged and kept (:attr:`InputSelection.chosen`);
+  later batches of that structure are converted at once.
 - ``'all'``: every 4D/5D tensor (what ``batch_to_channels_last`` does).
 - a list of keys and positions (``['image']``, ``[0]``), or of paths (``[('inputs', 'rgb')]``):
   the tensors whose path in the batch starts with one of them.
 - a predicate ``fn(path, tensor) -> bool``, ``path`` a tuple of keys and positions.
+
+A batch is walked by :mod:`~channels_last_algo.core.batch_tree` (tuples, lists, dicts and every
+mapping, dataclasses, namespaces): a path's keys are dict keys, positions, and field or attribute
+names, so ``inputs=['image']`` also names a dataclass field ``image``.
 
 Example:
     >>> import torch
@@ -33,6 +39,8 @@ Example:
     >>> selection, restride = InputSelection('auto'), lambda t: t.to(memory_format=torch.channels_last)
     >>> first = selection.start(batch, lambda tensor: True, restride)   # guess: every 4D tensor
     >>> _ = Net()(first)        # the view of the NHWC frame stack runs on a copy
+    >>> first['frames'].is_contiguous()     # and once the forward is over, the guess is undone
+    True
     >>> selection.describe(batch)
     "batch['image'] (fed to a convolution); left as they came: batch['frames'] (viewed in a shape NHWC cannot take)"
     >>> out = selection.convert(batch, restride)
@@ -49,24 +57,17 @@ from typing import Any, Optional, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import (
-    GetAttrKey,
-    MappingKey,
-    SequenceKey,
-    tree_flatten_with_path,
-    tree_leaves,
-    tree_unflatten,
-)
+from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from channels_last_algo.core.batch_tree import Path, leaves, map_leaves, path_name
 from channels_last_algo.core.layout import channels_last_format
-from channels_last_algo.core.module_calls import settle_hooks, subscribe, unsubscribe
+from channels_last_algo.core.module_calls import compiled_wrapper, settle_hooks, subscribe, unsubscribe
 
 __all__ = ['Inputs', 'InputSelection', 'check_inputs']
 
 log = logging.getLogger(__name__)
 
-Path = tuple[Hashable, ...]
 Predicate = Callable[[Path, torch.Tensor], bool]
 Inputs = Union[str, Sequence[Union[Hashable, Path]], Predicate]
 
@@ -99,19 +100,9 @@ def _takes_path_and_tensor(predicate: Callable[..., Any]) -> bool:
     return True
 
 
-def _plain(entry: Any) -> Hashable:
-    if isinstance(entry, SequenceKey):
-        return entry.idx
-    if isinstance(entry, MappingKey):
-        return entry.key
-    if isinstance(entry, GetAttrKey):
-        return entry.name
-    return str(entry)
-
-
-def path_name(path: Path) -> str:
-    """``batch['image']``, ``batch[0]``, ``batch`` for the batch itself."""
-    return 'batch' + ''.join(f'[{key!r}]' for key in path)
+def _is_candidate(leaf: Any) -> bool:
+    """A 4D or 5D tensor: one that could go NHWC."""
+    return isinstance(leaf, torch.Tensor) and channels_last_format(leaf) is not None
 
 
 def _is_convolution(func: Any) -> bool:
@@ -196,6 +187,7 @@ class InputSelection:
         self._viewed: dict[Any, frozenset[Path]] = {}  # viewed in a shape NHWC strides cannot take
         self._flow: Optional[_Flow] = None
         self._structure: Any = None
+        self._restrided: dict[Path, torch.Tensor] = {}  # the NHWC copies the first batch's guess made
         self._calls: list[bool] = []  # the module calls under way, each: followed inside or not
         self._named_checked: set[str] = set()  # the batch structures a list of inputs was checked against
 
@@ -204,15 +196,10 @@ class InputSelection:
 
     @staticmethod
     def _structure_of(batch: Any) -> Any:
-        """What the choice is kept for: the batch's tree and which of its leaves are 4D/5D tensors
-        (one flatten of the batch)."""
-        flat, spec = tree_flatten_with_path(batch)
-        candidates = tuple(
-            tuple(_plain(entry) for entry in path)
-            for path, leaf in flat
-            if isinstance(leaf, torch.Tensor) and channels_last_format(leaf) is not None
-        )
-        return str(spec), candidates
+        """What the choice is kept for: the paths of the batch's leaves and of its 4D/5D tensors
+        (one walk of the batch)."""
+        pairs = leaves(batch)
+        return tuple(path for path, _ in pairs), tuple(path for path, leaf in pairs if _is_candidate(leaf))
 
     def known(self, batch: Any) -> bool:
         """True when the tensors to convert in ``batch`` are known (always, except in ``'auto'``
@@ -231,23 +218,20 @@ class InputSelection:
         return any(path[: len(prefix)] == prefix for prefix in prefixes)
 
     def convert(self, batch: Any, restride: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-        """``batch`` with ``restride`` applied to its selected tensors (new containers, the rest as
-        they came); in ``'auto'`` mode the structure must be :meth:`known`."""
+        """``batch`` with ``restride`` applied to its selected tensors (the containers that hold them
+        rebuilt, the rest as they came); in ``'auto'`` mode the structure must be :meth:`known`."""
         settle_hooks()  # module hooks left idle by a following that ended inside a module call
-        structure = self._structure_of(batch) if self.inputs == 'auto' else None
-        flat, spec = tree_flatten_with_path(batch)
-        leaves, candidates = [], []
-        for path, leaf in flat:
-            plain = tuple(_plain(entry) for entry in path)
-            is_candidate = isinstance(leaf, torch.Tensor) and channels_last_format(leaf) is not None
-            candidates += [plain] if is_candidate else []
-            leaves.append(restride(leaf) if is_candidate and self.selected(plain, leaf, structure) else leaf)
-        if isinstance(self.inputs, (list, tuple)) and str(spec) not in self._named_checked:
-            self._check_named(candidates)
-            self._named_checked.add(str(spec))
-        return tree_unflatten(leaves, spec)
+        structure = self._structure_of(batch)
+        if isinstance(self.inputs, (list, tuple)) and structure not in self._named_checked:
+            self._check_named(structure[1])
+            self._named_checked.add(structure)
 
-    def _check_named(self, candidates: list[Path]) -> None:
+        def restride_selected(path: Path, leaf: Any) -> Any:
+            return restride(leaf) if _is_candidate(leaf) and self.selected(path, leaf, structure) else leaf
+
+        return map_leaves(batch, restride_selected)
+
+    def _check_named(self, candidates: Sequence[Path]) -> None:
         """ValueError when an entry of the ``inputs`` list names no 4D/5D tensor of a batch whose 4D/5D
         tensors are at ``candidates`` (a key or position that is not there: nothing would go NHWC)."""
         for entry in self.inputs:
@@ -266,28 +250,30 @@ class InputSelection:
         those tensors followed through what runs until :meth:`finish`."""
         self.finish()
         self._structure = self._structure_of(batch)
-        flat, spec = tree_flatten_with_path(batch)
-        followed, leaves, guessed = [], [], set()
-        for path, leaf in flat:
-            if isinstance(leaf, torch.Tensor) and channels_last_format(leaf) is not None:
-                plain = tuple(_plain(entry) for entry in path)
-                if guess(leaf):
-                    leaf = restride(leaf)
-                    guessed.add(plain)
-                followed.append((plain, leaf))
-            leaves.append(leaf)
+        guessed: set[Path] = set()
+
+        def restride_guessed(path: Path, leaf: Any) -> Any:
+            if not (_is_candidate(leaf) and guess(leaf)):
+                return leaf
+            guessed.add(path)
+            return restride(leaf)
+
+        first = map_leaves(batch, restride_guessed)
+        given = dict(leaves(batch))
+        followed = [(path, leaf) for path, leaf in leaves(first) if _is_candidate(leaf)]
         if not followed:
             self.chosen[self._structure] = frozenset()
             return batch
+        self._restrided = {path: leaf for path, leaf in followed if leaf is not given.get(path)}
         self._flow = _Flow(followed, frozenset(guessed))
         subscribe(self)  # module calls: channels_last_algo.core.module_calls
-        return tree_unflatten(leaves, spec)
+        return first
 
     def entered(self, module: torch.nn.Module, args: tuple) -> None:
         """Follow inside the call, except inside a compiled module (where following would make
         torch.compile trace, and later recompile, the graph with the mode on)."""
         outer = self._calls[-1] if self._calls else None
-        compiled = isinstance(getattr(module, '_orig_mod', None), torch.nn.Module)  # torch.compile's wrapper
+        compiled = compiled_wrapper(module)
         follow = not compiled and outer is not False
         if follow and not outer:
             self._flow.__enter__()
@@ -323,9 +309,21 @@ class InputSelection:
             flow.__exit__(None, None, None)
         self._calls = []
         # no convolution seen (a compiled forward, or none ran before the batch ended): keep the guess
-        self.chosen[self._structure] = (flow.fed if flow.convolutions else flow.guessed) - flow.viewed
+        chosen = (flow.fed if flow.convolutions else flow.guessed) - flow.viewed
+        self.chosen[self._structure] = chosen
         self._viewed[self._structure] = frozenset(flow.viewed)
+        self._undo_guess(chosen)
         log.info('channels last inputs: %s', self._describe(self._structure))
+
+    def _undo_guess(self, chosen: frozenset[Path]) -> None:
+        """The NHWC copies the guess made of tensors that are not chosen, channels first again in
+        the batch's own tensor objects, so a ``.view()`` after the forward (in the loss) works: each
+        one's ``.data`` becomes a contiguous copy (same values and autograd history). Only copies
+        made here change, never the user's tensors, nor a tensor that requires grad."""
+        restrided, self._restrided = self._restrided, {}
+        for path, tensor in restrided.items():
+            if path not in chosen and not tensor.requires_grad:
+                tensor.data = tensor.data.contiguous()
 
     def describe(self, batch: Any) -> str:
         """Which tensors of ``batch`` go NHWC and why, in one line (for logs)."""

@@ -26,10 +26,12 @@ Example:
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Optional, TypeVar
 
 import torch
-from torch.utils._pytree import tree_map_only
+
+from channels_last_algo.core.batch_tree import map_leaves
 
 __all__ = [
     'Layout',
@@ -191,9 +193,10 @@ def to_channels_first(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def batch_to_channels_last(batch: Batch) -> Batch:
-    """Every 4D/5D tensor in ``batch`` (a tensor, or tuples, lists, dicts and namedtuples of
-    them) restrided to channels last; tensors that already are, and all other values, are
-    passed through untouched, without a copy.
+    """Every 4D/5D tensor in ``batch`` (a tensor, or the containers
+    :mod:`~channels_last_algo.core.batch_tree` opens: tuples, lists, dicts, dataclasses, ...)
+    restrided to channels last; tensors that already are, and all other values, are passed
+    through untouched, without a copy, and ``batch`` itself is never changed.
 
     Example:
         >>> x = torch.randn(2, 3, 8, 8)
@@ -201,9 +204,14 @@ def batch_to_channels_last(batch: Batch) -> Batch:
         >>> out['image'].stride()
         (192, 1, 24, 3)
     """
-    return tree_map_only(torch.Tensor, to_channels_last, batch)
+    return _restride_tensors(batch, to_channels_last)
 
 
 def batch_to_channels_first(batch: Batch) -> Batch:
     """Every 4D/5D tensor in ``batch`` restrided to NCHW / NCDHW (see :func:`batch_to_channels_last`)."""
-    return tree_map_only(torch.Tensor, to_channels_first, batch)
+    return _restride_tensors(batch, to_channels_first)
+
+
+def _restride_tensors(batch: Batch, restride: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+    """``batch`` with ``restride`` applied to each of its tensors."""
+    return map_leaves(batch, lambda path, leaf: restride(leaf) if isinstance(leaf, torch.Tensor) else leaf)
