@@ -51,6 +51,7 @@ def test_start_block_names_the_repaired_layer_its_rule_and_the_weight_layout():
         'channels_last/repaired_layers': 1,
         'channels_last/repair_rules': 'global_avg_pool',
         'channels_last/safe_paths': 0,
+        'channels_last/not_covered': 0,
         'channels_last/audit_steps': 1,
     }
     assert str(block) == '\n'.join(block.lines)

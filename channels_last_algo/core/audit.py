@@ -71,9 +71,15 @@ from channels_last_algo.core.arguments import require_flags, require_input, requ
 from channels_last_algo.core.audit_report import AuditRecord, AuditReport, LayoutBreakError
 from channels_last_algo.core.break_causes import cause_of
 from channels_last_algo.core.layout import Layout, layout_of
-from channels_last_algo.core.module_calls import subscribe, unsubscribe
+from channels_last_algo.core.module_calls import (
+    compiled_in_place,
+    compiled_wrapper,
+    in_graph_capture,
+    subscribe,
+    unsubscribe,
+)
 
-__all__ = ['AuditRecord', 'AuditReport', 'LayoutAudit', 'LayoutBreakError', 'audit_model']
+__all__ = ['AuditRecord', 'AuditReport', 'LayoutAudit', 'LayoutBreakError', 'audit_model', 'exit_copies']
 
 FORWARD = 'forward'
 BACKWARD = 'backward'
@@ -99,6 +105,20 @@ class _DispatchObserver(_python_dispatch.TorchDispatchMode):
         out = func(*args, **kwargs)
         self.audit._observe(func, args, kwargs, out)
         return out
+
+
+_exits = {'depth': 0}  # exit_copies() blocks under way
+
+
+@contextlib.contextmanager
+def exit_copies() -> Iterator[None]:
+    """The layout changes inside are exits, made on purpose for code that needs channels first
+    (:mod:`~channels_last_algo.core.viewed_outputs`), not breaks."""
+    _exits['depth'] += 1
+    try:
+        yield
+    finally:
+        _exits['depth'] -= 1
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -145,6 +165,7 @@ class LayoutAudit:
         self._held_clone: Optional[tuple[AuditRecord, torch.Tensor]] = None
         self._failure: Optional[LayoutBreakError] = None
         self._span = (0, 0, 0)  # where the current span's breaks, exits and outside records begin
+        self._paused_for: Optional[torch.nn.Module] = None  # the compiled wrapper running without the mode
 
     @property
     def active(self) -> bool:
@@ -172,7 +193,10 @@ class LayoutAudit:
         self._steps += 1
         subscribe(self)
         self._mode = _DispatchObserver(self)
-        self._mode.__enter__()
+        # model.compile() runs the forward as a graph from the module's own call, before any hook of ours
+        self._paused_for = next((m for m in self.model.modules() if compiled_in_place(m)), None)
+        if self._paused_for is None:
+            self._mode.__enter__()
 
     def stop(self) -> AuditReport:
         """End recording, remove everything :meth:`start` installed, and return this span.
@@ -197,7 +221,8 @@ class LayoutAudit:
     def _stop(self) -> Optional[LayoutBreakError]:
         if not self.active:
             raise RuntimeError('this LayoutAudit is not active; call start() first')
-        if _python_dispatch._get_current_dispatch_mode() is not self._mode:
+        paused, self._paused_for = self._paused_for is not None, None  # a compiled call that raised
+        if not paused and _python_dispatch._get_current_dispatch_mode() is not self._mode:
             raise RuntimeError(
                 'another TorchDispatchMode was entered after the layout audit '
                 'started and is still active; exit it before stopping the audit'
@@ -208,7 +233,8 @@ class LayoutAudit:
         except LayoutBreakError as error:
             self._failure = error
         finally:
-            self._mode.__exit__(None, None, None)
+            if not paused:
+                self._mode.__exit__(None, None, None)
             self._mode = None
             unsubscribe(self)
             self._stack.clear()
@@ -226,11 +252,17 @@ class LayoutAudit:
     # module stack (forward attribution), as a listener of channels_last_algo.core.module_calls
 
     def entered(self, module: torch.nn.Module, args: tuple) -> None:
+        if (compiled_wrapper(module) or in_graph_capture()) and self._paused_for is None:
+            self._paused_for = module  # a tracer or dynamo records this call: no dispatch mode under it
+            self._mode.__exit__(None, None, None)
         path = self._module_paths.get(id(module))
         if path is not None:
             self._stack.append(path)
 
     def left(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, failed: bool) -> None:
+        if module is self._paused_for:
+            self._paused_for = None
+            self._mode.__enter__()
         path = self._module_paths.get(id(module))
         if path is not None and path in self._stack:
             while self._stack.pop() != path:
@@ -267,7 +299,7 @@ class LayoutAudit:
         node = torch._C._current_autograd_node()
         phase = FORWARD if node is None else BACKWARD
         if phase == FORWARD:
-            path, in_exit = (self._stack[-1] if self._stack else None), False
+            path, in_exit = (self._stack[-1] if self._stack else None), _exits['depth'] > 0
         else:
             path, in_exit = self._backward_owner(node)
         outputs = _tensors(out)

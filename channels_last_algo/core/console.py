@@ -2,8 +2,9 @@
 
 A :class:`ConsoleBlock` is a few lines for people and a flat dict of ``channels_last/...``
 hyperparameters for a trainer's loggers. :func:`start_block` says, when training starts, what
-the conversion did (tensors restrided, layers repaired and by which rule, kernel safe paths),
-the weight layout the parallel setting allows and auto mode's decision with its evidence;
+the conversion did (tensors restrided, layers repaired and by which rule, kernel safe paths,
+the layers no swap could cover), the weight layout the parallel setting allows and auto mode's
+decision with its evidence;
 :func:`audit_block`, after the last audited step, the layout breaks that step left in the model
 by module and op, with their bytes; :func:`timing_line` is auto mode's word before it measures;
 :func:`step_metrics` the metrics of an audited step. The integrations only choose when and
@@ -29,6 +30,7 @@ from typing import Any, Optional
 from channels_last_algo.core.audit_report import AuditRecord, AuditReport, format_bytes
 from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.convert import ConversionSummary
+from channels_last_algo.core.swap import UncoveredLayer
 from channels_last_algo.core.weight_layout import WeightLayoutPlan
 
 __all__ = ['ConsoleBlock', 'audit_block', 'start_block', 'step_metrics', 'timing_line']
@@ -141,7 +143,7 @@ def start_block(
 
 
 def _conversion_rows(summary: ConversionSummary, repaired: dict[str, list[str]]) -> list[str]:
-    """What the conversion did: tensors restrided, layers repaired (by rule), kernel safe paths."""
+    """What the conversion did: tensors restrided, layers repaired (by rule), kernel safe paths, layers not covered."""
     safe = _grouped((f'{s.reason} -> {s.replacement}', s.path) for s in summary.made_safe)
     rows = [
         _row(
@@ -153,7 +155,23 @@ def _conversion_rows(summary: ConversionSummary, repaired: dict[str, list[str]])
     ]
     if safe:
         rows.append(_row('safe paths', f'{_count(len(summary.made_safe), "layer")}: {_named(safe)}'))
+    if summary.left:
+        left = _grouped((reason, name) for name, reason in summary.left.items())
+        rows.append(_row('left as is', f'{_count(len(summary.left), "4D/5D tensor")}: {_named(left)}'))
+    if summary.not_covered:
+        rows.append(_row('not covered', _not_covered(summary.not_covered)))
     return rows
+
+
+def _not_covered(layers: list[UncoveredLayer]) -> str:
+    """The layers a row needs but no swap may replace, by row, with the methods their classes override."""
+    needs = _grouped(
+        (u.reason, f'{u.path or "(root)"} ({u.layer.rpartition(".")[2]}.{"/".join(u.overrides)})') for u in layers
+    )
+    return (
+        f'{_count(len(layers), "layer")}: {_named(needs)}: its class overrides what the swap replaces; '
+        "keep the base class's forward to have it swapped"
+    )
 
 
 def _run_rows(mode: str, decision: Optional[LayoutDecision], audit_steps: int) -> list[str]:
@@ -178,6 +196,7 @@ def _start_hyperparameters(
         'channels_last/repaired_layers': len(summary.repaired),
         'channels_last/repair_rules': ','.join(sorted(repaired)),
         'channels_last/safe_paths': len(summary.made_safe),
+        'channels_last/not_covered': len(summary.not_covered),
         'channels_last/audit_steps': audit_steps,
     }
 

@@ -1,7 +1,9 @@
 """``apply_channels_last``: the functional form of the algorithm, and its inverse.
 
-Restrides every 4D parameter and buffer of a model to ``torch.channels_last`` and every 5D
-one to ``torch.channels_last_3d``, in place, and (``repair=True``) swaps the layers that would
+Restrides the 4D parameters and buffers of a model's convolutions to ``torch.channels_last``
+and the 5D ones to ``torch.channels_last_3d``, in place (any other 4D/5D tensor, such as a
+positional embedding or a weight bank that the model views, keeps its layout and is listed in
+the summary), and (``repair=True``) swaps the layers that would
 drop NHWC for their NHWC-preserving equivalents (see :mod:`channels_last_algo.core.layers`).
 The ``Parameter`` objects stay the same (an
 optimizer built before stays valid), their gradients and any optimizer state shaped like
@@ -41,10 +43,10 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from channels_last_algo.core.arguments import require_flags, require_module, require_optimizers
-from channels_last_algo.core.layers import repair_model
+from channels_last_algo.core.layers import repair_model, unrepaired_subclasses
 from channels_last_algo.core.layout import channels_last_format, to_channels_first, to_channels_last
-from channels_last_algo.core.safety.bugs import make_safe
-from channels_last_algo.core.swap import SwapRecord
+from channels_last_algo.core.safety.bugs import make_safe, unsafe_subclasses
+from channels_last_algo.core.swap import SwapRecord, UncoveredLayer
 from channels_last_algo.core.weight_layout import weight_layout_for
 
 __all__ = ['ConversionSummary', 'apply_channels_first', 'apply_channels_last', 'restride']
@@ -65,6 +67,11 @@ class ConversionSummary:
         repaired: the layers swapped for NHWC-preserving ones (``repair=True``; kind ``'repair'``).
         made_safe: the layers routed around a known layout kernel bug (``kernel_safety=True``;
             kind ``'safe_path'``).
+        not_covered: the layers that a repair rule or a known bug's safe path needs but whose class
+            overrides what the swap replaces (its own ``forward``), so they keep their class; each
+            names the row it needs.
+        left: the 4D/5D tensors no convolution owns (a positional embedding, a weight bank the
+            model views), each with why it keeps its layout: only convolution tensors are restrided.
     """
 
     layout: str = 'channels last'
@@ -74,6 +81,8 @@ class ConversionSummary:
     uninitialized: list[str] = dataclasses.field(default_factory=list)
     repaired: list[SwapRecord] = dataclasses.field(default_factory=list)
     made_safe: list[SwapRecord] = dataclasses.field(default_factory=list)
+    not_covered: list[UncoveredLayer] = dataclasses.field(default_factory=list)
+    left: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def tensors(self) -> int:
@@ -117,6 +126,34 @@ def _restride_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], param
     return count
 
 
+def _owned_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """``module``'s own parameters and buffers, and those its parametrizations keep (``weight_norm``'s
+    ``parametrizations.weight.original0``), under their ``state_dict`` names relative to it."""
+    yield from module.named_parameters(recurse=False)
+    yield from module.named_buffers(recurse=False)
+    parametrizations = getattr(module, 'parametrizations', None)
+    if isinstance(parametrizations, torch.nn.ModuleDict):
+        for name, tensor in parametrizations.named_parameters():
+            yield f'parametrizations.{name}', tensor
+
+
+def _tensors_by_use(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor, Optional[str]]]:
+    """Every 4D/5D (or lazy) parameter and buffer of ``model``, once, with why it keeps its layout:
+    None for a convolution's tensors, which go channels last; a reason for any other (a positional
+    embedding, a weight bank that the model views and mixes), which is left as it is."""
+    seen: set[int] = set()
+    for path, module in model.named_modules():
+        if isinstance(module, torch.nn.utils.parametrize.ParametrizationList):
+            continue  # listed with the module it parametrizes
+        convolution = isinstance(module, torch.nn.modules.conv._ConvNd)
+        for name, tensor in _owned_tensors(module):
+            if id(tensor) in seen or not (is_lazy(tensor) or channels_last_format(tensor) is not None):
+                continue
+            seen.add(id(tensor))
+            reason = None if convolution else f'a {type(module).__name__} tensor, not a convolution weight'
+            yield (f'{path}.{name}' if path else name), tensor, reason
+
+
 def _restride_model(
     model: torch.nn.Module,
     restride: Restride,
@@ -124,13 +161,15 @@ def _restride_model(
     optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]],
 ) -> ConversionSummary:
     summary = ConversionSummary(layout=layout)
-    named = list(model.named_parameters()) + list(model.named_buffers())
-    for name, tensor in named:
+    restrided: set[int] = set()
+    for name, tensor, reason in _tensors_by_use(model):
         if is_lazy(tensor):
             summary.uninitialized.append(name)
             continue
-        if channels_last_format(tensor) is None:
+        if reason is not None:
+            summary.left[name] = reason
             continue
+        restrided.add(id(tensor))
         changed = _restride_in_place(tensor, restride)
         grad = getattr(tensor, 'grad', None)
         if grad is not None and channels_last_format(grad) is not None:
@@ -140,8 +179,7 @@ def _restride_model(
     if optimizers is not None:
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
-        params = {id(p) for _, p in model.named_parameters()}
-        summary.optimizer_states = _restride_optimizer_state(optimizers, params, restride)
+        summary.optimizer_states = _restride_optimizer_state(optimizers, restrided, restride)
     return summary
 
 
@@ -151,7 +189,7 @@ def apply_channels_last(
     repair: bool = True,
     kernel_safety: bool = True,
 ) -> ConversionSummary:
-    """Restride ``model``'s 4D/5D parameters, buffers and gradients to channels last in place
+    """Restride ``model``'s convolution weights (and their gradients) to channels last in place
     (its ``state_dict`` afterwards: see the module's docstring).
 
     Args:
@@ -163,10 +201,9 @@ def apply_channels_last(
             gradient, instance norm, bicubic upsampling; on CUDA group norm, pixel shuffle,
             padding) for NHWC-preserving subclasses: same parameters, ``state_dict`` keys and
             numbers (:func:`~channels_last_algo.core.layers.repair_model`).
-        kernel_safety: also route the layers that match a known layout kernel bug on this
-            torch, device and CPU (a crash or wrong numbers in NHWC) through their safe path:
-            same parameters, ``state_dict`` keys and numbers
-            (:func:`~channels_last_algo.core.safety.bugs.make_safe`).
+        kernel_safety: also route the layers that match a known layout kernel bug on this torch,
+            device and CPU (a crash or wrong numbers in NHWC) through their safe path: same
+            parameters, keys and numbers (:func:`~channels_last_algo.core.safety.bugs.make_safe`).
 
     Returns:
         A :class:`ConversionSummary`. A model with no 4D/5D tensor is left alone with a
@@ -183,8 +220,14 @@ def apply_channels_last(
     summary = _restride_model(model, to_channels_last, 'channels last', optimizers)
     summary.made_safe = make_safe(model) if kernel_safety else []
     summary.repaired = repair_model(model) if repair else []
+    summary.not_covered = _not_covered(model, repair, kernel_safety)
     _report_conversion(model, summary)
     return summary
+
+
+def _not_covered(model: torch.nn.Module, repair: bool, kernel_safety: bool) -> list[UncoveredLayer]:
+    """The layers a safe path or a repair rule needs but whose class overrides what the swap replaces."""
+    return (unsafe_subclasses(model) if kernel_safety else []) + (unrepaired_subclasses(model) if repair else [])
 
 
 def _report_conversion(model: torch.nn.Module, summary: ConversionSummary) -> None:

@@ -23,30 +23,35 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
 from channels_last_algo.core.arguments import require_module, require_optimizers
-from channels_last_algo.core.audit import AuditReport, LayoutAudit, LayoutBreakError
+from channels_last_algo.core.audit import AuditReport
+from channels_last_algo.core.audited_steps import AuditedSteps
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
-from channels_last_algo.core.console import ConsoleBlock, audit_block, start_block, step_metrics, timing_line
+from channels_last_algo.core.console import ConsoleBlock, start_block, step_metrics, timing_line
 from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last, restride
 from channels_last_algo.core.fuse import FusedEvaluation
 from channels_last_algo.core.inputs import Inputs, InputSelection
 from channels_last_algo.core.layout import to_channels_first, to_channels_last
 from channels_last_algo.core.options import check_options
 from channels_last_algo.core.repair_check import RefusedRepair, RepairCheck
-from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layout_for
+from channels_last_algo.core.viewed_outputs import ViewedOutputs
+from channels_last_algo.core.weight_layout import OptimizerWatch, WeightLayoutPlan, for_training, weight_layout_for
 
 __all__ = ['LayoutGuard', 'StepLogs', 'Trial']
 
 Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
 
 log = logging.getLogger(__name__)
+
 
 # decide_layout's bounds by default, which auto mode's timing line names unless decide() is given others.
 _DECIDE_DEFAULTS = {
@@ -98,6 +103,9 @@ class LayoutGuard:
             ``'auto'`` (default) the ones the model feeds to a convolution, found on the first
             batch of each structure (which passes as it came) and logged; ``'all'``; a list of
             keys / positions (``['image']``, ``[0]``); or a predicate ``fn(path, tensor)``.
+        weights: ``'auto'`` (default): channels last unless sharding or an optimizer that flattens them
+            (:mod:`channels_last_algo.core.flattening_optimizers`) needs them contiguous; ``'contiguous'``
+            for code that flattens them itself (``parameters_to_vector``). Activations go NHWC in both.
         fuse_eval: evaluate on a fused inference copy of the network
             (:func:`~channels_last_algo.core.fuse.fuse_for_inference`) from each pass's first batch
             to its end (:meth:`start_evaluation`, :meth:`fuse_evaluation`, :meth:`end_evaluation`).
@@ -127,10 +135,18 @@ class LayoutGuard:
         repair: bool = True,
         inputs: Inputs = 'auto',
         fuse_eval: bool = False,
+        weights: str = 'auto',
     ) -> None:
         check_options(
-            fuse_eval=fuse_eval, mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs
+            fuse_eval=fuse_eval,
+            mode=mode,
+            audit_steps=audit_steps,
+            strict=strict,
+            repair=repair,
+            inputs=inputs,
+            weights=weights,
         )
+        self.weights = weights
         self.mode = mode  # as asked; effective_mode is the one acted on
         self._effective_mode = mode
         self.fuse_eval = fuse_eval
@@ -142,16 +158,15 @@ class LayoutGuard:
         self.summary: Optional[ConversionSummary] = None
         self.decision: Optional[LayoutDecision] = None
         self.weight_layout: Optional[WeightLayoutPlan] = None
-        self._audit: Optional[LayoutAudit] = None
-        self._first_audited: Optional[AuditReport] = None  # the first audited step's report
-        self._last_audited: Optional[AuditReport] = None
+        self._audited: Optional[AuditedSteps] = None
         self._repair_check: Optional[RepairCheck] = None
         self.console: Optional[Callable[[str], None]] = None  # an integration's console; None: the log
         self._model_name = ''
         self._start_shown = False
         self._resumed: Optional[LayoutDecision] = None  # the decision of the checkpoint a run resumed from
-        self._fused: Optional[FusedEvaluation] = None  # fuse_eval's swap, made at the first fused pass
-        self._fuse_pending = False  # an evaluation pass began; fuse before its first batch
+        self._fused = FusedEvaluation()  # fuse_eval's swap, from each pass's first batch to its end
+        self._viewed: Optional[ViewedOutputs] = None  # views NHWC makes fail: watched on the first step
+        self._optimizer_watch: Optional[OptimizerWatch] = None  # optimizers made after on_init
 
     def __repr__(self) -> str:
         """The options as asked (``mode='auto'`` stays ``'auto'``); defaults after ``strict`` left out."""
@@ -159,7 +174,8 @@ class LayoutGuard:
             f'{type(self).__name__}(mode={self.mode!r}, audit_steps={self.audit_steps}, '
             f'strict={self.strict}{", fuse_eval=True" if self.fuse_eval else ""}'
             f'{"" if self.repair else ", repair=False"}'
-            f'{"" if self.inputs.inputs == "auto" else f", inputs={self.inputs!r}"})'
+            f'{"" if self.inputs.inputs == "auto" else f", inputs={self.inputs!r}"}'
+            f'{"" if self.weights == "auto" else f", weights={self.weights!r}"})'
         )
 
     @property
@@ -178,9 +194,7 @@ class LayoutGuard:
     @property
     def report(self) -> Optional[AuditReport]:
         """The audit of every audited step so far; None before the first one."""
-        if self._audit is None or self._audit.report.steps == 0:
-            return None
-        return self._audit.report
+        return None if self._audited is None else self._audited.report
 
     @property
     def start_block(self) -> Optional[ConsoleBlock]:
@@ -197,13 +211,7 @@ class LayoutGuard:
     def audit_block(self) -> Optional[ConsoleBlock]:
         """The layout breaks the last audited step left, by module path and op with their bytes (and
         the first step's count where it differs), to print; None until every audited step ran."""
-        report = self.report
-        if report is None or report.steps < self.audit_steps:
-            return None
-        return self._audit_block()
-
-    def _audit_block(self) -> ConsoleBlock:
-        return audit_block(self._last_audited, self._audit.report.steps, self._first_audited)
+        return None if self._audited is None else self._audited.block
 
     @property
     def refused_repairs(self) -> list[RefusedRepair]:
@@ -225,15 +233,14 @@ class LayoutGuard:
             self._show(str(block))
 
     def _show(self, text: str, warn: bool = False) -> None:
-        if self.console is not None:
-            self.console(text)
-        else:
-            log.log(logging.WARNING if warn else logging.INFO, '%s', text)
+        if self.console is None:
+            return log.log(logging.WARNING if warn else logging.INFO, '%s', text)
+        self.console(text)
 
     @property
     def auditing(self) -> bool:
         """True while a step is being audited."""
-        return self._audit is not None and self._audit.active
+        return self._audited is not None and self._audited.active
 
     def on_init(
         self, model: torch.nn.Module, optimizers: Optimizers = None, weight_layout: Optional[WeightLayoutPlan] = None
@@ -251,18 +258,41 @@ class LayoutGuard:
         require_optimizers(optimizers, 'LayoutGuard.on_init')
         if self.mode == 'off':
             return None
-        self.weight_layout = weight_layout_for(model) if weight_layout is None else weight_layout
+        plan = weight_layout_for(model) if weight_layout is None else weight_layout
+        self.weight_layout = for_training(plan, optimizers, self.weights)
         self._model_name = type(model).__name__
+        self._viewed = ViewedOutputs(model, functools.partial(self._weights_viewed, weakref.ref(model)))
+        if not self.weight_layout.contiguous and self.weights == 'auto':
+            self._optimizer_watch = OptimizerWatch(
+                model, functools.partial(self._weights_contiguous, weakref.ref(model))
+            )
         if not self.weight_layout.contiguous:
             self.summary = apply_channels_last(model, optimizers=optimizers, repair=self.repair)  # logs it
             self._repair_check = RepairCheck(model, self.summary.repaired)
         else:
             self.summary = self._keep_weights_contiguous(model, optimizers)
-        self._audit = LayoutAudit(model) if self.audit_steps else None
+        self._audited = AuditedSteps(model, self.audit_steps, self.strict) if self.audit_steps else None
         if self.inputs.inputs == 'auto':
             convolutions = (torch.nn.modules.conv._ConvNd,)
             self._conv_channels = {m.in_channels for m in model.modules() if isinstance(m, convolutions)}
         return self.summary
+
+    def _weights_viewed(self, model: weakref.ref, where: str) -> bool:
+        """Code at ``where`` views a channels-last weight (``parameters_to_vector``): weights contiguous."""
+        if self.weights != 'auto' or self.weight_layout.contiguous:
+            return False
+        self._weights_contiguous(model, None, WeightLayoutPlan(True, f'a weight is viewed at {where}'))
+        return True
+
+    def _weights_contiguous(self, model: weakref.ref, optimizer: Optimizers, plan: WeightLayoutPlan) -> None:
+        """An optimizer made after :meth:`on_init`, or code in a step, flattens the weights: contiguous now."""
+        self.weight_layout = plan
+        self._effective_mode = 'on' if self.effective_mode == 'auto' else self.effective_mode
+        if self._optimizer_watch is not None:
+            self._optimizer_watch.close()
+        if not plan.sharded and model() is not None:
+            apply_channels_first(model(), optimizers=optimizer)
+        self._show(f'channels last: {self._model_name}: {plan}', warn=True)
 
     def _keep_weights_contiguous(self, model: torch.nn.Module, optimizers: Optimizers) -> ConversionSummary:
         """Where the weight layout asks for contiguous weights: restride them back unless already
@@ -282,12 +312,9 @@ class LayoutGuard:
         optimizers: Optimizers = None,
         **options: Any,
     ) -> LayoutDecision:
-        """Auto mode: time ``loss_fn(model, batch).backward()`` in both layouts and keep channels first
-        only on evidence that channels last is slower (docs/auto.md).
-
-        ``options`` go to :func:`~channels_last_algo.core.auto.decide_layout` (``max_rounds``,
-        ``max_seconds``, ``margin``, ...). The model is left in the chosen layout and otherwise untouched; later batches
-        follow it. One line before the timing names its bounds, one after gives the decision and its evidence.
+        """Auto mode: time ``loss_fn(model, batch).backward()`` in both layouts; keep channels first only
+        on evidence that channels last is slower (docs/auto.md). ``options`` go to
+        :func:`~channels_last_algo.core.auto.decide_layout`. The model is left in the chosen layout.
         """
         if self.effective_mode != 'auto':
             raise RuntimeError(f"decide() is for mode='auto'; this guard's mode is {self.effective_mode!r}")
@@ -354,11 +381,8 @@ class LayoutGuard:
     def after_load(self, model: torch.nn.Module, optimizers: Optimizers = None) -> None:
         """After a checkpoint was loaded: the model and the optimizer state in the guard's layout again.
 
-        Checkpoints hold canonical NCHW tensors (:mod:`~channels_last_algo.core.checkpoints`);
-        ``load_state_dict`` copies them into the model's own tensors, which keep their strides,
-        but ``Optimizer.load_state_dict`` takes the saved tensors as they are (and
-        ``load_state_dict(assign=True)`` the model's), so they are restrided here. Nothing where
-        the weights must stay as the sharding left them, or in mode ``'off'``.
+        ``Optimizer.load_state_dict`` (and ``load_state_dict(assign=True)``) keep the canonical NCHW
+        tensors a checkpoint holds. Nothing where the weights stay contiguous, or in mode ``'off'``.
         """
         if self.weight_layout is None or self.weight_layout.contiguous:
             return
@@ -370,13 +394,17 @@ class LayoutGuard:
         first batch of a structure goes NHWC by a guess (a channel count some convolution takes)
         while its forward shows which are images (:mod:`channels_last_algo.core.inputs`)."""
         self.inputs.finish()
+        self._end_watch(training=False)  # a batch with no training step end: an evaluation batch
         if self._repair_check is not None:
             self._repair_check.start()  # before the model's first call; nothing once every layer is checked
         if not self.channels_last:
             return batch
         if self.inputs.known(batch):
-            return self.inputs.convert(batch, to_channels_last)
-        return self.inputs.start(batch, self._looks_like_an_image, to_channels_last)
+            batch = self.inputs.convert(batch, to_channels_last)
+        else:
+            batch = self.inputs.start(batch, self._looks_like_an_image, to_channels_last)
+        self._start_watch(whole_step=False)  # after the input search: its mode leaves first
+        return batch
 
     def _looks_like_an_image(self, tensor: torch.Tensor) -> bool:
         """The first batch's guess: a tensor whose channel count some convolution takes."""
@@ -390,12 +418,9 @@ class LayoutGuard:
     def on_step_start(self) -> None:
         """Show :attr:`start_block` before the first step; audit this step if audited steps remain."""
         self.show_start()
-        if self._audit is None or not self.channels_last:
-            return
-        if self._audit.active:  # the last step ended in an exception before on_step_end
-            self._audit.stop()
-        if self._audit.report.steps < self.audit_steps:
-            self._audit.start()
+        self._start_watch(whole_step=True)
+        if self._audited is not None and self.channels_last:
+            self._audited.start_step()
 
     def on_step_end(self) -> Optional[AuditReport]:
         """Stop auditing; return this step's report, or None when it was not audited. After the last
@@ -406,20 +431,26 @@ class LayoutGuard:
         """
         self.inputs.finish()
         self._show_refused()
+        self._end_watch(training=True)
         if self._repair_check is not None:
             self._repair_check.end_step()
-        if not self.auditing:
+        if self._audited is None:
             return None
-        step_report = self._audit.stop()
-        if self._first_audited is None:
-            self._first_audited = step_report
-        self._last_audited = step_report
-        failed = self.strict and bool(step_report.breaks)
-        if self._audit.report.steps == self.audit_steps or failed:
-            self._show(str(self._audit_block()), warn=not step_report.ok)
-        if failed:
-            raise LayoutBreakError(step_report.breaks[0])
+        step_report, block = self._audited.end_step()
+        if block is not None:
+            self._show(str(block), warn=not step_report.ok)
+            self._audited.raise_failure(step_report)
         return step_report
+
+    def _start_watch(self, whole_step: bool) -> None:
+        """Watch for views NHWC makes fail (:mod:`~channels_last_algo.core.viewed_outputs`)."""
+        if self._viewed is not None and self.channels_last:
+            self._viewed.begin(whole_step)
+
+    def _end_watch(self, training: bool) -> None:
+        """What the watch found: one warning line for each view placed or not placed."""
+        for line in [] if self._viewed is None else self._viewed.end(training):
+            self._show(f'channels last: {line}', warn=True)
 
     def end_step(self) -> StepLogs:
         """:meth:`on_step_end`, with what a trainer logs of it (:class:`StepLogs`)."""
@@ -433,10 +464,11 @@ class LayoutGuard:
         """Stop an audit (and a search for the images) left running by a step that raised; safe
         to call at any time."""
         self.inputs.finish()
+        self._end_watch(training=False)
         if self._repair_check is not None:
             self._repair_check.close()
-        if self.auditing:
-            self._audit.stop()
+        if self._audited is not None:
+            self._audited.close()
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -452,27 +484,14 @@ class LayoutGuard:
     def start_evaluation(self) -> None:
         """An evaluation, test or prediction pass begins: with ``fuse_eval``, :meth:`fuse_evaluation`
         swaps a fused copy in at its first batch."""
-        self._fuse_pending = self.fuse_eval and self.effective_mode != 'off'
+        if self.fuse_eval and self.effective_mode != 'off':
+            self._fused.begin_pass()
 
     def fuse_evaluation(self, network: Callable[[], tuple[torch.nn.Module, str, torch.nn.Module]], batch: Any) -> None:
-        """At a pass's first batch (see :meth:`start_evaluation`): swap ``owner.<attribute>`` (``network()``
-        gives owner, attribute and the network there) for a fused copy from its current weights,
-        checked on this batch's first tensor; a sharded network is evaluated unfused, with a warning."""
-        if not self._fuse_pending:
-            return
-        self._fuse_pending = False
-        owner, attribute, module = network()
-        plan = weight_layout_for(module)
-        if plan.sharded:
-            log.warning('fuse_eval: evaluating unfused, since %s', plan.reason)
-            return
-        inputs = batch[0] if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor) else None
-        if self._fused is None:
-            self._fused = FusedEvaluation()
-        self._fused.start(owner, attribute, example_input=inputs)  # checked on this batch's inputs
+        """At a pass's first batch: :meth:`~channels_last_algo.core.fuse.FusedEvaluation.first_batch`."""
+        self._fused.first_batch(network, batch)
 
     def end_evaluation(self) -> None:
         """The pass is over: the training network back in place of a fused copy."""
-        self._fuse_pending = False
-        if self._fused is not None:
-            self._fused.end()
+        self._end_watch(training=False)
+        self._fused.end()

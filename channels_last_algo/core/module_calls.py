@@ -50,6 +50,8 @@ __all__ = [
     'ModuleCallListener',
     'follow_module_calls',
     'hooks_installed',
+    'compiled_in_place',
+    'compiled_wrapper',
     'in_graph_capture',
     'paused',
     'settle_hooks',
@@ -81,10 +83,20 @@ def in_graph_capture() -> bool:
     return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.compiler.is_exporting()
 
 
+def compiled_wrapper(module: torch.nn.Module) -> bool:
+    """A ``torch.compile`` wrapper (``OptimizedModule``, ``module._orig_mod``): its forward runs as one graph."""
+    return isinstance(getattr(module, '_orig_mod', None), torch.nn.Module)
+
+
+def compiled_in_place(module: torch.nn.Module) -> bool:
+    """``module.compile()`` was called: each call runs a graph, from the module's own call on."""
+    return getattr(module, '_compiled_call_impl', None) is not None
+
+
 def _pre_hook(module: torch.nn.Module, args: tuple) -> None:
     if torch.compiler.is_compiling():  # first: a compiled graph guards on nothing of ours
         return
-    if isinstance(getattr(module, '_orig_mod', None), torch.nn.Module) and module not in _compiled:
+    if compiled_wrapper(module) and module not in _compiled:
         _compiled.add(module)  # its graph guards on the number of global hooks: they stay while it lives
         weakref.finalize(module, settle_hooks)
     if not _listeners or _state['paused']:

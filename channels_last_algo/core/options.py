@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from channels_last_algo.core.inputs import check_inputs
+from channels_last_algo.core.weight_layout import WEIGHTS
 
 __all__ = ['MODES', 'OPTIONS', 'check_options']
 
@@ -39,6 +40,7 @@ OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     'strict': (_is_bool, 'True or False'),
     'repair': (_is_bool, 'True or False'),
     'fuse_eval': (_is_bool, 'True or False'),
+    'weights': (lambda value: value in WEIGHTS, f'one of {", ".join(repr(w) for w in WEIGHTS)}'),
     'inputs': (
         check_inputs,
         "'auto' (the batch tensors fed to a convolution), 'all', a list of batch keys / positions, or a predicate",

@@ -211,9 +211,8 @@ class RepairCheck:
 
     def entered(self, module: torch.nn.Module, args: tuple) -> None:
         self._calls_seen = True
-        compiled = getattr(module, '_orig_mod', None)  # torch.compile's wrapper: its insides run as a graph
-        if isinstance(compiled, torch.nn.Module):
-            self._skip_compiled(compiled)
+        if module_calls.compiled_wrapper(module):  # its insides run as a graph
+            self._skip_compiled(module._orig_mod)
         pending = self._pending.get(id(module))
         if pending is None or pending.module() is not module or module_calls.in_graph_capture():
             return

@@ -1,4 +1,4 @@
-"""What a distributed setting allows for the memory layout of a model's weights.
+"""What a distributed setting, the optimizers and the ``weights`` option allow for the layout of a model's weights.
 
 In one process and under DDP the weights go channels last: ``ChannelsLast`` restrides them at
 ``Event.INIT``, before Composer wraps the model in DDP, and DDP's gradient bucket views take
@@ -12,6 +12,10 @@ parallelism shards DTensors the same way. There the weights stay contiguous and 
 activations go NHWC: a convolution whose input is NHWC computes in NHWC (oneDNN and cuDNN take
 the layout from the input or the weight), so its output, and the activations after it, stay
 NHWC; only each weight gradient is copied to the contiguous layout.
+
+Optimizers that flatten parameters or gradients with ``.view`` (LBFGS, ZeroRedundancyOptimizer
+with bucket views; :mod:`~channels_last_algo.core.flattening_optimizers`) and the option
+``weights='contiguous'`` get the same plan (:func:`for_training`).
 
 A model that is *already* wrapped in DDP is refused: its buckets were built with the old
 strides, so restriding now would copy every gradient every step.
@@ -29,13 +33,17 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, Optional, Union
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from channels_last_algo.core.flattening_optimizers import flattening
 from channels_last_algo.core.layout import MemoryFormat
 
-__all__ = ['WeightLayoutPlan', 'weight_layout_for']
+__all__ = ['WEIGHTS', 'OptimizerWatch', 'WeightLayoutPlan', 'for_training', 'optimizer_plan', 'weight_layout_for']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +108,84 @@ def weight_layout_for(
             f'{type(tp_config).__name__}: tensor parallelism will shard the parameters, which needs them contiguous',
         )
     return WeightLayoutPlan(False, 'no sharding: one process, or DDP wrapped after the conversion')
+
+
+WEIGHTS = ('auto', 'contiguous')
+"""The ``weights`` option: ``'auto'`` lets the setting and the optimizers decide; ``'contiguous'`` keeps
+the weights contiguous (for code of the user's that flattens them, as ``parameters_to_vector`` does)."""
+
+
+def for_training(
+    plan: WeightLayoutPlan,
+    optimizers: Union[None, torch.optim.Optimizer, Iterable[torch.optim.Optimizer]] = None,
+    weights: str = 'auto',
+) -> WeightLayoutPlan:
+    """``plan`` (what the distributed setting allows), or contiguous weights where the ``weights``
+    option asks or an optimizer flattens them (:mod:`~channels_last_algo.core.flattening_optimizers`).
+
+    Example:
+        >>> plan = weight_layout_for(torch.nn.Conv2d(3, 8, 3))
+        >>> print(for_training(plan, weights='contiguous'))
+        weights contiguous, activations NHWC (weights='contiguous' asked for)
+    """
+    if plan.contiguous:
+        return plan
+    if weights == 'contiguous':
+        return WeightLayoutPlan(True, "weights='contiguous' asked for")
+    for optimizer in [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else optimizers or ():
+        found = optimizer_plan(optimizer)
+        if found is not None:
+            return found
+    return plan
+
+
+class OptimizerWatch:
+    """Sees the first step of every optimizer while it lives (a process-wide step pre-hook), and calls
+    ``on_plan(optimizer, plan)`` once for the first that flattens ``model``'s parameters: optimizers
+    made after the conversion (Lightning's, a plain loop's) are found before they view anything.
+
+    Example:
+        >>> model, found = torch.nn.Conv2d(3, 8, 1), []
+        >>> watch = OptimizerWatch(model, lambda optimizer, plan: found.append(plan.reason))
+        >>> model(torch.randn(1, 3, 2, 2)).sum().backward()
+        >>> _ = torch.optim.LBFGS(model.parameters()).step(lambda: model(torch.randn(1, 3, 2, 2)).sum())
+        >>> found
+        ['LBFGS gathers the gradients with p.grad.view(-1)']
+        >>> watch.close()
+    """
+
+    def __init__(self, model: torch.nn.Module, on_plan: Callable[[torch.optim.Optimizer, WeightLayoutPlan], None]):
+        self._model = weakref.ref(model)
+        self._on_plan = on_plan
+        self._seen: set[int] = set()
+        watch = weakref.ref(self)
+        self._handle = register_optimizer_step_pre_hook(lambda optimizer, *_: watch() and watch()._stepped(optimizer))
+        weakref.finalize(self, self._handle.remove)
+
+    def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        if id(optimizer) in self._seen:
+            return
+        self._seen.add(id(optimizer))
+        model, plan = self._model(), optimizer_plan(optimizer)
+        if model is None or plan is None:
+            return
+        ours = {id(p) for p in model.parameters()}
+        if any(id(p) in ours for group in optimizer.param_groups for p in group['params']):
+            self.close()
+            self._on_plan(optimizer, plan)
+
+    def close(self) -> None:
+        """Stop watching."""
+        self._handle.remove()
+
+
+def optimizer_plan(optimizer: torch.optim.Optimizer) -> Optional[WeightLayoutPlan]:
+    """Contiguous weights where ``optimizer`` flattens them (a known row); None where it does not."""
+    found = flattening(optimizer)
+    if found is None:
+        return None
+    reason, owns_storage = found
+    return WeightLayoutPlan(True, reason, sharded=owns_storage)
 
 
 def _wrapped_now(model: torch.nn.Module) -> Optional[WeightLayoutPlan]:

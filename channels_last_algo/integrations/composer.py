@@ -27,8 +27,8 @@ from composer.core import Algorithm, Callback, Event, State
 from composer.core.precision import get_precision_context
 from composer.loggers import ConsoleLogger, Logger, ProgressBarLogger
 from composer.utils import dist
-from torch.utils._pytree import tree_map_only
 
+from channels_last_algo.core.batch_tree import Path, map_leaves
 from channels_last_algo.core.checkpoints import canonical_state
 from channels_last_algo.core.guard import LayoutGuard, Trial
 from channels_last_algo.core.inputs import Inputs
@@ -89,9 +89,12 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 def _float_images(batch: Any) -> Any:
     """Integer 4D/5D tensors (uint8 images waiting for a device-side normalisation) as float32,
     so a trial step can run on a raw batch; timing does not depend on the pixel values."""
-    return tree_map_only(
-        torch.Tensor, lambda t: t.float() if t.dim() in (4, 5) and not t.is_floating_point() else t, batch
-    )
+
+    def as_float(path: Path, leaf: Any) -> Any:
+        is_integer_image = isinstance(leaf, torch.Tensor) and leaf.dim() in (4, 5) and not leaf.is_floating_point()
+        return leaf.float() if is_integer_image else leaf
+
+    return map_leaves(batch, as_float)
 
 
 class _CloseGuard(Callback):
@@ -167,6 +170,9 @@ class ChannelsLast(GuardedIntegration, Algorithm):
             of each structure and logged, so frame stacks, masks and dense targets stay as they
             came; ``'all'``; a list of batch keys / positions (``['image']``, ``[0]``); or a
             predicate ``fn(path, tensor) -> bool``.
+        weights: ``'auto'`` (default) channels-last weights unless sharding or an optimizer that
+            flattens them (LBFGS, ZeroRedundancyOptimizer with bucket views) needs them contiguous;
+            ``'contiguous'`` for code that flattens them itself (``parameters_to_vector``).
 
     Checkpoints: what Composer saves (``state.state_dict()``, weights-only too) holds NCHW-contiguous
     tensors under the original keys (:mod:`channels_last_algo.core.checkpoints`); at
@@ -194,9 +200,16 @@ class ChannelsLast(GuardedIntegration, Algorithm):
         fuse_eval: bool = False,
         repair: bool = True,
         inputs: Inputs = 'auto',
+        weights: str = 'auto',
     ) -> None:
         self.guard = LayoutGuard(
-            mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs, fuse_eval=fuse_eval
+            mode=mode,
+            audit_steps=audit_steps,
+            strict=strict,
+            repair=repair,
+            inputs=inputs,
+            fuse_eval=fuse_eval,
+            weights=weights,
         )
 
     def match(self, event: Event, state: State) -> bool:

@@ -200,6 +200,9 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
             feeds to a convolution, found on the first batch of each structure; ``'all'``; a list
             of batch keys / positions; or a predicate ``fn(path, tensor)``
             (:mod:`channels_last_algo.core.inputs`).
+        weights: ``'auto'`` (default) channels-last weights unless sharding or an optimizer that
+            flattens them (LBFGS, ZeroRedundancyOptimizer with bucket views) needs them contiguous;
+            ``'contiguous'`` for code that flattens them itself (``parameters_to_vector``).
 
     Checkpoints hold NCHW-contiguous tensors (``on_save_checkpoint``); the optimizer state a
     resumed run loads takes its parameters' layout again at ``on_train_start``.
@@ -230,10 +233,17 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         repair: bool = True,
         network: Optional[str] = None,
         inputs: Inputs = 'auto',
+        weights: str = 'auto',
     ) -> None:
         check_options(_OPTIONS, network=network)
         self.guard = LayoutGuard(
-            mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs, fuse_eval=fuse_eval
+            mode=mode,
+            audit_steps=audit_steps,
+            strict=strict,
+            repair=repair,
+            inputs=inputs,
+            fuse_eval=fuse_eval,
+            weights=weights,
         )
         self._console = self.guard.console = _Console()
         self.network = network

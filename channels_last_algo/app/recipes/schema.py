@@ -208,6 +208,7 @@ CHANNELS_LAST_OPTIONS: dict[str, tuple[Any, str]] = {
     'repair': (True, 'swap the layers that drop NHWC for ones that keep it'),
     'fuse_eval': (False, 'evaluate on a fused copy (BatchNorm folded, convolutions fused)'),
     'inputs': ('auto', 'which 4D/5D batch tensors go NHWC'),
+    'weights': ('auto', 'auto: channels last unless sharding or the optimizer needs them contiguous; contiguous'),
 }
 
 

@@ -6,13 +6,18 @@ test and prediction pass), this class does the swap.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
 from channels_last_algo.core.fuse.inference import fuse_for_inference
+from channels_last_algo.core.weight_layout import weight_layout_for
 
 __all__ = ['FusedEvaluation']
+
+log = logging.getLogger(__name__)
 
 
 class FusedEvaluation:
@@ -41,6 +46,26 @@ class FusedEvaluation:
 
     def __init__(self) -> None:
         self._swapped: Optional[tuple[torch.nn.Module, str, torch.nn.Module]] = None
+        self._pending = False  # a pass began: fuse at its first batch
+
+    def begin_pass(self) -> None:
+        """An evaluation, test or prediction pass begins: :meth:`first_batch` fuses."""
+        self._pending = True
+
+    def first_batch(self, network: Callable[[], tuple[torch.nn.Module, str, torch.nn.Module]], batch: Any) -> None:
+        """At a pass's first batch (after :meth:`begin_pass`; nothing otherwise): swap ``owner.<attribute>``
+        (``network()`` gives owner, attribute and the network there) for a fused copy from its current
+        weights, checked on this batch's first tensor; a sharded network is evaluated unfused, with a warning."""
+        if not self._pending:
+            return
+        self._pending = False
+        owner, attribute, module = network()
+        plan = weight_layout_for(module)
+        if plan.sharded:
+            log.warning('fuse_eval: evaluating unfused, since %s', plan.reason)
+            return
+        first = batch[0] if isinstance(batch, (tuple, list)) and batch else None
+        self.start(owner, attribute, example_input=first if isinstance(first, torch.Tensor) else None)
 
     @property
     def active(self) -> bool:
@@ -62,7 +87,8 @@ class FusedEvaluation:
         self._swapped = (owner, attribute, network)
 
     def end(self) -> None:
-        """Put the original network back."""
+        """Put the original network back (the pass is over)."""
+        self._pending = False
         if self._swapped is None:
             return
         owner, attribute, network = self._swapped

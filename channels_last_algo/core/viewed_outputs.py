@@ -1,0 +1,251 @@
+"""Activations that user code ``.view()``s in a shape NHWC strides cannot take: found on the first
+step, made channels first where they are made.
+
+``x.view(-1, 16 * 5 * 5)`` after a convolution and a pool (the LeNet flatten), a loss's
+``logits.view(n * k, h * w)`` or a hook's ``output.view(n, -1)`` raise on an NHWC activation
+("view size is not compatible with input tensor's size and stride"). While :class:`ViewedOutputs`
+watches a step, a view that fails so runs on a channels-first copy instead, and the module whose
+output the viewed tensor derives from (through any ops, but no other module) is noted. From then
+on that module's NHWC outputs are made channels first (one copy, which the layout audit counts
+as an exit) by a forward hook that runs before the module's own hooks, so the view aliases the
+activation as in NCHW. A module called more than once a step (a pool shared by two stages)
+is passed over for the modules its viewed output came from. A view of a tensor that no module
+made (a batch tensor; a gradient in a tensor hook, whose layout its consumers decide) cannot be
+placed so: the watch then stays on
+for every step, at the cost of following each op.
+
+Example:
+    >>> import torch
+    >>> net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    >>> net = net.to(memory_format=torch.channels_last)
+    >>> watch = ViewedOutputs(net)
+    >>> x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    >>> with watch:
+    ...     flat = net(x).view(2, -1)
+    >>> watch.placed
+    ['1']
+    >>> net(x).is_contiguous()
+    True
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+from channels_last_algo.core.audit import exit_copies
+from channels_last_algo.core.layout import channels_last_format
+from channels_last_algo.core.module_calls import in_graph_capture, subscribe, unsubscribe
+
+__all__ = ['ViewedOutputs', 'channels_first_outputs']
+
+_VIEWS = (torch.Tensor.view, torch.Tensor.view_as)
+
+
+_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(__file__))  # frames that are not the user's
+
+
+def _caller() -> Any:
+    """The frame of the code that called the view: the first one outside torch and this package's core."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame = frame.f_back
+    return frame
+
+
+def _where(frame: Any) -> str:
+    return f'{frame.f_code.co_filename}:{frame.f_lineno}'
+
+
+def _nhwc(tensor: Any) -> bool:
+    """A 4D/5D tensor in a channels-last layout that is not also contiguous."""
+    return isinstance(tensor, torch.Tensor) and channels_last_format(tensor) is not None and not tensor.is_contiguous()
+
+
+def _channels_first(output: Any) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: t.contiguous() if _nhwc(t) else t, output)
+
+
+def channels_first_outputs(module: torch.nn.Module, args: tuple, output: Any) -> Any:
+    """A forward hook: ``output`` with its NHWC tensors made contiguous (channels first), which the
+    layout audit counts as exits."""
+    if in_graph_capture():
+        return _channels_first(output)
+    with exit_copies():
+        return _channels_first(output)
+
+
+class _Watch(TorchFunctionMode):
+    """Follows which module's output each NHWC tensor derives from; runs failing views on copies."""
+
+    def __init__(self, owner: ViewedOutputs, in_hook: bool = False) -> None:
+        super().__init__()
+        self.owner = owner
+        self.in_hook = in_hook  # in a tensor hook: its gradient's layout is its consumers', no module's
+        self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the module that returned it
+        self.derived: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> modules it derives from
+        self.calls: dict[torch.nn.Module, int] = {}  # module -> its calls this step
+
+    def origins(self, tensor: torch.Tensor) -> frozenset:
+        made = self.made.get(tensor)
+        return frozenset({made}) if made is not None else self.derived.get(tensor, frozenset())
+
+    def makers(self, tensor: torch.Tensor) -> frozenset:
+        """The modules to make ``tensor`` channels first at: the module that returned it, unless that
+        module runs more than once a step (a shared pool), then the modules its input came from."""
+        made = self.made.get(tensor)
+        if made is not None and (self.calls.get(made, 0) <= 1 or not self.derived.get(tensor)):
+            return frozenset({made})
+        return self.derived.get(tensor, frozenset())
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # a compiled graph: not followed
+            return func(*args, **kwargs)
+        if func in _VIEWS and _nhwc(args[0]):
+            return self._view(func, args, kwargs)
+        if func is torch.Tensor.register_hook and channels_last_format(args[0]) is not None:
+            args = (args[0], self._watched_hook(args[1]), *args[2:])
+        result = func(*args, **kwargs)
+        self._follow(args, kwargs, result)
+        return result
+
+    def _watched_hook(self, hook: Any) -> Any:
+        """``hook`` run under a watch of its own: autograd calls tensor hooks outside this mode."""
+
+        def watched(grad: torch.Tensor) -> Any:
+            with _Watch(self.owner, in_hook=True):
+                return hook(grad)
+
+        return watched
+
+    def _follow(self, args: tuple, kwargs: dict, result: Any) -> None:
+        outputs = [t for t in tree_leaves(result) if _nhwc(t)]
+        if not outputs:
+            return
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        origins = frozenset().union(*(self.origins(t) for t in inputs))
+        for tensor in outputs:
+            if origins:
+                self.derived[tensor] = origins
+
+    def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except RuntimeError as error:
+            if 'view size is not compatible' not in str(error):
+                raise
+        if isinstance(args[0], torch.nn.Parameter) and self.owner._weights_viewed(_where(_caller())):
+            return func(*args, **kwargs)  # the weights are contiguous now: a true view
+        self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), _where(_caller()))
+        return func(args[0].contiguous(), *args[1:], **kwargs)
+
+
+class ViewedOutputs:
+    """Watches steps (``with watch:`` or :meth:`start` / :meth:`stop`) for views NHWC makes fail, and
+    makes the outputs they view channels first from then on. ``start(whole_step=False)`` watches one
+    forward only: it stops by itself when the outermost module call returns (an evaluation batch).
+
+    Args:
+        model: the model whose module paths name the placed hooks.
+
+    Attributes:
+        placed: paths of the modules whose outputs are now made channels first.
+        unplaced: where a view of a tensor no module made ran on a copy (``file:line``); the watch
+            stays on for every step while there is one.
+    """
+
+    def __init__(self, model: torch.nn.Module, weights_viewed: Callable[[str], bool] = lambda where: False) -> None:
+        self._paths = weakref.WeakKeyDictionary({m: name for name, m in model.named_modules()})
+        self._weights_viewed = weights_viewed
+        self.placed: list[str] = []
+        self.unplaced: list[str] = []
+        self._mode: Optional[_Watch] = None
+        self._new: list[str] = []
+        self._whole_step = True
+        self._depth = 0  # module calls under way
+        self._step_watched = False  # a whole training step was watched
+
+    @property
+    def watching(self) -> bool:
+        """Whether a step or a forward is being watched now."""
+        return self._mode is not None
+
+    def begin(self, whole_step: bool) -> None:
+        """At a batch (``whole_step=False``: its forward) or a training step's start: watch, until a
+        training step was watched, and every step while a view could not be placed."""
+        if not self._step_watched or self.unplaced:
+            self.start(whole_step)
+
+    def end(self, training: bool) -> list[str]:
+        """At a training step's end (``training``), or the next batch: stop; what was found."""
+        self._step_watched = self._step_watched or (training and self.watching)
+        return self.stop()
+
+    def start(self, whole_step: bool = True) -> None:
+        """Watch until :meth:`stop` (``whole_step``), or until the next outermost module call returns;
+        a forward-only watch already under way becomes a whole-step one."""
+        self._whole_step = whole_step or self.watching
+        if self.watching:
+            return
+        self._mode, self._depth = _Watch(self), 0
+        subscribe(self)  # after any mode a module call enters, so that mode leaves first
+        self._mode.__enter__()
+
+    def stop(self) -> list[str]:
+        """Stop watching; return what was found since the last stop, one line each (paths and code places)."""
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+            unsubscribe(self)
+        found, self._new = self._new, []
+        return found
+
+    def __enter__(self) -> ViewedOutputs:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def entered(self, module: torch.nn.Module, args: tuple) -> None:
+        self._depth += 1
+
+    def left(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, failed: bool) -> None:
+        """Note ``module`` as the maker of its NHWC outputs, unless an inner module returned them; a
+        forward-only watch ends with the outermost call."""
+        self._depth = max(self._depth - 1, 0)
+        if self._mode is None:
+            return
+        if not failed:
+            self._mode.calls[module] = self._mode.calls.get(module, 0) + 1
+            for tensor in tree_leaves(output):
+                if _nhwc(tensor) and tensor not in self._mode.made:
+                    self._mode.made[tensor] = module
+        if self._depth == 0 and not self._whole_step:
+            self._new = self.stop()
+
+    def _found(self, origins: frozenset, where: str) -> None:
+        if not origins:
+            if where not in self.unplaced:
+                self.unplaced.append(where)
+                self._new.append(
+                    f'a view at {where} runs on a channels-first copy: no module makes that tensor, so every '
+                    'step is watched (slower); .reshape there instead of .view keeps the speed'
+                )
+            return
+        for module in origins:
+            path = self._paths.get(module)
+            if path is None or path in self.placed:
+                continue
+            module.register_forward_hook(channels_first_outputs, prepend=True)
+            self.placed.append(path)
+            self._new.append(f'{path or type(module).__name__} outputs made channels first (viewed at {where})')

@@ -1,0 +1,196 @@
+"""Train a float64 model a few steps in NCHW without the package, and through each integration.
+
+``Run`` says what to train: the model, the batches, the loss and the optimizer. :func:`nchw` trains it
+plainly; :func:`guarded` through :class:`LayoutGuard` in a plain loop, the Composer algorithm or the
+Lightning callback (each skipped where its trainer is not installed). Both return every step's loss
+and a snapshot of the parameters after it, for :func:`assert_same_run`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from channels_last_algo.core.guard import LayoutGuard
+
+TOLERANCE = dict(rtol=1e-10, atol=1e-10)  # float64: what a different summation order leaves
+INTEGRATIONS = ('guard', 'composer', 'lightning')
+
+
+@dataclasses.dataclass
+class Run:
+    """A model (built fresh by ``build``), its batches (tuples of tensors, or containers a loader yields as
+    they are), ``loss(output, batch)`` and ``optimizer(params)``."""
+
+    build: Callable[[], nn.Module]
+    batches: list[tuple]
+    loss: Callable[[Any, tuple], torch.Tensor]
+    optimizer: Callable[[Any], torch.optim.Optimizer] = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    forward: Callable[[nn.Module, tuple], Any] = lambda net, batch: net(batch[0])
+    options: dict = dataclasses.field(default_factory=dict)  # the integration's options this run needs
+
+
+def _snapshot(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: t.detach().clone() for k, t in net.named_parameters()}
+
+
+def _step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, batch: tuple, guard: LayoutGuard | None):
+    """One step; LBFGS-style optimizers take a closure that runs forward and backward."""
+    losses = []
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = run.loss(run.forward(net, batch), batch)
+        loss.backward()
+        losses.append(loss.detach().clone())
+        return loss
+
+    if isinstance(opt, torch.optim.LBFGS):
+        with guard.step() if guard is not None else _nothing():
+            opt.step(closure)
+    else:
+        with guard.step() if guard is not None else _nothing():
+            closure()
+        opt.step()
+    return losses[-1]  # LBFGS calls the closure more than once: its last loss, as Lightning records it
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def nchw(run: Run) -> list[tuple[torch.Tensor, dict]]:
+    """The model trained without the package."""
+    torch.manual_seed(0)
+    net = run.build().double()
+    opt = run.optimizer(net.parameters())
+    return [(_step(run, net, opt, batch, None), _snapshot(net)) for batch in run.batches]
+
+
+def guarded(run: Run, integration: str, **options: Any) -> tuple[list[tuple[torch.Tensor, dict]], nn.Module, Any]:
+    """The model trained through ``integration`` with ``options``: the steps, the network, the guard's owner."""
+    torch.manual_seed(0)
+    net = run.build().double()
+    options = {**run.options, **options}
+    if integration == 'guard':
+        guard = LayoutGuard(**options)
+        opt = run.optimizer(net.parameters())
+        guard.on_init(net, opt)
+        steps = []
+        for batch in run.batches:
+            steps.append((_step(run, net, opt, guard.on_batch(batch), guard), _snapshot(net)))
+        guard.close()
+        return steps, net, guard
+    if integration == 'composer':
+        return _composer(run, net, options)
+    return _lightning(run, net, options)
+
+
+def _composer(run: Run, net: nn.Module, options: dict) -> tuple[list, nn.Module, Any]:
+    pytest.importorskip('composer')
+    from composer import Callback, Trainer
+    from composer.models import ComposerModel
+
+    from channels_last_algo.integrations.composer import ChannelsLast
+
+    class Model(ComposerModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, batch):
+            return run.forward(self.net, batch)
+
+        def loss(self, outputs, batch):
+            return run.loss(outputs, batch)
+
+    class Record(Callback):
+        def __init__(self) -> None:
+            self.steps = []
+
+        def batch_end(self, state, logger) -> None:
+            self.steps.append((state.loss.detach().clone(), _snapshot(net)))
+
+    record, algorithm = Record(), ChannelsLast(**options)
+    trainer = Trainer(
+        model=Model(),
+        train_dataloader=_loader(run),
+        optimizers=run.optimizer(net.parameters()),
+        max_duration=f'{len(run.batches)}ba',
+        device='cpu',
+        algorithms=[algorithm],
+        callbacks=[record],
+        progress_bar=False,
+    )
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return record.steps, net, algorithm
+
+
+def _lightning(run: Run, net: nn.Module, options: dict) -> tuple[list, nn.Module, Any]:
+    pytest.importorskip('lightning')
+    import lightning as L
+
+    from channels_last_algo.integrations.lightning import ChannelsLastCallback
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+            self.steps: list = []
+
+        def training_step(self, batch, batch_idx):
+            return run.loss(run.forward(self.net, batch), batch)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            self.steps.append((outputs['loss'].detach().clone(), _snapshot(self.net)))
+
+        def configure_optimizers(self):
+            return run.optimizer(self.net.parameters())
+
+    module, callback = Module(), ChannelsLastCallback(**options)
+    trainer = L.Trainer(
+        callbacks=[callback],
+        accelerator='cpu',
+        devices=1,
+        max_steps=len(run.batches),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(module, train_dataloaders=_loader(run))
+    return module.steps, net, callback
+
+
+def _loader(run: Run) -> torch.utils.data.DataLoader:
+    """The batches in order, one per step."""
+    if not isinstance(run.batches[0], tuple):  # a container the loader yields as it is
+        return torch.utils.data.DataLoader(run.batches, batch_size=None)
+    columns = [torch.cat(column) for column in zip(*run.batches)]
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*columns), batch_size=len(run.batches[0][0]))
+
+
+def assert_same_run(steps: list, expected: list, where: str) -> None:
+    """Every step's loss and every parameter after it equal to the NCHW run's."""
+    assert len(steps) == len(expected), f'{where}: {len(steps)} steps, not {len(expected)}'
+    for step, ((loss, tensors), (nchw_loss, nchw_tensors)) in enumerate(zip(steps, expected), 1):
+        torch.testing.assert_close(
+            loss, nchw_loss, **TOLERANCE, msg=lambda m, step=step: f'{where}, step {step}: loss. {m}'
+        )
+        for key, value in nchw_tensors.items():
+            torch.testing.assert_close(
+                tensors[key], value, **TOLERANCE, msg=lambda m, step=step, key=key: f'{where}, step {step}: {key}. {m}'
+            )

@@ -1,0 +1,310 @@
+"""Code that ``.view()``s activations, weights or gradients runs under the package as it runs in NCHW.
+
+Each model trains 3 float64 steps through LayoutGuard, the Composer algorithm and the Lightning callback,
+and every step's loss and parameters must equal the NCHW run's: a LeNet-style flatten, a loss that views
+a convolution's output, a forward hook and a tensor hook that view, LBFGS (``p.grad.view(-1)``),
+``parameters_to_vector`` with ``weights='contiguous'``, a Muon-style optimizer, a weight bank that the model
+views and mixes, and a positional embedding added to an activation.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+
+import pytest
+import torch
+from guarded_runs import INTEGRATIONS, Run, assert_same_run, guarded, nchw
+from torch import nn
+from torch.nn import functional as F
+
+from channels_last_algo.core.guard import LayoutGuard
+
+EACH_INTEGRATION = pytest.mark.parametrize('integration', INTEGRATIONS)
+
+
+def _batches(shape=(2, 3, 32, 32), classes=10, steps=3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(shape, generator=generator, dtype=torch.float64), torch.randint(0, classes, (shape[0],)))
+        for _ in range(steps)
+    ]
+
+
+def _cross_entropy(output, batch):
+    return F.cross_entropy(output, batch[1])
+
+
+class LeNet(nn.Module):
+    """The tutorials' LeNet: ``x.view(-1, 16 * 5 * 5)`` after a convolution and a pool."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, 6, 5), nn.Conv2d(6, 16, 5)
+        self.pool = nn.MaxPool2d(2)
+        self.fc = nn.Linear(16 * 5 * 5, 10)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        return self.fc(x.view(-1, 16 * 5 * 5))
+
+
+class DenseHead(nn.Module):
+    """A detector-style head whose loss views the class map as (N * K, H * W)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.logits = nn.Conv2d(4, 3, 1)
+
+    def forward(self, x):
+        return self.logits(F.relu(self.stem(x)))
+
+
+def _heatmap_loss(output, batch):
+    n, k, h, w = output.shape
+    return F.cross_entropy(output.view(n * k, h * w), torch.zeros(n * k, dtype=torch.long))
+
+
+class Hooked(nn.Module):
+    """A forward hook views the stem's output (feature extraction); a tensor hook views its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Sequential(nn.Conv2d(4, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+        self.features: list[torch.Tensor] = []
+        self.stem.register_forward_hook(lambda m, args, out: self.features.append(out.view(out.size(0), -1).sum(1)))
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        if x.requires_grad:
+            x.register_hook(lambda grad: grad.view(grad.size(0), -1).clone().view(grad.shape))
+        return self.head(x)
+
+
+class WeightBank(nn.Module):
+    """A dynamic convolution: a (K, C_out, C_in, k, k) bank viewed as (K, -1) and mixed per batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.bank = nn.Parameter(torch.randn(2, 4, 4, 3, 3) / 6)
+        self.route = nn.Linear(4, 2)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+    def forward(self, x):
+        x = self.stem(x)
+        mix = torch.softmax(self.route(x.mean((2, 3))).mean(0), 0)
+        weight = (mix @ self.bank.view(2, -1)).view(self.bank.shape[1:])
+        return self.head(F.conv2d(x, weight, padding=1))
+
+
+class Embedded(nn.Module):
+    """A (1, C, H, W) positional embedding added to an activation, then viewed as tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 4, stride=4)
+        self.pos_embed = nn.Parameter(torch.randn(1, 4, 8, 8) / 10)
+        self.fc = nn.Linear(4, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        tokens = self.pos_embed.view(1, 4, 64) + x.flatten(2)
+        return self.fc(tokens.mean(2))
+
+
+class Penalised(nn.Module):
+    """Returns its logits and a penalty on all its weights, flattened by ``parameters_to_vector``
+    (each weight's ``.view(-1)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _flat_net()
+
+    def forward(self, x):
+        return self.net(x), 1e-3 * torch.nn.utils.parameters_to_vector(self.parameters()).pow(2).sum()
+
+
+def _penalised_loss(output, batch):
+    logits, penalty = output
+    return F.cross_entropy(logits, batch[1]) + penalty
+
+
+def _flat_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Flatten(), nn.Linear(4 * 28 * 28, 10))
+
+
+RUNS = {
+    'lenet': Run(LeNet, _batches(), _cross_entropy),
+    'loss-view': Run(DenseHead, _batches((2, 3, 8, 8)), _heatmap_loss),
+    'hooks': Run(Hooked, _batches((2, 3, 8, 8))[:3], _cross_entropy),
+    'weight-bank': Run(WeightBank, _batches((2, 3, 8, 8)), _cross_entropy),
+    'embedding': Run(Embedded, _batches(), _cross_entropy),
+    'lbfgs': Run(_flat_net, _batches(), _cross_entropy, lambda params: torch.optim.LBFGS(params, lr=0.1, max_iter=2)),
+    'parameters-to-vector': Run(Penalised, _batches(), _penalised_loss),
+}
+
+
+@EACH_INTEGRATION
+@pytest.mark.parametrize('name', list(RUNS))
+def test_views_train_as_in_nchw(name, integration):
+    """No step raises, and every step equals the NCHW run's, with an audit of the first two steps."""
+    run = RUNS[name]
+    if name == 'lbfgs' and integration == 'composer':
+        pytest.skip("Composer's Trainer does not pass LBFGS a closure")
+    steps, net, owner = guarded(run, integration, audit_steps=2)
+    assert_same_run(steps, nchw(run), f'{name} through {integration}')
+    guard = owner if isinstance(owner, LayoutGuard) else owner.guard
+    convolutions = [m.weight for m in net.modules() if isinstance(m, nn.Conv2d) and m.weight.shape[-1] > 1]
+    if name in ('lbfgs', 'parameters-to-vector'):
+        assert all(w.is_contiguous() for w in convolutions), 'the weights are viewed: they must stay contiguous'
+        assert guard.weight_layout.contiguous
+    else:
+        assert all(not w.is_contiguous() for w in convolutions), 'the convolutions should be channels last'
+
+
+def test_non_convolution_tensors_keep_their_layout():
+    """The weight bank and the embedding are no convolution's weight: left as they are, and said so."""
+    for build, name in ((WeightBank, 'bank'), (Embedded, 'pos_embed')):
+        guard = LayoutGuard()
+        summary = guard.on_init(build())
+        assert name in summary.left and 'not a convolution weight' in summary.left[name]
+        assert 'left as is' in str(guard.start_block)
+
+
+def test_the_placed_view_is_an_exit_and_later_steps_alias(caplog):
+    """The pool runs twice a step, so conv2's output is made channels first: the flatten is a view again,
+    and the copy is an exit, not a break."""
+    run = RUNS['lenet']
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        steps, net, guard = guarded(run, 'guard', audit_steps=3)
+    placed = [r.getMessage() for r in caplog.records if 'made channels first' in r.getMessage()]
+    assert len(placed) == 1 and placed[0].startswith('channels last: conv2 outputs made channels first (viewed at ')
+    assert 'test_views.py' in placed[0]
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64).to(memory_format=torch.channels_last)
+    pooled = net.pool(F.relu(net.conv2(net.pool(F.relu(net.conv1(x))))))
+    assert pooled.is_contiguous()
+    assert guard.report.steps == 3 and not guard.report.breaks, guard.report.breaks
+
+
+def test_parameters_to_vector_with_contiguous_weights():
+    """``weights='contiguous'`` for code that flattens the weights itself; activations still go NHWC."""
+    net = _flat_net().double()
+    guard = LayoutGuard(weights='contiguous')
+    guard.on_init(net)
+    vector = torch.nn.utils.parameters_to_vector(net.parameters())
+    torch.nn.utils.vector_to_parameters(vector * 2, net.parameters())
+    seen = []
+    net[2].register_forward_pre_hook(
+        lambda m, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
+    )
+    with guard.step():
+        net(guard.on_batch(torch.randn(2, 3, 32, 32, dtype=torch.float64))).sum().backward()
+    torch.nn.utils.parameters_to_vector(p.grad for p in net.parameters())
+    assert seen == [True] and 'contiguous' in str(guard.start_block)
+
+
+def test_weights_option_is_checked():
+    with pytest.raises(ValueError, match="weights must be one of 'auto', 'contiguous', got 'nhwc'"):
+        LayoutGuard(weights='nhwc')
+
+
+class _Muon(torch.optim.Optimizer):
+    """Muon's update rule as github.com/KellerJordan/Muon writes it: ``update.view(len(update), -1)``."""
+
+    def __init__(self, params, lr=0.02, momentum=0.95):
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        for group in self.param_groups:
+            for p in group['params']:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                buf = state.setdefault('momentum_buffer', torch.zeros_like(p))
+                buf.lerp_(p.grad, 1 - group['momentum'])
+                update = p.grad.lerp(buf, group['momentum'])
+                if update.ndim == 4:
+                    update = update.view(len(update), -1)
+                update = update / (update.norm() + 1e-7)
+                p.add_(update.reshape(p.shape), alpha=-group['lr'])
+
+
+@pytest.fixture
+def muon_module(monkeypatch):
+    module = types.ModuleType('muon')
+    _Muon.__module__ = 'muon'
+    _Muon.__qualname__ = _Muon.__name__ = 'Muon'
+    module.Muon = _Muon
+    monkeypatch.setitem(sys.modules, 'muon', module)
+    return module
+
+
+@EACH_INTEGRATION
+def test_muon_style_optimizer_trains_as_in_nchw(integration, muon_module):
+    run = Run(_flat_net, _batches(), _cross_entropy, lambda params: muon_module.Muon(params))
+    steps, net, owner = guarded(run, integration)
+    assert_same_run(steps, nchw(run), f'Muon through {integration}')
+    guard = owner if isinstance(owner, LayoutGuard) else owner.guard
+    assert guard.weight_layout.contiguous and 'Muon' in guard.weight_layout.reason
+
+
+def test_an_optimizer_made_after_on_init_is_seen_at_its_first_step():
+    """A plain loop that gives on_init no optimizer: LBFGS's first step turns the weights contiguous."""
+    run = RUNS['lbfgs']
+    torch.manual_seed(0)
+    net = run.build().double()
+    guard = LayoutGuard()
+    guard.on_init(net)
+    assert not net[0].weight.is_contiguous()
+    opt = run.optimizer(net.parameters())
+    for batch in run.batches:
+        from guarded_runs import _step  # the closure step the other runs take
+
+        _step(run, net, opt, guard.on_batch(batch), guard)
+    assert net[0].weight.is_contiguous() and guard.weight_layout.contiguous
+
+
+def test_a_view_in_evaluation_before_training():
+    """Lightning's sanity check evaluates before the first training step: its forward's view runs too."""
+    pytest.importorskip('lightning')
+    import lightning as L
+
+    from channels_last_algo.integrations.lightning import ChannelsLastCallback
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = LeNet().double()
+
+        def training_step(self, batch, batch_idx):
+            return _cross_entropy(self.net(batch[0]), batch)
+
+        def validation_step(self, batch, batch_idx):
+            self.log('val_loss', _cross_entropy(self.net(batch[0]), batch))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*map(torch.cat, zip(*_batches()))), batch_size=2)
+    trainer = L.Trainer(
+        callbacks=[ChannelsLastCallback()],
+        accelerator='cpu',
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=2,
+        limit_val_batches=2,
+    )
+    trainer.fit(Module(), train_dataloaders=data, val_dataloaders=data)
+    assert trainer.global_step == 3
