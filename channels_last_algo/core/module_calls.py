@@ -74,7 +74,7 @@ class ModuleCallListener(Protocol):
 
 _listeners: list[weakref.ref] = []  # held weakly: a listener its owner dropped stops by itself
 _handles: list[Any] = []
-_state = {'depth': 0, 'paused': 0}  # hook calls under way, pauses
+_state: dict[str, Any] = {'depth': 0, 'paused': 0, 'only': None}  # hook calls under way, pauses, who is heard
 _compiled = weakref.WeakSet()  # torch.compile wrappers called while the hooks were on
 
 
@@ -99,18 +99,18 @@ def _pre_hook(module: torch.nn.Module, args: tuple) -> None:
     if compiled_wrapper(module) and module not in _compiled:
         _compiled.add(module)  # its graph guards on the number of global hooks: they stay while it lives
         weakref.finalize(module, settle_hooks)
-    if not _listeners or _state['paused']:
+    if not _listeners:
         return
     _state['depth'] += 1
     try:
-        for listener in _alive():
+        for listener in _heard():
             listener.entered(module, args)
     finally:
         _state['depth'] -= 1
 
 
 def _hook(module: torch.nn.Module, args: tuple, *kwargs_output: Any) -> Any:
-    if torch.compiler.is_compiling() or _state['paused']:
+    if torch.compiler.is_compiling():
         return None
     # (kwargs, output) after a forward; (output,) from inside torch's ``except`` when it raised
     kwargs, output = kwargs_output if len(kwargs_output) == 2 else ({}, kwargs_output[0])
@@ -121,7 +121,7 @@ def _hook(module: torch.nn.Module, args: tuple, *kwargs_output: Any) -> Any:
         return None
     _state['depth'] += 1
     try:
-        for listener in _alive():
+        for listener in _heard():
             replaced = listener.left(module, args, kwargs, output, failed)
             output = output if replaced is None else replaced
     finally:
@@ -132,6 +132,13 @@ def _hook(module: torch.nn.Module, args: tuple, *kwargs_output: Any) -> Any:
 def _alive() -> list[ModuleCallListener]:
     """The listeners whose owners still hold them, in subscription order."""
     return [listener for listener in (reference() for reference in _listeners) if listener is not None]
+
+
+def _heard() -> list[ModuleCallListener]:
+    """The listeners to call now: all, or while :func:`paused`, the one it names, if any."""
+    if not _state['paused']:
+        return _alive()
+    return [listener for listener in _alive() if listener is _state['only']]
 
 
 def _forget(reference: weakref.ref) -> None:
@@ -179,13 +186,17 @@ def follow_module_calls(listener: ModuleCallListener) -> Iterator[ModuleCallList
 
 
 @contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """No listener is called inside: for module calls a listener makes itself (the repair check's)."""
+def paused(only: Optional[ModuleCallListener] = None) -> Iterator[None]:
+    """No listener is called inside, but ``only``: for module calls a listener makes itself (the
+    repair check's side runs, the view watch's rehearsal)."""
+    before = _state['only']
     _state['paused'] += 1
+    _state['only'] = only
     try:
         yield
     finally:
         _state['paused'] -= 1
+        _state['only'] = before
 
 
 def hooks_installed() -> bool:

@@ -37,11 +37,10 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -49,6 +48,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from channels_last_algo.core import module_calls
+from channels_last_algo.core.saved_state import SavedState
 from channels_last_algo.core.swap import SwapRecord, qualified_name, swap_back
 
 __all__ = ['TOLERANCES', 'RefusedRepair', 'RepairCheck']
@@ -77,41 +77,6 @@ class _Pending:
     record: SwapRecord
     original: type
     outputs_checked: bool = False  # a call without gradients checked the outputs; the gradients wait
-
-
-class _State:
-    """The random state and the buffer values of a layer at one moment, to go back to. Buffers are
-    written through ``.data``: a graph that saved them (BatchNorm's) keeps its version counters."""
-
-    def __init__(self, module: Optional[torch.nn.Module] = None) -> None:
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-        self.buffers = [] if module is None else [(b, b.detach().clone()) for b in module.buffers()]
-
-    def restore_random_state(self) -> None:
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-
-    def restore(self) -> None:
-        self.restore_random_state()
-        with torch.no_grad():
-            for buffer, value in self.buffers:
-                buffer.data.copy_(value)
-
-    @contextlib.contextmanager
-    def buffer_copies(self, module: torch.nn.Module) -> Iterator[None]:
-        """Inside, every buffer of ``module`` is a copy of its value at this moment: an extra pass
-        updates the copies, and the real buffers keep their values and version counters."""
-        values = {id(buffer): value for buffer, value in self.buffers}
-        held = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
-        for owner, name, buffer in held:
-            owner._buffers[name] = values[id(buffer)].clone(memory_format=torch.preserve_format)
-        try:
-            yield
-        finally:
-            for owner, name, buffer in held:
-                owner._buffers[name] = buffer
 
 
 def _plain_tensors(tree: Any) -> bool:
@@ -190,7 +155,7 @@ class RepairCheck:
     def __init__(self, model: torch.nn.Module, records: Sequence[SwapRecord]) -> None:
         self.refused: list[RefusedRepair] = []
         self._pending: dict[int, _Pending] = {}
-        self._entered: dict[int, _State] = {}
+        self._entered: dict[int, SavedState] = {}
         self._calls_seen = False  # a module call was seen since the last end_step
         for record in records:
             if record.kind != 'repair':
@@ -219,7 +184,7 @@ class RepairCheck:
         if pending.outputs_checked and not torch.is_grad_enabled():
             return
         if _plain_tensors((args, list(module.parameters()))):
-            self._entered[id(module)] = _State(module)
+            self._entered[id(module)] = SavedState(module)
 
     def left(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, failed: bool) -> Any:
         before = self._entered.pop(id(module), None)
@@ -227,7 +192,7 @@ class RepairCheck:
             return None
         pending = self._pending[id(module)]
         gradients = torch.is_grad_enabled()
-        after = _State()  # the random state the real call left
+        after = SavedState()  # the random state the real call left
         with module_calls.paused(), _disable_current_modes():
             reason = self._compare(pending, module, args, kwargs, before, gradients)
         after.restore_random_state()
@@ -244,7 +209,7 @@ class RepairCheck:
 
     @staticmethod
     def _compare(
-        pending: _Pending, module: torch.nn.Module, args: tuple, kwargs: dict, before: _State, gradients: bool
+        pending: _Pending, module: torch.nn.Module, args: tuple, kwargs: dict, before: SavedState, gradients: bool
     ) -> Optional[str]:
         runs = []
         for forward in (type(module).forward, pending.original.forward):

@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import weakref
@@ -38,14 +39,18 @@ from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.layout import channels_last_format
-from channels_last_algo.core.module_calls import in_graph_capture, subscribe, unsubscribe
+from channels_last_algo.core.module_calls import compiled_wrapper, in_graph_capture, paused, subscribe, unsubscribe
+from channels_last_algo.core.saved_state import SavedState
 
 __all__ = ['ViewedOutputs', 'channels_first_outputs']
+
+log = logging.getLogger(__name__)
 
 _VIEWS = (torch.Tensor.view, torch.Tensor.view_as)
 
@@ -173,6 +178,7 @@ class ViewedOutputs:
         self._whole_step = True
         self._depth = 0  # module calls under way
         self._step_watched = False  # a whole training step was watched
+        self._rehearsed: weakref.WeakSet = weakref.WeakSet()  # compiled wrappers run eagerly once
 
     @property
     def watching(self) -> bool:
@@ -218,6 +224,21 @@ class ViewedOutputs:
 
     def entered(self, module: torch.nn.Module, args: tuple) -> None:
         self._depth += 1
+        if self._mode is not None and compiled_wrapper(module) and module not in self._rehearsed:
+            self._rehearsed.add(module)
+            self._rehearse(module._orig_mod, args)
+
+    def _rehearse(self, network: torch.nn.Module, args: tuple) -> None:
+        """Dynamo refuses a failing view as it traces, where no mode sees it: the compiled network's
+        eager forward runs first, once, without gradients, on copies of its buffers and random state."""
+        state = SavedState(network)
+        try:
+            with torch.no_grad(), _disable_current_modes(), paused(only=self), state.buffer_copies(network):
+                network(*args)
+        except Exception as error:  # a rehearsal only: the real call runs (and fails, if it must) as it would
+            log.debug('channels last: the eager rehearsal of a compiled forward stopped: %s', error)
+        finally:
+            state.restore_random_state()
 
     def left(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, failed: bool) -> None:
         """Note ``module`` as the maker of its NHWC outputs, unless an inner module returned them; a

@@ -1,0 +1,62 @@
+"""The random state and the buffer values of a module at one moment, for an extra pass that must leave no trace.
+
+The repair check runs a swapped layer's original beside it, and the view watch rehearses a compiled
+forward eagerly: each pass draws random numbers and updates running statistics that the real pass
+must not see.
+
+Example:
+    >>> import torch
+    >>> bn = torch.nn.BatchNorm2d(3)
+    >>> state = SavedState(bn)
+    >>> with state.buffer_copies(bn):
+    ...     _ = bn(torch.randn(2, 3, 4, 4))
+    >>> state.restore_random_state()
+    >>> bn.running_mean.abs().sum().item(), int(bn.num_batches_tracked)
+    (0.0, 0)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Optional
+
+import torch
+
+__all__ = ['SavedState']
+
+
+class SavedState:
+    """The random state (CPU and CUDA) and the values of ``module``'s buffers now. Buffers are written
+    back through ``.data``: a graph that saved them (BatchNorm's) keeps its version counters."""
+
+    def __init__(self, module: Optional[torch.nn.Module] = None) -> None:
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.buffers = [] if module is None else [(b, b.detach().clone()) for b in module.buffers()]
+
+    def restore_random_state(self) -> None:
+        torch.set_rng_state(self.rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+    def restore(self) -> None:
+        """The random state and the buffer values as they were."""
+        self.restore_random_state()
+        with torch.no_grad():
+            for buffer, value in self.buffers:
+                buffer.data.copy_(value)
+
+    @contextlib.contextmanager
+    def buffer_copies(self, module: torch.nn.Module) -> Iterator[None]:
+        """Inside, every buffer of ``module`` is a copy of its saved value: an extra pass updates the
+        copies, and the real buffers keep their values and version counters."""
+        values = {id(buffer): value for buffer, value in self.buffers}
+        held = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+        for owner, name, buffer in held:
+            owner._buffers[name] = values[id(buffer)].clone(memory_format=torch.preserve_format)
+        try:
+            yield
+        finally:
+            for owner, name, buffer in held:
+                owner._buffers[name] = buffer
