@@ -317,3 +317,16 @@ def test_a_view_in_evaluation_before_training():
     )
     trainer.fit(Module(), train_dataloaders=data, val_dataloaders=data)
     assert trainer.global_step == 3
+
+
+def test_inference_without_training_leaves_no_mode_behind():
+    """Evaluation only: each forward's view works, and no watch outlives a forward."""
+    torch.manual_seed(0)
+    net = LeNet().double().eval()
+    expected = [net(images) for images, _ in _batches()]
+    guard = LayoutGuard()
+    guard.on_init(net)
+    with torch.no_grad():
+        for (images, _), reference in zip(_batches(), expected):
+            torch.testing.assert_close(net(guard.on_batch(images)), reference, rtol=1e-10, atol=1e-10)
+            assert torch._C._len_torch_function_stack() == 0

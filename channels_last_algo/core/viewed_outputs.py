@@ -178,6 +178,7 @@ class ViewedOutputs:
         self._whole_step = True
         self._depth = 0  # module calls under way
         self._step_watched = False  # a whole training step was watched
+        self._forward_watched = False  # a batch's forward was
         self._rehearsed: weakref.WeakSet = weakref.WeakSet()  # compiled wrappers run eagerly once
 
     @property
@@ -186,9 +187,10 @@ class ViewedOutputs:
         return self._mode is not None
 
     def begin(self, whole_step: bool) -> None:
-        """At a batch (``whole_step=False``: its forward) or a training step's start: watch, until a
-        training step was watched, and every step while a view could not be placed."""
-        if not self._step_watched or self.unplaced:
+        """At a batch (``whole_step=False``: its forward) or a training step's start: watch the first
+        forward and the first training step, and every one while a view could not be placed."""
+        if self.unplaced or not (self._step_watched or (self._forward_watched and not whole_step)):
+            self._forward_watched = True
             self.start(whole_step)
 
     def end(self, training: bool) -> list[str]:
