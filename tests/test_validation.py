@@ -3,6 +3,8 @@ constructors, the honest audit and the DDP refusal."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import socket
 
 import pytest
@@ -215,3 +217,23 @@ def test_apply_channels_last_refuses_a_ddp_wrapped_model_as_the_guard_does():
         assert wrapped.module[0].weight.is_contiguous()  # untouched
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_every_integration_takes_the_options_keyword_only_in_one_order():
+    """LayoutGuard, ChannelsLast and ChannelsLastCallback: OPTIONS' names, order and defaults, keyword-only."""
+    import inspect
+
+    from channels_last_algo.core.guard import LayoutGuard
+    from channels_last_algo.core.options import OPTIONS
+
+    classes = [LayoutGuard]
+    for module, name in (('composer', 'ChannelsLast'), ('lightning', 'ChannelsLastCallback')):
+        if importlib.util.find_spec(module) is not None:
+            classes.append(getattr(importlib.import_module(f'channels_last_algo.integrations.{module}'), name))
+    for cls in classes:
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        shared = [(p.name, p.default, p.kind) for p in parameters if p.name in OPTIONS]
+        expected = [(name, option.default, inspect.Parameter.KEYWORD_ONLY) for name, option in OPTIONS.items()]
+        assert shared == expected, cls.__name__
+        with pytest.raises(TypeError):
+            cls('on')

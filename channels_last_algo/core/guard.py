@@ -85,30 +85,7 @@ class LayoutGuard:
     evaluation and prediction alike, and wrap each training step's forward, loss and backward
     in :meth:`step` (or call :meth:`on_step_start` / :meth:`on_step_end`).
 
-    Args:
-        mode: ``'on'`` (channels last), ``'off'`` (leave the model and batches as they are), or
-            ``'auto'``: channels last until :meth:`decide` has timed both layouts on a real
-            batch, then whichever is faster (see :mod:`channels_last_algo.core.auto`). :attr:`mode`
-            keeps what was asked; :attr:`effective_mode` is the mode the guard acts in.
-        audit_steps: audit the layouts of the first ``audit_steps`` training steps (forward,
-            loss, backward) with :class:`~channels_last_algo.core.audit.LayoutAudit`. 0 installs
-            nothing: no overhead.
-        strict: raise :class:`~channels_last_algo.core.audit.LayoutBreakError`, naming the first
-            break's module path and op, at the end of an audited step that had a break.
-        repair: swap the layers that drop NHWC for NHWC-preserving ones at :meth:`on_init`
-            (see :mod:`channels_last_algo.core.layers`); same parameters, keys and numbers. Each
-            swapped layer is checked against its original on its first call, and put back where
-            it differs (:mod:`channels_last_algo.core.repair_check`, :attr:`refused_repairs`).
-        inputs: which 4D/5D tensors of a batch go NHWC (:mod:`channels_last_algo.core.inputs`):
-            ``'auto'`` (default) the ones the model feeds to a convolution, found on the first
-            batch of each structure (which passes as it came) and logged; ``'all'``; a list of
-            keys / positions (``['image']``, ``[0]``); or a predicate ``fn(path, tensor)``.
-        weights: ``'auto'`` (default): channels last unless sharding or an optimizer that flattens them
-            (:mod:`channels_last_algo.core.flattening_optimizers`) needs them contiguous; ``'contiguous'``
-            for code that flattens them itself (``parameters_to_vector``). Activations go NHWC in both.
-        fuse_eval: evaluate on a fused inference copy of the network
-            (:func:`~channels_last_algo.core.fuse.fuse_for_inference`) from each pass's first batch
-            to its end (:meth:`start_evaluation`, :meth:`fuse_evaluation`, :meth:`end_evaluation`).
+    Options: the keyword-only ones of :data:`~channels_last_algo.core.options.OPTIONS` (``docs/options.md``).
 
     What a user should see (:mod:`channels_last_algo.core.console`): :attr:`start_block` (the
     conversion, repairs, weight layout and auto mode's decision), shown once at the first training
@@ -129,13 +106,14 @@ class LayoutGuard:
 
     def __init__(
         self,
+        *,
         mode: str = 'on',
         audit_steps: int = 0,
         strict: bool = False,
         repair: bool = True,
         inputs: Inputs = 'auto',
-        fuse_eval: bool = False,
         weights: str = 'auto',
+        fuse_eval: bool = False,
     ) -> None:
         check_options(
             fuse_eval=fuse_eval,

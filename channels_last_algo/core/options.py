@@ -1,9 +1,10 @@
-"""The options of a channels-last run, checked in one place.
+"""The options of a channels-last run, declared once.
 
-:data:`OPTIONS` says what each option of :class:`~channels_last_algo.core.guard.LayoutGuard`
-(and so of the trainer integrations built on it, and of a recipe's ``algorithms.channels_last``)
-accepts; :func:`check_options` refuses the first invalid value with one message, so a string
-where a bool belongs is refused instead of read as truthy.
+:data:`OPTIONS` holds each option of :class:`~channels_last_algo.core.guard.LayoutGuard`, in the
+order of its keyword-only signature, which the Composer algorithm, the Lightning callback and a
+recipe's ``algorithms.channels_last`` share: its default, what it accepts and what it means.
+:func:`check_options` refuses the first invalid value with one message (a string where a bool
+belongs is refused, not read as truthy), and :func:`options_reference` writes ``docs/options.md``.
 
 Example:
     >>> check_options(mode='auto', strict=False)
@@ -11,54 +12,98 @@ Example:
     Traceback (most recent call last):
     ...
     ValueError: strict must be True or False, got 'no'
+    >>> OPTIONS['weights'].default
+    'auto'
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from channels_last_algo.core.inputs import check_inputs
 from channels_last_algo.core.weight_layout import WEIGHTS
 
-__all__ = ['MODES', 'OPTIONS', 'check_options']
+__all__ = ['MODES', 'OPTIONS', 'Option', 'check_options', 'options_reference']
 
 MODES = ('on', 'off', 'auto')
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One option: its default, its check, what the check accepts (for messages) and what it means."""
+
+    default: Any
+    valid: Callable[[Any], bool]
+    accepts: str
+    meaning: str
 
 
 def _is_bool(value: Any) -> bool:
     return isinstance(value, bool)
 
 
-# The options of LayoutGuard and of every trainer integration built on it: name -> (valid, what is expected).
-OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    'mode': (lambda value: isinstance(value, str) and value in MODES, f'one of {", ".join(repr(m) for m in MODES)}'),
-    'audit_steps': (
+def _one_of(choices: tuple[str, ...]) -> tuple[Callable[[Any], bool], str]:
+    return (lambda value: isinstance(value, str) and value in choices), f'one of {", ".join(map(repr, choices))}'
+
+
+OPTIONS: dict[str, Option] = {
+    'mode': Option(
+        'on',
+        *_one_of(MODES),
+        "'on': NHWC; 'off': nothing is done; 'auto': time both layouts on the first batch, keep the faster",
+    ),
+    'audit_steps': Option(
+        0,
         lambda value: isinstance(value, int) and not isinstance(value, bool) and value >= 0,
         'an int >= 0 (0 turns the audit off)',
+        'audit this many first training steps for ops that drop NHWC (shown after them)',
     ),
-    'strict': (_is_bool, 'True or False'),
-    'repair': (_is_bool, 'True or False'),
-    'fuse_eval': (_is_bool, 'True or False'),
-    'weights': (lambda value: value in WEIGHTS, f'one of {", ".join(repr(w) for w in WEIGHTS)}'),
-    'inputs': (
+    'strict': Option(False, _is_bool, 'True or False', 'stop with LayoutBreakError at the first audited layout break'),
+    'repair': Option(True, _is_bool, 'True or False', 'swap the layers that drop NHWC for ones that keep it'),
+    'inputs': Option(
+        'auto',
         check_inputs,
         "'auto' (the batch tensors fed to a convolution), 'all', a list of batch keys / positions, or a predicate",
+        'which 4D/5D batch tensors go NHWC',
+    ),
+    'weights': Option(
+        'auto',
+        *_one_of(WEIGHTS),
+        "'auto': channels-last weights unless sharding or an optimizer that flattens them needs them "
+        "contiguous; 'contiguous': contiguous weights, NHWC activations",
+    ),
+    'fuse_eval': Option(
+        False, _is_bool, 'True or False', 'evaluate on a fused copy (BatchNorm folded, convolutions fused)'
     ),
 }
 
 
-def check_options(table: Mapping[str, tuple[Callable[[Any], bool], str]] = OPTIONS, /, **options: Any) -> None:
+def check_options(table: Mapping[str, Option] = OPTIONS, /, **options: Any) -> None:
     """Raise ``ValueError`` naming the first of ``options`` whose value ``table`` (:data:`OPTIONS`
     by default; an integration passes its own for the options only it has) calls invalid.
 
     Example:
-        >>> check_options({'network': (lambda value: isinstance(value, str), 'a str')}, network=1)
+        >>> check_options({'network': Option(None, lambda value: isinstance(value, str), 'a str', '')}, network=1)
         Traceback (most recent call last):
         ...
         ValueError: network must be a str, got 1
     """
     for name, value in options.items():
-        valid, expected = table[name]
-        if not valid(value):
-            raise ValueError(f'{name} must be {expected}, got {value!r}')
+        if not table[name].valid(value):
+            raise ValueError(f'{name} must be {table[name].accepts}, got {value!r}')
+
+
+def options_reference() -> str:
+    """``docs/options.md``: every option with its default, what it accepts and what it means."""
+    rows = [
+        f'| `{name}` | `{option.default!r}` | {option.accepts} | {option.meaning} |' for name, option in OPTIONS.items()
+    ]
+    return (
+        '# Options\n\n'
+        'Generated from `channels_last_algo/core/options.py` (`OPTIONS`); do not edit by hand.\n\n'
+        'The same keyword-only options in `LayoutGuard`, `ChannelsLast` (Composer), `ChannelsLastCallback`\n'
+        "(Lightning) and a recipe's `algorithms.channels_last`, in this order.\n\n"
+        '| option | default | accepts | meaning |\n|---|---|---|---|\n' + '\n'.join(rows) + '\n'
+    )

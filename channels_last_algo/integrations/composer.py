@@ -145,34 +145,11 @@ class ChannelsLast(GuardedIntegration, Algorithm):
     ``model.to(memory_format=torch.channels_last)``, this one also handles the inputs, 5D
     weights, and the real channels-last strides of 1x1 and depthwise kernels.
 
-    Args:
-        mode: ``'on'`` (default), ``'off'`` (the algorithm does nothing: a recipe switch), or
-            ``'auto'`` (channels last only where it is measured faster).
-        audit_steps: how many training steps to audit from the start (default 0: none).
-        strict: raise :class:`~channels_last_algo.core.audit.LayoutBreakError` at the end of the
-            first audited step with a layout break, naming its module path and op.
-        repair: at ``Event.INIT``, also swap the layers that drop NHWC (ShuffleNet's channel
-            shuffle, the gradient of global average pooling, instance norm, bicubic upsampling;
-            on CUDA group norm, pixel shuffle, reflection/replication padding) for
-            NHWC-preserving subclasses with the same parameters, keys and numbers
-            (:mod:`channels_last_algo.core.layers`). Default on.
-        fuse_eval: evaluate and predict on a fused inference copy of the network
-            (:func:`~channels_last_algo.core.fuse.fuse_for_inference`: BatchNorm folded,
-            activations and residual adds fused into oneDNN / cuDNN convolutions, NHWC),
-            built from the current weights (EMA's, when EMA has swapped them in) before the
-            first forward pass of each evaluation or prediction pass and dropped at its
-            ``EVAL_END`` / ``PREDICT_END``, so training, checkpoints and callbacks outside
-            evaluation see the training network. Needs a ComposerModel that keeps its network
-            in ``.module`` (as ``ComposerClassifier`` does); a sharded network (FSDP, tensor
-            parallel) is evaluated unfused, with a warning. Checked at ``Event.INIT``.
-        inputs: which 4D/5D tensors of a batch go NHWC (:mod:`channels_last_algo.core.inputs`):
-            ``'auto'`` (default) those the model feeds to a convolution, found on the first batch
-            of each structure and logged, so frame stacks, masks and dense targets stay as they
-            came; ``'all'``; a list of batch keys / positions (``['image']``, ``[0]``); or a
-            predicate ``fn(path, tensor) -> bool``.
-        weights: ``'auto'`` (default) channels-last weights unless sharding or an optimizer that
-            flattens them (LBFGS, ZeroRedundancyOptimizer with bucket views) needs them contiguous;
-            ``'contiguous'`` for code that flattens them itself (``parameters_to_vector``).
+    Options: the keyword-only ones of :data:`~channels_last_algo.core.options.OPTIONS` (``docs/options.md``).
+
+    With ``fuse_eval``, evaluation and prediction run on a fused copy of the network the ComposerModel
+    keeps in ``.module`` (as ``ComposerClassifier`` does), built from the current weights (EMA's, when
+    swapped in) at each pass's first batch and dropped at its end; a sharded network runs unfused.
 
     Checkpoints: what Composer saves (``state.state_dict()``, weights-only too) holds NCHW-contiguous
     tensors under the original keys (:mod:`channels_last_algo.core.checkpoints`); at
@@ -194,13 +171,14 @@ class ChannelsLast(GuardedIntegration, Algorithm):
 
     def __init__(
         self,
+        *,
         mode: str = 'on',
         audit_steps: int = 0,
         strict: bool = False,
-        fuse_eval: bool = False,
         repair: bool = True,
         inputs: Inputs = 'auto',
         weights: str = 'auto',
+        fuse_eval: bool = False,
     ) -> None:
         self.guard = LayoutGuard(
             mode=mode,

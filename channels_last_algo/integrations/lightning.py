@@ -51,7 +51,7 @@ from lightning.pytorch.utilities import CombinedLoader, rank_zero_info
 from channels_last_algo.core.checkpoints import canonical_state
 from channels_last_algo.core.guard import LayoutGuard, Trial
 from channels_last_algo.core.inputs import Inputs
-from channels_last_algo.core.options import check_options
+from channels_last_algo.core.options import Option, check_options
 from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layout_for
 
 __all__ = ['ChannelsLastCallback']
@@ -60,9 +60,11 @@ log = logging.getLogger(__name__)
 
 # The option only this callback has, checked as the guard checks its own (core.options).
 _OPTIONS = {
-    'network': (
+    'network': Option(
+        None,
         lambda value: value is None or isinstance(value, str),
         'the name of a LightningModule attribute (a str)',
+        'with fuse_eval, the LightningModule attribute holding the network',
     ),
 }
 
@@ -173,36 +175,11 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
     when it already is. Under FSDP, DeepSpeed or model parallelism, which need contiguous
     parameters, the weights stay contiguous and only the activations go NHWC.
 
-    The options are those of the Composer algorithm (:class:`~channels_last_algo.integrations.composer.ChannelsLast`):
-
-    Args:
-        mode: ``'on'`` (default), ``'off'`` (the callback does nothing), or ``'auto'``: before
-            DDP wraps the model, rank 0 times forward + backward of ``training_step`` on the
-            first training batch in NCHW and in channels last (``self.log`` muted, nothing left
-            behind) and all ranks keep its decision. The decision goes into Lightning checkpoints
-            (this callback's ``state_dict``); a run resumed from one keeps it without measuring.
-            Outside ``fit``, and under manual optimization (``training_step`` steps the
-            optimizers itself), nothing is timed and the model stays channels last.
-        audit_steps: audit forward, loss and backward of the first training batches (from
-            ``on_train_batch_start`` to ``on_after_backward``) and log
-            ``channels_last/layout_breaks``, ``break_bytes`` and ``exit_bytes`` to the trainer's
-            loggers at the end of each. 0: nothing installed.
-        strict: raise :class:`~channels_last_algo.core.audit.LayoutBreakError` at the end of the
-            first audited step with a layout break.
-        repair: swap the layers that drop NHWC for NHWC-preserving ones (see
-            :mod:`channels_last_algo.core.layers`). Default on.
-        fuse_eval: validate, test and predict on a fused inference copy of the network
-            (:func:`~channels_last_algo.core.fuse.fuse_for_inference`), rebuilt from the current
-            weights before the first batch of each pass and dropped at its end.
-        network: with ``fuse_eval``, the attribute of the LightningModule that holds the
-            network to fuse; by default its one child module with parameters.
-        inputs: which 4D/5D tensors of a batch go NHWC: ``'auto'`` (default) those the model
-            feeds to a convolution, found on the first batch of each structure; ``'all'``; a list
-            of batch keys / positions; or a predicate ``fn(path, tensor)``
-            (:mod:`channels_last_algo.core.inputs`).
-        weights: ``'auto'`` (default) channels-last weights unless sharding or an optimizer that
-            flattens them (LBFGS, ZeroRedundancyOptimizer with bucket views) needs them contiguous;
-            ``'contiguous'`` for code that flattens them itself (``parameters_to_vector``).
+    Options: the keyword-only ones of :data:`~channels_last_algo.core.options.OPTIONS` (``docs/options.md``).
+    Here ``mode='auto'`` times ``training_step`` on the first training batch before DDP wraps the model
+    (``self.log`` muted); under manual optimization nothing is timed. ``network``, this callback's own:
+    with ``fuse_eval``, the LightningModule attribute holding the network to fuse (by default its one
+    child with parameters).
 
     Checkpoints hold NCHW-contiguous tensors (``on_save_checkpoint``); the optimizer state a
     resumed run loads takes its parameters' layout again at ``on_train_start``.
@@ -226,14 +203,15 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
 
     def __init__(
         self,
+        *,
         mode: str = 'on',
         audit_steps: int = 0,
         strict: bool = False,
-        fuse_eval: bool = False,
         repair: bool = True,
-        network: Optional[str] = None,
         inputs: Inputs = 'auto',
         weights: str = 'auto',
+        fuse_eval: bool = False,
+        network: Optional[str] = None,
     ) -> None:
         check_options(_OPTIONS, network=network)
         self.guard = LayoutGuard(

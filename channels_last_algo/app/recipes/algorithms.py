@@ -47,9 +47,8 @@ def _check_channels_last(options: dict[str, Any], where: str, error, signature_k
             if signature_known:
                 continue
             raise error(f'{where}.{key}: unknown option of ChannelsLast{closest(str(key), list(OPTIONS))}')
-        valid, expected = OPTIONS[key]
-        if not valid(value):
-            raise error(f'{where}.{key}: expected {expected}, got {type(value).__name__} {value!r}')
+        if not OPTIONS[key].valid(value):
+            raise error(f'{where}.{key}: expected {OPTIONS[key].accepts}, got {type(value).__name__} {value!r}')
 
 
 def _option_problem(cls: type, key: str, value: Any, default: Any) -> Optional[str]:

@@ -20,7 +20,7 @@ from typing import Any
 from channels_last_algo.app.recipes.algorithm_ranges import ALGORITHM_RANGES
 from channels_last_algo.app.recipes.loading import SMOKE_OVERRIDES
 from channels_last_algo.app.recipes.rules import TIME_UNITS
-from channels_last_algo.app.recipes.schema import CHANNELS_LAST_OPTIONS, Recipe
+from channels_last_algo.app.recipes.schema import Recipe
 from channels_last_algo.core.options import OPTIONS
 
 __all__ = ['recipe_keys_reference', 'schema_keys']
@@ -77,10 +77,10 @@ def _section(field: dataclasses.Field, annotation: Any) -> str:
         entries += [
             _entry(
                 f'algorithms.channels_last.{name}',
-                meaning,
-                [f'default: `{_yaml(default)}`', f'accepts: {OPTIONS[name][1]}'],
+                option.meaning,
+                [f'default: `{_yaml(option.default)}`', f'accepts: {option.accepts}'],
             )
-            for name, (default, meaning) in CHANNELS_LAST_OPTIONS.items()
+            for name, option in OPTIONS.items()
         ]
     return f'## {field.name}\n\n' + '\n'.join(entries)
 

@@ -200,18 +200,6 @@ class TrainConfig:
     )
 
 
-# ``algorithms.channels_last`` options (checked by channels_last_algo.core.options.OPTIONS): name -> (default, meaning)
-CHANNELS_LAST_OPTIONS: dict[str, tuple[Any, str]] = {
-    'mode': ('on', 'on: NHWC; off: nothing is done; auto: time both layouts on the first batch, keep the faster'),
-    'audit_steps': (0, 'audit this many first training steps for ops that drop NHWC (logged)'),
-    'strict': (False, 'stop with LayoutBreakError at the first audited layout break'),
-    'repair': (True, 'swap the layers that drop NHWC for ones that keep it'),
-    'fuse_eval': (False, 'evaluate on a fused copy (BatchNorm folded, convolutions fused)'),
-    'inputs': ('auto', 'which 4D/5D batch tensors go NHWC'),
-    'weights': ('auto', 'auto: channels last unless sharding or the optimizer needs them contiguous; contiguous'),
-}
-
-
 @dataclasses.dataclass
 class Recipe:
     """A whole recipe. ``algorithms`` maps a registry name to its options (or true/false)."""
