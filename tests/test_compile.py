@@ -22,6 +22,7 @@ from torch import nn
 
 from channels_last_algo import LayoutGuard, apply_channels_last, has_channels_last_strides, is_channels_last
 from channels_last_algo.core.inductor_errors import InductorBuildError, explain_compile_failures, inductor_build_failure
+from channels_last_algo.core.runtime import parse_version
 from conftest import random_images, tiny_loader
 
 
@@ -231,7 +232,7 @@ def test_an_inductor_build_failure_is_one_clear_error(tmp_path):
     assert f'with torch {torch.__version__}' in message
     assert "error: conflicting declaration 'float tmp_acc0_arr [16]'" in message
     assert "backend='aot_eager'" in message and 'torch >= 2.8' in message
-    known_bug = tuple(int(part) for part in torch.__version__.split('.')[:2]) < (2, 8)
+    known_bug = parse_version(torch.__version__) < (2, 8, 0)
     assert ('channels last is not the cause' in message) == known_bug
 
 

@@ -66,6 +66,11 @@ def _caller() -> Any:
     return frame
 
 
+def _on_top(mode: TorchFunctionMode) -> bool:
+    depth = torch._C._len_torch_function_stack()
+    return depth > 0 and torch._C._get_function_stack_at(depth - 1) is mode
+
+
 def _where(frame: Any) -> str:
     return f'{frame.f_code.co_filename}:{frame.f_lineno}'
 
@@ -180,6 +185,7 @@ class ViewedOutputs:
         self._step_watched = False  # a whole training step was watched
         self._forward_watched = False  # a batch's forward was
         self._rehearsed: weakref.WeakSet = weakref.WeakSet()  # compiled wrappers run eagerly once
+        self._paused_for: Optional[torch.nn.Module] = None  # the compiled wrapper running without the mode
 
     @property
     def watching(self) -> bool:
@@ -211,8 +217,10 @@ class ViewedOutputs:
     def stop(self) -> list[str]:
         """Stop watching; return what was found since the last stop, one line each (paths and code places)."""
         mode, self._mode = self._mode, None
-        if mode is not None:
+        paused, self._paused_for = self._paused_for, None
+        if mode is not None and paused is None:
             mode.__exit__(None, None, None)
+        if mode is not None:
             unsubscribe(self)
         found, self._new = self._new, []
         return found
@@ -226,9 +234,14 @@ class ViewedOutputs:
 
     def entered(self, module: torch.nn.Module, args: tuple) -> None:
         self._depth += 1
-        if self._mode is not None and compiled_wrapper(module) and module not in self._rehearsed:
+        if self._mode is None or not compiled_wrapper(module):
+            return
+        if module not in self._rehearsed:
             self._rehearsed.add(module)
             self._rehearse(module._orig_mod, args)
+        if self._paused_for is None and _on_top(self._mode):
+            self._paused_for = module  # a graph traced under the mode would be traced again without it
+            self._mode.__exit__(None, None, None)
 
     def _rehearse(self, network: torch.nn.Module, args: tuple) -> None:
         """Dynamo refuses a failing view as it traces, where no mode sees it: the compiled network's
@@ -248,6 +261,9 @@ class ViewedOutputs:
         self._depth = max(self._depth - 1, 0)
         if self._mode is None:
             return
+        if module is self._paused_for:
+            self._paused_for = None
+            self._mode.__enter__()
         if not failed:
             self._mode.calls[module] = self._mode.calls.get(module, 0) + 1
             for tensor in tree_leaves(output):
