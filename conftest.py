@@ -13,7 +13,7 @@ import pytest
 from channels_last_algo.integrations import INTEGRATIONS
 
 # Application modules that import Composer at the top: the checkpoints of recipe runs.
-COMPOSER_MODULES = ('channels_last_algo/app/runs/checkpoints.py',)
+COMPOSER_MODULES = ('channels_last_algo/app/runs/run_checkpoints.py',)
 
 collect_ignore = sorted(
     {

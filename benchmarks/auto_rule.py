@@ -25,8 +25,10 @@ from arguments import benchmark_parser  # benchmarks/, next to this script
 from results_writer import RunStart, run_record, write_results
 
 from channels_last_algo.core.auto import decide_layout
+from channels_last_algo.core.layout import MemoryFormat
 from channels_last_algo.core.timing import FakeClock
 
+FIRST, LAST = MemoryFormat.CHANNELS_FIRST, MemoryFormat.CHANNELS_LAST
 NOISE = {'quiet': (0.05, 0.0), 'loaded': (0.15, 0.1), 'overloaded': (0.3, 0.2)}  # sigma, spike rate
 
 
@@ -42,7 +44,7 @@ def simulate(speedup: float, sigma: float, spike_rate: float, spike: float, seed
     decision = decide_layout(model, step, max_rounds=max_rounds, max_seconds=math.inf, timer=clock)
     first, last = decision.nchw_seconds[:3], decision.channels_last_seconds[:3]
     return {
-        'kept': 'NCHW' if not decision.channels_last else 'tie' if decision.tie else 'channels last',
+        'kept': FIRST if not decision.channels_last else 'tie' if decision.tie else LAST,
         'rounds': decision.rounds,
         'former_rule_channels_last': statistics.median(last) < 0.98 * statistics.median(first),
     }
@@ -55,10 +57,10 @@ def _share(runs: list[dict], test) -> float:
 def summarise(runs: list[dict], speedup: float) -> dict:
     """Shares of each choice over ``runs``; "wrong" only where the true speedup is beyond the tie band."""
     faster, tie = speedup > 1.02, abs(math.log(speedup)) <= math.log(1.02)
-    wrong_now = (lambda r: r['kept'] == 'NCHW') if faster else (lambda r: r['kept'] != 'NCHW')
+    wrong_now = (lambda r: r['kept'] == FIRST) if faster else (lambda r: r['kept'] != FIRST)
     return {
-        'kept_nchw': _share(runs, lambda r: r['kept'] == 'NCHW'),
-        'kept_channels_last': _share(runs, lambda r: r['kept'] == 'channels last'),
+        'kept_nchw': _share(runs, lambda r: r['kept'] == FIRST),
+        'kept_channels_last': _share(runs, lambda r: r['kept'] == LAST),
         'tie': _share(runs, lambda r: r['kept'] == 'tie'),
         'median_rounds': statistics.median(r['rounds'] for r in runs),
         'wrong_now': None if tie else _share(runs, wrong_now),

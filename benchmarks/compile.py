@@ -35,6 +35,7 @@ from zoo_report import cell
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.inductor_errors import explain_compile_failures
 from channels_last_algo.core.machine_description import machine_label
+from channels_last_algo.core.runtime import torch_release
 from channels_last_algo.core.timing import time_interleaved
 
 VARIANTS = ('nchw', 'channels_last', 'ours', 'compiled_nchw', 'compiled_ours')
@@ -128,7 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         rounds=Option(8),
         threads=Option(2),
         out='results folder (default: benchmarks/results/<machine>)',
-        name=Option(f'compile-torch{".".join(torch.__version__.split(".")[:2])}'),
+        name=Option(f'compile-torch{torch_release()}'),
         epilog=False,
     )
     parser.add_argument('--models', nargs='+', default=['resnet50', 'mobilenet_v3_large', 'regnet_y_400mf'])

@@ -45,6 +45,7 @@ from channels_last_algo.core.audit import audit_model
 from channels_last_algo.core.fuse import fuse_for_inference
 from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.machine_description import describe_machine
+from channels_last_algo.core.runtime import torch_release
 from channels_last_algo.core.timing import Timings, synchronizer, time_interleaved
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is None:
         name = torch.cuda.get_device_name() if settings.device.type == 'cuda' else 'cpu-smoke'
         slug = ''.join(c if c.isalnum() else '-' for c in name.lower()).strip('-')
-        args.out = ROOT / 'benchmarks' / 'results' / f'{slug}-torch{".".join(torch.__version__.split(".")[:2])}'
+        args.out = ROOT / 'benchmarks' / 'results' / f'{slug}-torch{torch_release()}'
     args.out.mkdir(parents=True, exist_ok=True)
     records = [run_part(name, settings, args.out) for name in args.parts]
     failed = [r['part'] for r in records if isinstance(r['result'], dict) and 'error' in r['result']]

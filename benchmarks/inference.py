@@ -58,6 +58,7 @@ from results_writer import RunStart, run_record, write_results
 
 from channels_last_algo.app.recipes.models import build_model
 from channels_last_algo.core.fuse import export_for_inference, fuse_for_inference
+from channels_last_algo.core.runtime import torch_release
 from channels_last_algo.core.timing import synchronizer, time_interleaved
 
 VARIANTS = (
@@ -377,7 +378,7 @@ def main(argv=None) -> int:
     for line in inductor_verdicts(groups, args.smoke):
         print(line)
     if args.out is not None:
-        stem = 'inference-torch' + '.'.join(torch.__version__.split('+')[0].split('.')[:2])
+        stem = 'inference-torch' + torch_release()
         write_results(args.out, stem, result, markdown(result))
         print(f'wrote {args.out / stem}.json and .md')
     return 0

@@ -28,6 +28,7 @@ from results_writer import RunStart, run_record, write_results
 from channels_last_algo.core.audit import audit_model
 from channels_last_algo.core.audit_report import format_bytes
 from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.runtime import torch_release
 
 MODELS = tuple(e.name for e in zoo.TIMM_ZOO + zoo.TIMM_HEAVY_ZOO) + tuple(
     e.name for e in zoo._functional().FUNCTIONAL_ZOO
@@ -98,9 +99,7 @@ def markdown(result: dict) -> str:
     for row in rows:
         b, left = row['breaks'], '; '.join(f'{k} x{v}' for k, v in sorted(row['left'].items()))
         b = {**b, 'CL': 'fails' if b['CL'] is None else b['CL']}
-        lines.append(
-            f'| {row["model"]} | {row["family"]} | {b["CL"]} | {b["rules"]} | {left or "-"} |'
-        )
+        lines.append(f'| {row["model"]} | {row["family"]} | {b["CL"]} | {b["rules"]} | {left or "-"} |')
     return '\n'.join(lines) + '\n'
 
 
@@ -108,7 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = benchmark_parser(
         __doc__,
         out='folder for zoo_breaks-torch<version>.json and .md',
-        name=Option(f'zoo_breaks-torch{".".join(torch.__version__.split(".")[:2])}', 'results file stem'),
+        name=Option(f'zoo_breaks-torch{torch_release()}', 'results file stem'),
         epilog=False,
     )
     parser.add_argument('--models', nargs='+', default=list(MODELS), choices=MODELS, metavar='MODEL')

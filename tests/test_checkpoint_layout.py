@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from channels_last_algo import LayoutGuard, apply_channels_last
-from channels_last_algo.core.checkpoints import canonical_state, is_canonical
+from channels_last_algo.core.canonical_checkpoints import canonical_state, is_canonical
 from channels_last_algo.core.layout import is_channels_last
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -65,8 +65,8 @@ def test_export_from_a_recipe_checkpoint_with_blurpool_and_ema(tmp_path, capfd):
     pytest.importorskip('composer')
     from channels_last_algo.app.recipes.loading import load_recipe
     from channels_last_algo.app.runs.checkpoint_files import read_state
-    from channels_last_algo.app.runs.checkpoints import model_from_checkpoint
-    from channels_last_algo.core.checkpoints import is_canonical
+    from channels_last_algo.app.runs.run_checkpoints import model_from_checkpoint
+    from channels_last_algo.core.canonical_checkpoints import is_canonical
 
     overrides = ['model.name=resnet18', 'train.max_duration=2ba', 'algorithms.ema.update_interval=1ba']
     folder, out = tmp_path / 'run', tmp_path / 'resnet18.pt2'

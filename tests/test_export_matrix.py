@@ -94,7 +94,7 @@ def test_cases_cover_every_swapped_in_layer():
     rules = {
         r.replacement.rpartition('.')[2] if isinstance(r.replacement, str) else r.replacement.__name__ for r in RULES
     }
-    assert set(CASES) == rules | {b.safe_path.__name__ for b in KNOWN_BUGS}
+    assert set(CASES) == rules | {b.replacement.__name__ for b in KNOWN_BUGS}
 
 
 def _swap(model, how):

@@ -43,7 +43,7 @@ def test_table_rows_are_well_formed():
     for bug in KNOWN_BUGS:
         assert re.fullmatch(r'[a-z0-9_]+', bug.name)
         assert bug.failures and set(bug.failures) <= set(FAILURES)
-        assert issubclass(bug.safe_path, bug.layer) and bug.safe_path is not bug.layer
+        assert issubclass(bug.replacement, bug.original) and bug.replacement is not bug.original
         assert set(bug.devices) <= {'cpu', 'cuda'}
         assert bug.cpu_isa is None or ('cpu' in bug.devices and set(bug.cpu_isa) <= {'AVX512', 'AVX2'})
         first, fixed = bug.torch_versions
@@ -57,7 +57,7 @@ def test_a_row_whose_safe_path_cannot_keep_the_state_is_refused():
     fields = dict(
         name='x',
         op='op',
-        layer=nn.Conv2d,
+        original=nn.Conv2d,
         condition=lambda m, r: True,
         shape_condition='-',
         devices=('cpu',),
@@ -65,14 +65,14 @@ def test_a_row_whose_safe_path_cannot_keep_the_state_is_refused():
         cpu_isa=None,
         failures=('crash',),
         repro='',
-        safe_path=NCHWAvgPool2d,
+        replacement=NCHWAvgPool2d,
         references=(),
         observed='-',
     )
     with pytest.raises(TypeError, match='must subclass Conv2d'):
         KernelBug(**fields)
     with pytest.raises(ValueError, match='failures'):
-        KernelBug(**{**fields, 'safe_path': SubsampledConv2d, 'failures': ('segfault',)})
+        KernelBug(**{**fields, 'replacement': SubsampledConv2d, 'failures': ('segfault',)})
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 """The core: everything that needs only torch (and torchvision's model classes for repair).
 
 Layout (:mod:`.layout`), the functional conversion (:mod:`.convert`), canonical checkpoints
-(:mod:`.checkpoints`), the repair rules and
+(:mod:`.canonical_checkpoints`), the repair rules and
 layers (:mod:`.layers`), the layout audit (:mod:`.audit`), auto mode (:mod:`.auto`), what
 parallel wrappers allow (:mod:`.weight_layout`), the framework-neutral event layer
 (:mod:`.guard`), what a user sees of a run (:mod:`.console`), fused inference (:mod:`.fuse`),
@@ -10,7 +10,7 @@ Integrations and the application import from here; nothing here imports from the
 """
 
 from channels_last_algo.core.audit import AuditRecord, AuditReport, LayoutAudit, LayoutBreakError, audit_model
-from channels_last_algo.core.checkpoints import canonical_state
+from channels_last_algo.core.canonical_checkpoints import canonical_state
 from channels_last_algo.core.console import ConsoleBlock
 from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last
 from channels_last_algo.core.fuse import (

@@ -67,7 +67,7 @@ import torch
 from torch.utils import _python_dispatch
 from torch.utils._pytree import tree_flatten
 
-from channels_last_algo.core.arguments import require_flags, require_input, require_module
+from channels_last_algo.core.argument_checks import require_flags, require_input, require_module
 from channels_last_algo.core.audit_report import AuditRecord, AuditReport, LayoutBreakError
 from channels_last_algo.core.break_causes import cause_of
 from channels_last_algo.core.layout import Layout, layout_of

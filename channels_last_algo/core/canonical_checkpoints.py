@@ -40,7 +40,7 @@ from typing import TypeVar
 import torch
 from torch.utils._pytree import tree_map_only
 
-from channels_last_algo.core.arguments import require_state
+from channels_last_algo.core.argument_checks import require_state
 from channels_last_algo.core.layout import to_channels_first
 
 __all__ = ['canonical_state', 'is_canonical']

@@ -13,7 +13,7 @@ depthwise kernels, ``in_channels=1``) get real channels-last strides.
 The ``state_dict`` afterwards: the same keys, shapes and values, and, as after PyTorch's own
 ``model.to(memory_format=torch.channels_last)``, its 4D/5D entries alias the model's tensors
 and so have NHWC strides (EMA code updates models through those aliases). Save
-``canonical_state(model.state_dict())`` (:mod:`~channels_last_algo.core.checkpoints`) for a
+``canonical_state(model.state_dict())`` (:mod:`~channels_last_algo.core.canonical_checkpoints`) for a
 file that holds NCHW-contiguous tensors, as the Composer algorithm, the Lightning callback and
 ``channels-last train`` do; ``load_state_dict`` of either kind keeps the model channels last.
 
@@ -42,9 +42,9 @@ from typing import Optional, Union
 import torch
 from torch.nn.parameter import is_lazy
 
-from channels_last_algo.core.arguments import require_flags, require_module, require_optimizers
+from channels_last_algo.core.argument_checks import require_flags, require_module, require_optimizers
 from channels_last_algo.core.layers import repair_model, unrepaired_subclasses
-from channels_last_algo.core.layout import channels_last_format, to_channels_first, to_channels_last
+from channels_last_algo.core.layout import MemoryFormat, channels_last_format, to_channels_first, to_channels_last
 from channels_last_algo.core.safety.bugs import make_safe, unsafe_subclasses
 from channels_last_algo.core.swap import SwapRecord, UncoveredLayer
 from channels_last_algo.core.weight_layout import weight_layout_for
@@ -59,7 +59,8 @@ class ConversionSummary:
     """What :func:`apply_channels_last` (or :func:`apply_channels_first`) changed.
 
     Attributes:
-        layout: ``'channels last'`` or ``'channels first'``, the layout the tensors now have.
+        layout: ``'channels last'`` or ``'channels first'`` (a :class:`~channels_last_algo.core.layout.MemoryFormat`
+            as text), the format the tensors now have.
         converted: names (as in ``state_dict``) of the 4D/5D tensors that were restrided.
         unchanged: names of the 4D/5D tensors that already had that layout.
         optimizer_states: how many optimizer state tensors were restrided with their parameter.
@@ -74,7 +75,7 @@ class ConversionSummary:
             model views), each with why it keeps its layout: only convolution tensors are restrided.
     """
 
-    layout: str = 'channels last'
+    layout: str = str(MemoryFormat.CHANNELS_LAST)
     converted: list[str] = dataclasses.field(default_factory=list)
     unchanged: list[str] = dataclasses.field(default_factory=list)
     optimizer_states: int = 0
@@ -99,6 +100,11 @@ class ConversionSummary:
 
 
 Restride = Callable[[torch.Tensor], torch.Tensor]
+
+_RESTRIDES: dict[MemoryFormat, Restride] = {
+    MemoryFormat.CHANNELS_LAST: to_channels_last,
+    MemoryFormat.CHANNELS_FIRST: to_channels_first,
+}
 
 
 def _restride_in_place(tensor: torch.Tensor, restride: Restride) -> bool:
@@ -156,11 +162,11 @@ def _tensors_by_use(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor,
 
 def _restride_model(
     model: torch.nn.Module,
-    restride: Restride,
-    layout: str,
+    memory_format: MemoryFormat,
     optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]],
 ) -> ConversionSummary:
-    summary = ConversionSummary(layout=layout)
+    restride = _RESTRIDES[memory_format]
+    summary = ConversionSummary(layout=str(memory_format))
     restrided: set[int] = set()
     for name, tensor, reason in _tensors_by_use(model):
         if is_lazy(tensor):
@@ -217,7 +223,7 @@ def apply_channels_last(
     require_flags('apply_channels_last', repair=repair, kernel_safety=kernel_safety)
     require_optimizers(optimizers, 'apply_channels_last')
     weight_layout_for(model)  # raises on a model already wrapped in DistributedDataParallel
-    summary = _restride_model(model, to_channels_last, 'channels last', optimizers)
+    summary = _restride_model(model, MemoryFormat.CHANNELS_LAST, optimizers)
     summary.made_safe = make_safe(model) if kernel_safety else []
     summary.repaired = repair_model(model) if repair else []
     summary.not_covered = _not_covered(model, repair, kernel_safety)
@@ -269,6 +275,5 @@ def restride(
 ) -> ConversionSummary:
     """Only restride (no repair, no warning): to channels last, or back to channels first.
     What auto mode does between its trial steps."""
-    if channels_last:
-        return _restride_model(model, to_channels_last, 'channels last', optimizers)
-    return _restride_model(model, to_channels_first, 'channels first', optimizers)
+    memory_format = MemoryFormat.CHANNELS_LAST if channels_last else MemoryFormat.CHANNELS_FIRST
+    return _restride_model(model, memory_format, optimizers)

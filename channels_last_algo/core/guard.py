@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
-from channels_last_algo.core.arguments import require_module, require_optimizers
+from channels_last_algo.core.argument_checks import require_module, require_optimizers
 from channels_last_algo.core.audit import AuditReport
 from channels_last_algo.core.audited_steps import AuditedSteps
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
@@ -115,15 +115,8 @@ class LayoutGuard:
         weights: str = 'auto',
         fuse_eval: bool = False,
     ) -> None:
-        check_options(
-            fuse_eval=fuse_eval,
-            mode=mode,
-            audit_steps=audit_steps,
-            strict=strict,
-            repair=repair,
-            inputs=inputs,
-            weights=weights,
-        )
+        options = dict(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs)
+        check_options(**options, weights=weights, fuse_eval=fuse_eval)
         self.weights = weights
         self.mode = mode  # as asked; effective_mode is the one acted on
         self._effective_mode = mode

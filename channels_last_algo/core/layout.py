@@ -2,7 +2,8 @@
 
 PyTorch keeps a tensor's logical shape N x C x H x W (or N x C x D x H x W) whatever its
 memory order; the strides say which order the bytes are in. This module names those orders
-and restrides tensors of both ranks, alone or every one in a batch.
+(:class:`Layout`, what one tensor's strides show; :class:`MemoryFormat`, the format a model is
+given) and restrides tensors of both ranks, alone or every one in a batch.
 
 A shape where C == 1, or where every spatial size is 1, is *ambiguous*: the same bytes are
 both channels-first and channels-last contiguous. ``tensor.contiguous(memory_format=...)`` is
@@ -36,7 +37,6 @@ from channels_last_algo.core.batch_tree import map_leaves
 __all__ = [
     'Layout',
     'MemoryFormat',
-    'Mode',
     'batch_to_channels_first',
     'batch_to_channels_last',
     'channels_last_format',
@@ -49,7 +49,12 @@ __all__ = [
 
 
 class Layout(str, enum.Enum):
-    """The memory order of a tensor's bytes."""
+    """The memory order of one tensor's bytes, as its strides show it (rank and ambiguity included).
+
+    Example:
+        >>> Layout.NDHWC.is_channels_last, Layout.AMBIGUOUS.is_channels_first
+        (True, False)
+    """
 
     NCHW = 'NCHW'
     NHWC = 'NHWC'
@@ -68,41 +73,20 @@ class Layout(str, enum.Enum):
 
 
 class MemoryFormat(str, enum.Enum):
-    """The memory format a model's 4D/5D tensors are given: the one word for it in summaries,
-    decisions, weight plans and logs.
+    """The memory format a model is given: channels first or channels last, whatever the rank.
+    The one word for it in summaries, decisions, weight plans and logs; :class:`Layout` is what
+    one tensor's strides show.
 
     Example:
-        >>> MemoryFormat.CHANNELS_LAST.of(5)
-        torch.channels_last_3d
-        >>> MemoryFormat.CHANNELS_FIRST == 'channels_first'
-        True
+        >>> MemoryFormat.CHANNELS_FIRST == 'channels_first', str(MemoryFormat.CHANNELS_LAST)
+        (True, 'channels last')
     """
 
     CHANNELS_FIRST = 'channels_first'  # NCHW / NCDHW, PyTorch's default contiguous strides
     CHANNELS_LAST = 'channels_last'  # NHWC / NDHWC
 
-    def of(self, rank: int) -> torch.memory_format:
-        """The ``torch.memory_format`` of this format for a tensor of ``rank`` (4 or 5)."""
-        if self is MemoryFormat.CHANNELS_FIRST:
-            return torch.contiguous_format
-        return _FORMATS[rank]
-
     def __str__(self) -> str:
         return self.value.replace('_', ' ')
-
-
-class Mode(str, enum.Enum):
-    """How the algorithm runs: channels last ``on``, ``off`` (a recipe switch: nothing is
-    touched), or ``auto`` (time both formats on the first batch, keep the faster).
-
-    Example:
-        >>> Mode('auto') is Mode.AUTO
-        True
-    """
-
-    ON = 'on'
-    OFF = 'off'
-    AUTO = 'auto'
 
 
 Batch = TypeVar('Batch')

@@ -30,7 +30,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-__all__ = ['Runtime', 'Version', 'VersionSpec', 'model_device', 'parse_version', 'version_in']
+__all__ = ['Runtime', 'Version', 'VersionSpec', 'model_device', 'parse_version', 'torch_release', 'version_in']
 
 Version = tuple[int, int, int]
 """(major, minor, patch) of a torch release."""
@@ -48,6 +48,17 @@ def parse_version(text: str) -> Version:
     if match is None:
         raise ValueError(f'{text!r} is not a version; give major.minor[.patch], e.g. 2.14.1')
     return int(match.group(1)), int(match.group(2) or 0), int(match.group(3) or 0)
+
+
+def torch_release(version: str = torch.__version__) -> str:
+    """The major.minor release of torch ``version`` (this torch's by default), as result file names carry it.
+
+    Example:
+        >>> torch_release('2.14.1+cu130'), torch_release('2.7')
+        ('2.14', '2.7')
+    """
+    major, minor, _ = parse_version(version)
+    return f'{major}.{minor}'
 
 
 def _next_release(version: Version) -> Version:

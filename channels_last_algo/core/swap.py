@@ -1,9 +1,9 @@
 """The swap engine: a module changes class in place for an equivalent one, and says so in a
 :class:`SwapRecord`.
 
-Two tables swap modules, each for its reason, the record's ``kind``:
+Two tables swap modules, each row a :class:`SwapRow`, each table for its reason, the record's ``kind``:
 
-- ``'repair'``: a repair rule (:mod:`channels_last_algo.core.layers.rules`) replaces a layer that
+- ``'repair'``: a repair rule (:mod:`channels_last_algo.core.layers.repair_rules`) replaces a layer that
   drops NHWC by one that keeps it;
 - ``'safe_path'``: a known layout kernel bug (:mod:`channels_last_algo.core.safety.bugs`) routes a
   layer around the failing kernel.
@@ -28,15 +28,12 @@ Example:
     >>> class Halved(Replacement, torch.nn.ReLU):
     ...     def forward(self, x):
     ...         return super().forward(x) / 2
-    >>> class Row:
-    ...     name, original_name = 'halve', qualified_name(torch.nn.ReLU)
-    ...     def replacement_type(self):
-    ...         return require_subclass(Halved, torch.nn.ReLU, "row 'halve'", 'replacement')
+    >>> row = SwapRow(name='halve', original=torch.nn.ReLU, replacement=Halved, devices=('cpu',), torch_versions='')
     >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU())
-    >>> records = swap_first_match(model, [Row()], 'repair', lambda row, module: True)
+    >>> records = swap_first_match(model, [row], 'repair', lambda row, module: True)
     >>> [(r.path, r.kind, r.reason, r.original, r.replacement) for r in records]
     [('1', 'repair', 'halve', 'torch.nn.modules.activation.ReLU', 'Halved')]
-    >>> type(model[1]).__name__, swap_first_match(model, [Row()], 'repair', lambda row, module: True)
+    >>> type(model[1]).__name__, swap_first_match(model, [row], 'repair', lambda row, module: True)
     ('Halved', [])
 """
 
@@ -45,15 +42,19 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib
 import inspect
 import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, Optional, Protocol, TypeVar
+from typing import Any, ClassVar, Optional, TypeVar, Union
 
 from torch import nn
 
+from channels_last_algo.core.runtime import VersionSpec
+
 __all__ = [
     'KINDS',
+    'LayerType',
     'Replacement',
     'SwapRecord',
     'SwapRow',
@@ -63,6 +64,7 @@ __all__ = [
     'overridden',
     'qualified_name',
     'require_subclass',
+    'resolve',
     'swap_back',
     'swap_class',
     'swap_first_match',
@@ -167,19 +169,94 @@ def unswapped_class(cls: type) -> type:
     return order[order.index(Replacement) + 1] if Replacement in order else cls
 
 
-class SwapRow(Protocol):
-    """What the engine needs of a table row: its name, the qualified name of the type it
-    matches, and its replacement class (checked with :func:`require_subclass`)."""
+LayerType = Union[type, str]
+"""A layer class, or its qualified name (imported only when a model holds it)."""
+
+
+def resolve(layer: LayerType) -> type:
+    """``layer`` itself, or the class its qualified name names, imported now."""
+    if isinstance(layer, type):
+        return layer
+    module, _, name = layer.rpartition('.')
+    return getattr(importlib.import_module(module), name)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SwapRow:
+    """One row of a swap table (a repair rule, a kernel bug): which layer type is swapped for
+    which replacement, and on which devices and torch versions the row holds.
+
+    A table says in :meth:`reaches` when a module needs its row, given where the model runs
+    (a device, a runtime); :meth:`matches` adds that the swap keeps what the module computes.
+
+    Attributes:
+        name: short identifier, the ``reason`` of its :class:`SwapRecord`.
+        original: the layer type, or its qualified name; its subclasses that keep the methods the
+            replacement takes over match too (:func:`swappable`).
+        replacement: a subclass of ``original`` and of :class:`Replacement` that adds no state,
+            or its qualified name (imported when a model holds ``original``).
+        devices: the device types the row holds on.
+        torch_versions: the torch versions it holds for, a
+            :class:`~channels_last_algo.core.runtime.VersionSpec` or its clauses ('>=2.7').
+
+    Example:
+        >>> from channels_last_algo.core.layers.safe_paths import SubsampledConv2d
+        >>> row = SwapRow(
+        ...     name='x', original=nn.Conv2d, replacement=SubsampledConv2d, devices=('cpu',), torch_versions='<2.14'
+        ... )
+        >>> row.original_name, row.holds_on('cpu', '2.13.1'), row.holds_on('cpu', '2.14.0'), row.holds_on('cuda', '2.7')
+        ('torch.nn.modules.conv.Conv2d', True, False, False)
+    """
+
+    row_kind: ClassVar[str] = 'swap row'  # how an error names a row: "repair rule 'x'"
+    replacement_role: ClassVar[str] = 'replacement'  # and its replacement: 'safe path'
+    class_name: ClassVar[Callable[[type], str]] = staticmethod(qualified_name)  # and the classes
 
     name: str
+    original: LayerType
+    replacement: LayerType
+    devices: tuple[str, ...]
+    torch_versions: VersionSpec
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, 'torch_versions', VersionSpec.of(self.torch_versions))
+        if isinstance(self.original, type) and isinstance(self.replacement, type):
+            self.replacement_type()
 
     @property
-    def original_name(self) -> str: ...
+    def original_name(self) -> str:
+        """The qualified name of ``original``."""
+        return self.original if isinstance(self.original, str) else qualified_name(self.original)
 
-    def replacement_type(self) -> type: ...
+    def replacement_type(self) -> type:
+        """The replacement class (imported now if named by a string), checked with :func:`require_subclass`."""
+        return require_subclass(
+            resolve(self.replacement),
+            resolve(self.original),
+            f'{self.row_kind} {self.name!r}',
+            self.replacement_role,
+            name=self.class_name,
+        )
+
+    def holds_on(self, device_type: str, torch_version: Union[str, tuple[int, ...]]) -> bool:
+        """True when the row holds on ``device_type`` ('cpu') with ``torch_version`` ('2.14.1', (2, 14, 1))."""
+        return device_type in self.devices and self.torch_versions.contains(torch_version)
+
+    def unswapped_original(self, module: nn.Module) -> bool:
+        """True when ``module``'s class is ``original`` or a subclass, not swapped by this row yet."""
+        return original_class(module, self) is not None and not isinstance(module, self.replacement_type())
+
+    def reaches(self, module: nn.Module, where: Any) -> bool:
+        """True when ``module`` needs this row's swap in a model that runs ``where``; each table says."""
+        raise NotImplementedError(f'{type(self).__name__}.reaches')
+
+    def matches(self, module: nn.Module, where: Any) -> bool:
+        """True when ``module`` :meth:`reaches` this row and computes as ``original``
+        (:func:`swappable`), so the swap may replace its class."""
+        return swappable(module, self) and self.reaches(module, where)
 
 
-Row = TypeVar('Row', bound=SwapRow)
+Row = TypeVar('Row')
 
 
 def require_subclass(replacement: type, original: type, row: str, role: str, name=qualified_name) -> type:

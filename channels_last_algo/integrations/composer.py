@@ -29,7 +29,7 @@ from composer.loggers import ConsoleLogger, Logger, ProgressBarLogger
 from composer.utils import dist
 
 from channels_last_algo.core.batch_tree import Path, map_leaves
-from channels_last_algo.core.checkpoints import canonical_state
+from channels_last_algo.core.canonical_checkpoints import canonical_state
 from channels_last_algo.core.guard import LayoutGuard, Trial
 from channels_last_algo.core.inputs import Inputs
 from channels_last_algo.core.weight_layout import weight_layout_for
@@ -152,7 +152,7 @@ class ChannelsLast(GuardedIntegration, Algorithm):
     swapped in) at each pass's first batch and dropped at its end; a sharded network runs unfused.
 
     Checkpoints: what Composer saves (``state.state_dict()``, weights-only too) holds NCHW-contiguous
-    tensors under the original keys (:mod:`channels_last_algo.core.checkpoints`); at
+    tensors under the original keys (:mod:`channels_last_algo.core.canonical_checkpoints`); at
     ``Event.AFTER_LOAD`` the loaded optimizer state takes its parameters' layout again.
 
     Example:
@@ -289,7 +289,7 @@ def _fused_network(state: State) -> tuple[torch.nn.Module, str, torch.nn.Module]
 def _save_canonical(state: State) -> None:
     """Make what Composer's checkpoint savers write (``state.state_dict()``, and
     ``state.get_model_state_dict()`` for weights-only checkpoints) canonical NCHW tensors
-    (:func:`~channels_last_algo.core.checkpoints.canonical_state`), on this State only."""
+    (:func:`~channels_last_algo.core.canonical_checkpoints.canonical_state`), on this State only."""
     for name in _SAVE_METHODS:
         method = getattr(state, name)
         if getattr(method, '__wrapped__', None) is None:

@@ -48,7 +48,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_info
 
-from channels_last_algo.core.checkpoints import canonical_state
+from channels_last_algo.core.canonical_checkpoints import canonical_state
 from channels_last_algo.core.guard import LayoutGuard, Trial
 from channels_last_algo.core.inputs import Inputs
 from channels_last_algo.core.options import Option, check_options
@@ -236,7 +236,7 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
         """Every 4D/5D tensor of the checkpoint (model, optimizer states, other callbacks' state)
-        written NCHW-contiguous (:func:`~channels_last_algo.core.checkpoints.canonical_state`)."""
+        written NCHW-contiguous (:func:`~channels_last_algo.core.canonical_checkpoints.canonical_state`)."""
         if self.guard.effective_mode != 'off':
             checkpoint.update(canonical_state(dict(checkpoint)))
 

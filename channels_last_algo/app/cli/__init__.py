@@ -1,6 +1,6 @@
 """The ``channels-last`` command, one module per subject: the entry point and its parser
 (:mod:`~channels_last_algo.app.cli.entry`), what every command shares
-(:mod:`~channels_last_algo.app.cli.arguments`), MODEL and ``--input``
+(:mod:`~channels_last_algo.app.cli.shared_arguments`), MODEL and ``--input``
 (:mod:`~channels_last_algo.app.cli.model_arguments`), and the commands: ``audit`` and ``doctor``
 (:mod:`~channels_last_algo.app.cli.model_commands`), ``export``
 (:mod:`~channels_last_algo.app.cli.export_command`), ``train`` and ``compare``

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from channels_last_algo.app.cli.arguments import positive_int
 from channels_last_algo.app.cli.model_arguments import check_fits
+from channels_last_algo.app.cli.shared_arguments import positive_int
 from channels_last_algo.app.runs.demo import run_demo
 
 __all__ = ['add_demo']

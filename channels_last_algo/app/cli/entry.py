@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Optional
 
 from channels_last_algo import __version__
-from channels_last_algo.app.cli.arguments import UsageError, first_line
 from channels_last_algo.app.cli.demo_command import add_demo
 from channels_last_algo.app.cli.export_command import add_export
 from channels_last_algo.app.cli.model_commands import add_audit, add_doctor
 from channels_last_algo.app.cli.recipe_commands import add_compare, add_train
+from channels_last_algo.app.cli.shared_arguments import UsageError, first_line
 from channels_last_algo.app.recipes.schema import RecipeError
 from channels_last_algo.app.runs.checkpoint_files import RunFolderError
 from channels_last_algo.app.runs.train import RunError, failure_place, write_traceback

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from channels_last_algo.app.cli.arguments import UsageError, check_writable, positive_int
 from channels_last_algo.app.cli.model_arguments import build_for, check_input, input_shape, model_name
 from channels_last_algo.app.cli.recipe_commands import require_composer
+from channels_last_algo.app.cli.shared_arguments import UsageError, check_writable, positive_int
 from channels_last_algo.app.recipes.loading import load_recipe
 from channels_last_algo.core.fuse import export_for_inference
 
@@ -138,7 +138,7 @@ def _export_model(args: argparse.Namespace):
     if args.recipe is not None:
         recipe = load_recipe(args.recipe, args.overrides)
         require_composer()
-        from channels_last_algo.app.runs.checkpoints import model_from_checkpoint  # on Composer's State
+        from channels_last_algo.app.runs.run_checkpoints import model_from_checkpoint  # on Composer's State
 
         model = model_from_checkpoint(recipe, args.checkpoint, ema=not args.training_weights)
         check_input(model, args.input, recipe.model.name)

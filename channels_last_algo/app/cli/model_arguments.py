@@ -8,7 +8,7 @@ Example:
     >>> check_input(model, (2, 1, 32, 32), 'resnet18')  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    channels_last_algo.app.cli.arguments.UsageError: --input 2,1,32,32: resnet18's first convolution conv1 takes 3 ...
+    channels_last_algo.app.cli.shared_arguments.UsageError: --input 2,1,32,32: resnet18's first convolution ...
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from channels_last_algo.app.cli.arguments import UsageError, first_line
+from channels_last_algo.app.cli.shared_arguments import UsageError, first_line
 from channels_last_algo.app.recipes.models import input_shape_problem, model_builder
 from channels_last_algo.app.recipes.step_memory import REFUSE_ABOVE, available_bytes, input_pass_bytes, size_text
 

@@ -14,7 +14,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from channels_last_algo.app.cli.arguments import UsageError, check_writable, count, positive_int
+from channels_last_algo.app.cli.shared_arguments import UsageError, check_writable, count, positive_int
 from channels_last_algo.app.recipes.keys import recipe_keys_reference
 from channels_last_algo.app.recipes.loading import SMOKE_OVERRIDES, load_recipe
 from channels_last_algo.app.runs.compare import compare_recipe, format_comparison

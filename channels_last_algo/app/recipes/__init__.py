@@ -1,7 +1,7 @@
 """YAML recipes: what a recipe names and how each key is checked, before anything is built.
 
 - :mod:`~channels_last_algo.app.recipes.yaml_reader`: YAML as a recipe takes it (no key twice, bounded aliases);
-- :mod:`~channels_last_algo.app.recipes.rules`, :mod:`~channels_last_algo.app.recipes.schema`: the rule of each
+- :mod:`~channels_last_algo.app.recipes.value_rules`, :mod:`~channels_last_algo.app.recipes.schema`: the rule of each
   value and every key's type, rule and meaning; :mod:`~channels_last_algo.app.recipes.keys` prints them;
 - :mod:`~channels_last_algo.app.recipes.loading`: read, override (``--set``) and check a recipe;
 - :mod:`~channels_last_algo.app.recipes.algorithms`, :mod:`~channels_last_algo.app.recipes.algorithm_ranges`:

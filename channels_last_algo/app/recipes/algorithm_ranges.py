@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Optional
 
-from channels_last_algo.app.recipes.rules import Rule, between, choices, count_or, described, time_string
+from channels_last_algo.app.recipes.value_rules import Rule, between, choices, count_or, described, time_string
 
 __all__ = [
     'ALGORITHM_CROSS_RULES',

@@ -26,8 +26,8 @@ from channels_last_algo.app.recipes.algorithm_ranges import (
     algorithm_cross_problem,
     algorithm_option_problem,
 )
-from channels_last_algo.app.recipes.rules import closest, parse_time, type_problem
 from channels_last_algo.app.recipes.schema import Recipe, RecipeError
+from channels_last_algo.app.recipes.value_rules import closest, parse_time, type_problem
 from channels_last_algo.core.options import OPTIONS
 
 __all__ = ['algorithm_registry', 'build_algorithms', 'check_algorithms']

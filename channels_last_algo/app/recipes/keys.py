@@ -19,8 +19,8 @@ from typing import Any
 
 from channels_last_algo.app.recipes.algorithm_ranges import ALGORITHM_RANGES
 from channels_last_algo.app.recipes.loading import SMOKE_OVERRIDES
-from channels_last_algo.app.recipes.rules import TIME_UNITS
 from channels_last_algo.app.recipes.schema import Recipe
+from channels_last_algo.app.recipes.value_rules import TIME_UNITS
 from channels_last_algo.core.options import OPTIONS
 
 __all__ = ['recipe_keys_reference', 'schema_keys']

@@ -1,7 +1,7 @@
 """The recipe schema: typed sections, the rule each key must satisfy, and Composer time strings.
 
 Every key of a recipe is declared once here, with its type, a *rule*
-(:mod:`~channels_last_algo.app.recipes.rules`: a range, a set of choices, a time string's units, a
+(:mod:`~channels_last_algo.app.recipes.value_rules`: a range, a set of choices, a time string's units, a
 format string's placeholders) and what it means, from which :mod:`~channels_last_algo.app.recipes.keys`
 prints the reference (``channels-last train --help-keys``). :func:`recipe_from_dict` checks a parsed
 YAML mapping against the schema before anything is built, the keys that depend on each other too
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from channels_last_algo.app.recipes.rules import (
+from channels_last_algo.app.recipes.value_rules import (
     Rule,
     between,
     choices,

@@ -45,8 +45,8 @@ from torch.utils._pytree import tree_flatten
 from channels_last_algo.app.recipes import models
 from channels_last_algo.app.recipes.algorithms import algorithm_registry
 from channels_last_algo.app.recipes.placement import loader_workers, microbatch_size
-from channels_last_algo.app.recipes.rules import parse_time
 from channels_last_algo.app.recipes.schema import Recipe, RecipeError
+from channels_last_algo.app.recipes.value_rules import parse_time
 
 __all__ = [
     'Footprint',

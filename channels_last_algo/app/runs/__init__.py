@@ -2,7 +2,7 @@
 
 - :mod:`~channels_last_algo.app.runs.checkpoint_files`, :mod:`~channels_last_algo.app.runs.folder`: a run's
   checkpoint files and the locked folder that holds them;
-- :mod:`~channels_last_algo.app.runs.checkpoints`: the Composer callback that writes them, and a model from one;
+- :mod:`~channels_last_algo.app.runs.run_checkpoints`: the Composer callback that writes them, and a model from one;
 - :mod:`~channels_last_algo.app.runs.trainer`: Composer's Trainer for a recipe;
 - :mod:`~channels_last_algo.app.runs.train`: one training run, from the pre-flight checks to the last checkpoint;
 - :mod:`~channels_last_algo.app.runs.compare`: a recipe's steps timed with channels last off and on;

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Optional, Union
 
-from channels_last_algo.app.recipes.rules import parse_time
+from channels_last_algo.app.recipes.value_rules import parse_time
 from channels_last_algo.app.runs.checkpoint_files import (
     CHECKPOINT_NAME,
     CHECKPOINT_PATTERN,

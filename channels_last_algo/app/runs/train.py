@@ -3,7 +3,7 @@
 :func:`train_recipe` builds the run (:func:`~channels_last_algo.app.runs.trainer.build_trainer`: the
 run folder locked, an earlier run's checkpoints refused unless resumed or overwritten), fits it
 and closes it. Checkpoints are written atomically and before evaluation
-(:class:`~channels_last_algo.app.runs.checkpoints.RunCheckpoints`), so a run stopped by a corrupt image,
+(:class:`~channels_last_algo.app.runs.run_checkpoints.RunCheckpoints`), so a run stopped by a corrupt image,
 a Ctrl-C or a kill keeps every checkpoint it finished; a corrupt image ends it with
 :class:`RunError`, one line naming the file, the recipe key that skips such files, and the
 checkpoint to resume from. Any other failure while the run is built or trained ends it with
@@ -241,7 +241,7 @@ def train_recipe(
     """
     from composer.utils import dist
 
-    from channels_last_algo.app.runs.checkpoints import RunCheckpoints
+    from channels_last_algo.app.runs.run_checkpoints import RunCheckpoints
 
     if dist.get_global_rank() == 0:  # the rank that locks and writes the folder refuses it before any other work
         RunFolder(recipe.save_folder()).check(resume, overwrite, recipe.train.max_duration)
@@ -259,7 +259,7 @@ def train_recipe(
 
 
 def _saved(checkpoints: Any) -> str:
-    """What the run's checkpoints (its :class:`~channels_last_algo.app.runs.checkpoints.RunCheckpoints`) keep
+    """What the run's checkpoints (its :class:`~channels_last_algo.app.runs.run_checkpoints.RunCheckpoints`) keep
     of its training, in the words that end a message."""
     if checkpoints.saved:
         return f'the training up to {checkpoints.saved[-1]} is saved: continue with --resume'

@@ -82,7 +82,7 @@ def _model_and_checkpoints(recipe: Recipe, run: Any, start: Optional[Path], writ
     from composer.models import ComposerClassifier
     from composer.utils import reproducibility
 
-    from channels_last_algo.app.runs.checkpoints import RunCheckpoints
+    from channels_last_algo.app.runs.run_checkpoints import RunCheckpoints
 
     reproducibility.seed_all(recipe.train.seed)
     classes = recipe.model.num_classes

@@ -21,7 +21,7 @@ from typing import Union
 import torch
 from torch import nn
 
-from channels_last_algo.core.arguments import require_flags, require_module
+from channels_last_algo.core.argument_checks import require_flags, require_module
 from channels_last_algo.core.fuse.inference import fuse_for_inference
 from channels_last_algo.core.fuse.summary import FusionSummary
 from channels_last_algo.core.layout import to_channels_last

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from channels_last_algo.core.arguments import require_flags, require_module
+from channels_last_algo.core.argument_checks import require_flags, require_module
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.fuse.conv import FusedConv2d
 from channels_last_algo.core.fuse.graph import fuse_graph, trace

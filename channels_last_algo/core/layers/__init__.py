@@ -1,5 +1,5 @@
 """The swapped layers: NHWC-preserving replacements for the layers that drop channels last and the
-rules that apply them (:mod:`.rules`), and the kernel safe paths that the known layout kernel bugs
+rules that apply them (:mod:`.repair_rules`), and the kernel safe paths that the known layout kernel bugs
 (:mod:`channels_last_algo.core.safety.bugs`) route layers through (:mod:`.safe_paths`).
 
 The replacements of timm's layers (``channel_concat``, ``split_attention``,
@@ -36,7 +36,7 @@ from channels_last_algo.core.layers.pixel_shuffle import (
     pixel_shuffle_nhwc,
     pixel_unshuffle_nhwc,
 )
-from channels_last_algo.core.layers.rules import RULES, RepairRule, repair_model, unrepaired_subclasses
+from channels_last_algo.core.layers.repair_rules import RULES, RepairRule, repair_model, unrepaired_subclasses
 from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, SubsampledConv2d
 
 __all__ = [

@@ -37,17 +37,16 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Optional, Union
+from typing import ClassVar, Optional, Union
 
 import torch
 from torch import nn
 from torchvision.models.mobilenetv2 import MobileNetV2
 from torchvision.models.shufflenetv2 import InvertedResidual
 
-from channels_last_algo.core.arguments import require_module
+from channels_last_algo.core.argument_checks import require_module
 from channels_last_algo.core.layers.bicubic import ChannelsLastBicubicUpsample, is_bicubic
 from channels_last_algo.core.layers.channel_shuffle import ChannelsLastInvertedResidual
 from channels_last_algo.core.layers.global_avg_pool import ChannelsLastAdaptiveAvgPool2d, is_global_pool
@@ -60,16 +59,7 @@ from channels_last_algo.core.layers.mobilenet_v2 import ChannelsLastMobileNetV2
 from channels_last_algo.core.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d
 from channels_last_algo.core.layers.pixel_shuffle import ChannelsLastPixelShuffle, ChannelsLastPixelUnshuffle
 from channels_last_algo.core.runtime import VersionSpec, model_device
-from channels_last_algo.core.swap import (
-    SwapRecord,
-    UncoveredLayer,
-    original_class,
-    qualified_name,
-    require_subclass,
-    swap_first_match,
-    swappable,
-    uncovered,
-)
+from channels_last_algo.core.swap import SwapRecord, SwapRow, UncoveredLayer, swap_first_match, uncovered
 
 __all__ = ['RULES', 'RepairRule', 'repair_model', 'unrepaired_subclasses']
 
@@ -77,75 +67,39 @@ log = logging.getLogger(__name__)
 
 _LAYERS = 'channels_last_algo.core.layers'
 
-LayerType = Union[type, str]  # a class, or a qualified class name imported only when needed
 
-
-def _resolve(layer: LayerType) -> type:
-    if isinstance(layer, type):
-        return layer
-    module, _, name = layer.rpartition('.')
-    return getattr(importlib.import_module(module), name)
-
-
-@dataclasses.dataclass(frozen=True)
-class RepairRule:
-    """One row of the rule table.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RepairRule(SwapRow):
+    """One row of the rule table: a :class:`~channels_last_algo.core.swap.SwapRow` (``name``,
+    ``original``, ``replacement``, ``devices``, ``torch_versions``: where the break exists) and
+    the break it removes.
 
     Attributes:
-        name: short identifier, the ``reason`` of its :class:`~channels_last_algo.core.swap.SwapRecord`.
         breaks: the op that drops NHWC without the rule, and in which pass ('aten.cat (forward)').
-        original: the layer type holding it, or its qualified name; its subclasses that keep
-            the methods the replacement takes over match too
-            (:func:`~channels_last_algo.core.swap.swappable`).
-        replacement: a subclass of ``original`` that adds no state and keeps NHWC, or its
-            qualified name (imported when a model holds ``original``).
         removes: how the break shows and why the replacement removes it.
-        devices: the device types whose kernels have the break.
-        torch_versions: the torch versions that have it, a
-            :class:`~channels_last_algo.core.runtime.VersionSpec` or its clauses ('>=2.7').
         condition: further test on the module's settings; None matches every instance.
     """
 
-    name: str
+    row_kind: ClassVar[str] = 'repair rule'
+
     breaks: str
-    original: LayerType
-    replacement: LayerType
     removes: str
     devices: tuple[str, ...] = ('cpu', 'cuda')
     torch_versions: VersionSpec = VersionSpec.parse('>=2.7')
     condition: Optional[Callable[[nn.Module], bool]] = None
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, 'torch_versions', VersionSpec.of(self.torch_versions))
-        if isinstance(self.original, type) and isinstance(self.replacement, type):
-            self.replacement_type()
-
-    @property
-    def original_name(self) -> str:
-        return self.original if isinstance(self.original, str) else qualified_name(self.original)
-
-    def replacement_type(self) -> type:
-        """The replacement class (imported now if named by a string), checked to subclass the original."""
-        return require_subclass(
-            _resolve(self.replacement), _resolve(self.original), f'repair rule {self.name!r}', 'replacement'
-        )
-
     def applies(self, device: torch.device, version: str = torch.__version__) -> bool:
         """True when the break this rule removes exists on ``device`` with torch ``version``."""
-        return device.type in self.devices and self.torch_versions.contains(version)
+        return self.holds_on(device.type, version)
 
     def reaches(self, module: nn.Module, device: torch.device) -> bool:
         """True when ``module``, an ``original`` or a subclass not swapped yet, holds this rule's
         break in a model on ``device``."""
-        if original_class(module, self) is None or not self.applies(device):
-            return False
-        if isinstance(module, self.replacement_type()):
-            return False
-        return self.condition is None or self.condition(module)
-
-    def matches(self, module: nn.Module, device: torch.device) -> bool:
-        """True when this rule applies to ``module`` in a model on ``device`` and may swap its class."""
-        return swappable(module, self) and self.reaches(module, device)
+        return (
+            self.applies(device)
+            and self.unswapped_original(module)
+            and (self.condition is None or self.condition(module))
+        )
 
 
 _TIMM_GHOST = 'timm.models.ghostnet'

@@ -14,7 +14,8 @@ objects, buffers, hooks and ``state_dict`` keys) with the swap engine the repair
 :func:`~channels_last_algo.core.convert.apply_channels_last`.
 
 The conditions are deliberately wider than where a crash was seen (a write past a buffer does
-not crash every time; see ``observed``): a safe path costs little and keeps the numbers.
+not crash every time; ``docs/safety.md`` has what the probes saw, per row): a safe path costs
+little and keeps the numbers.
 
 Example:
     >>> import torch
@@ -31,23 +32,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 from torch import nn
 
 from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, SubsampledConv2d
-from channels_last_algo.core.runtime import Runtime, VersionSpec, model_device
-from channels_last_algo.core.swap import (
-    SwapRecord,
-    UncoveredLayer,
-    first_matches,
-    qualified_name,
-    require_subclass,
-    swap_first_match,
-    swappable,
-    uncovered,
-)
+from channels_last_algo.core.runtime import Runtime, model_device
+from channels_last_algo.core.swap import SwapRecord, SwapRow, UncoveredLayer, first_matches, swap_first_match, uncovered
 
 __all__ = ['FAILURES', 'KNOWN_BUGS', 'KernelBug', 'default_runtimes', 'make_safe', 'matching_bugs', 'unsafe_subclasses']
 
@@ -58,83 +50,59 @@ FAILURES = ('crash', 'hang', 'wrong numbers', 'NCHW output')
 silently, or drops NHWC."""
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelBug:
-    """One row of the table of known layout kernel bugs.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelBug(SwapRow):
+    """One row of the table of known layout kernel bugs: a :class:`~channels_last_algo.core.swap.SwapRow`
+    (``name``; ``original``, the layer type whose settings reach the failing kernel; ``replacement``,
+    its safe path; ``devices`` and ``torch_versions`` that have the bug) and the bug.
+
+    The safe path is a subclass of ``original`` and of :class:`~channels_last_algo.core.swap.Replacement`
+    that overrides forward only. A subclass of ``original`` with its own ``forward`` does not
+    match (:func:`unsafe_subclasses`). ``torch_versions`` gives the first affected and the first
+    fixed release (None: no known bound).
 
     Attributes:
-        name: short identifier, the ``reason`` of its :class:`~channels_last_algo.core.swap.SwapRecord`.
         op: the op and kernel that fail.
-        layer: the module type whose settings reach it; its subclasses that keep the methods the
-            safe path takes over match too (:func:`~channels_last_algo.core.swap.swappable`), one
-            with its own ``forward`` does not (:func:`unsafe_subclasses`).
         condition: the test on the layer's settings (and the runtime, where they interact).
-        shape_condition: ``condition`` in words, with what the probes saw.
-        devices: the device types the kernel runs on.
-        torch_versions: the torch versions that have it, a
-            :class:`~channels_last_algo.core.runtime.VersionSpec` (first affected, first fixed;
-            None: no known bound) or its clauses ('<2.14').
+        shape_condition: ``condition`` in words.
         cpu_isa: on the CPU, the instruction sets whose kernels fail (None: any).
         failures: what it does, each one of :data:`FAILURES`.
         repro: a self-contained Python script: it exits 0 where the kernel behaves, dies from a
             signal where it crashes, and fails an ``assert`` where the numbers are wrong.
-        safe_path: the replacement class (a subclass of ``layer`` and of
-            :class:`~channels_last_algo.core.swap.Replacement` that overrides forward only).
         references: the trackers' threads.
-        observed: where the probes of this project ran the repro, and what they saw.
+        observed: where the probes of this project ran the repro, in one sentence (the
+            measurements: ``docs/safety.md``, *What the probes saw here*, under the row's name).
     """
 
-    name: str
+    row_kind: ClassVar[str] = 'kernel bug'
+    replacement_role: ClassVar[str] = 'safe path'
+    class_name = staticmethod(lambda cls: cls.__name__)
+
     op: str
-    layer: type
     condition: Callable[[nn.Module, Runtime], bool]
     shape_condition: str
-    devices: tuple[str, ...]
-    torch_versions: VersionSpec
     cpu_isa: Optional[tuple[str, ...]]
     failures: tuple[str, ...]
     repro: str
-    safe_path: type
     references: tuple[str, ...]
     observed: str
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, 'torch_versions', VersionSpec.of(self.torch_versions))
-        self.replacement_type()
+        super().__post_init__()
         unknown = [f for f in self.failures if f not in FAILURES]
         if not self.failures or unknown:
             raise ValueError(f'kernel bug {self.name!r}: failures {self.failures} must be one or more of {FAILURES}')
 
-    @property
-    def original_name(self) -> str:
-        return qualified_name(self.layer)
-
-    def replacement_type(self) -> type:
-        """The safe path, checked to subclass the layer."""
-        return require_subclass(
-            self.safe_path, self.layer, f'kernel bug {self.name!r}', 'safe path', name=lambda cls: cls.__name__
-        )
-
     def affects(self, runtime: Runtime) -> bool:
         """True when ``runtime``'s device, torch version and CPU instruction set have this bug."""
-        if runtime.device not in self.devices or not self.torch_versions.contains(runtime.torch_version):
+        if not self.holds_on(runtime.device, runtime.torch_version):
             return False
         return runtime.device != 'cpu' or self.cpu_isa is None or runtime.cpu_isa in self.cpu_isa
 
     def reaches(self, module: nn.Module, runtime: Runtime) -> bool:
-        """True when ``module``, a ``layer`` or a subclass not on the safe path yet, reaches the
+        """True when ``module``, an ``original`` or a subclass not on the safe path yet, reaches the
         failing kernel on ``runtime``."""
-        return (
-            isinstance(module, self.layer)
-            and not isinstance(module, self.safe_path)
-            and self.affects(runtime)
-            and self.condition(module, runtime)
-        )
-
-    def matches(self, module: nn.Module, runtime: Runtime) -> bool:
-        """True when ``module`` reaches the failing kernel on ``runtime`` and computes as a ``layer``
-        (:func:`~channels_last_algo.core.swap.swappable`), so the safe path may replace its class."""
-        return swappable(module, self) and self.reaches(module, runtime)
+        return self.unswapped_original(module) and self.affects(runtime) and self.condition(module, runtime)
 
 
 # The channel block of oneDNN's jit_1x1 kernels for fp32: an AVX-512 register holds 16 floats, AVX2 8.
@@ -188,39 +156,29 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
         op='aten.convolution_backward weight gradient: oneDNN jit_1x1 backward_weights (jit_1x1:avx512_core, '
         'jit_1x1:avx2), which gathers the strided input into a per-thread workspace and, on NHWC input with fewer '
         'input channels than its channel block, writes past that workspace',
-        layer=nn.Conv2d,
+        original=nn.Conv2d,
         condition=_few_channel_strided_1x1,
         shape_condition='kernel 1x1, stride > 1 in either dimension, padding 0, groups 1, in_channels < 16 with the '
         'AVX-512 kernel or < 8 with the AVX2 kernel, input or weight channels last, weight gradient computed (the '
-        'input need not require grad). The workspace is overrun on every call; whether and when the process dies '
-        'depends on the heap: 3 -> 48 at 2 x 3 x 128 x 128 dies on the first step, at 32 x 32 and 64 x 64 twenty '
-        'steps ran with right numbers, at batch 1 the process died within twenty steps. Seen in fp32 (torch 2.7 and '
-        '2.14) and bf16 (torch 2.14). Stride 3 runs a generic oneDNN kernel here and did not crash.',
+        'input need not require grad)',
         devices=('cpu',),
         torch_versions='',
         cpu_isa=('AVX512', 'AVX2'),
         failures=('crash', 'hang', 'wrong numbers'),
         repro=_ONEDNN_1X1_REPRO,
-        safe_path=SubsampledConv2d,
+        replacement=SubsampledConv2d,
         references=(
             'https://github.com/uxlfoundation/oneDNN/issues/6035 (open: rtus workspace overrun, nhwc, '
             'IC < ic_block; SIGSEGV with AVX-512, hang or wrong weight gradients with AVX2)',
         ),
-        observed='AMD EPYC with AVX-512 and BF16, 2 threads, torch 2.7.0 (oneDNN 3.7.1) and 2.14.1 (oneDNN 3.12.0), '
-        'the same in both: SIGSEGV (or SIGABRT/SIGBUS from glibc heap checks) for 1, 2, 3, 4, 8, 12, 15 input '
-        'channels -> 48 (and 3 -> 8, 16, 32, 64, 96), batch 2, 4, 8, 96 to 224 px, stride 2, (2, 1) or (1, 2), input '
-        'or weight or both NHWC, bias on or off; no crash with 16, 24, 32 input channels, stride 1 or 3, padding 1, '
-        'groups 2 or 4, or NCHW. With ONEDNN_MAX_CPU_ISA=AVX2 (jit_1x1:avx2): 3 input channels gave a weight '
-        'gradient 150% off (torch 2.7) or SIGSEGV (2.14), 4 and 7 SIGSEGV (2.7) or a hang (2.14), 8 to 16 right. '
-        'The safe path ran the crashing shapes it was tried on (1, 3, 15 channels, 224 px, batch 8, weight or both '
-        'NHWC, the AVX2 kernel) with NCHW numbers. Reported on an AVX-512 Xeon without BF16 for '
-        '3, 4, 8 -> 48, and RepVGG, MobileOne and FastViT stems.',
+        observed='probed on an AMD EPYC with AVX-512, torch 2.7.0 and 2.14.1: crashes, a hang and wrong weight '
+        'gradients below the channel block, none with the safe path',
     ),
     KernelBug(
         name='cuda_avg_pool2d_nhwc_backward_padding',
         op='aten.avg_pool2d_backward on CUDA: the NHWC kernel (avg_pool2d_backward_out_cuda_frame_nhwc) maps input '
         'pixels to pooling windows without the padding offset',
-        layer=nn.AvgPool2d,
+        original=nn.AvgPool2d,
         condition=_padded,
         shape_condition='padding > 0, input channels last; the forward and padding 0 are right',
         devices=('cuda',),
@@ -228,7 +186,7 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
         cpu_isa=None,
         failures=('wrong numbers',),
         repro=_CUDA_AVG_POOL_REPRO,
-        safe_path=NCHWAvgPool2d,
+        replacement=NCHWAvgPool2d,
         references=(
             'https://github.com/pytorch/pytorch/issues/188344',
             'https://github.com/pytorch/pytorch/pull/188345 (the fix, in torch 2.14)',

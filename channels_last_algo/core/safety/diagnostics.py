@@ -340,7 +340,7 @@ def _conditions(built: nn.Module, runtime: Runtime) -> list[dict[str, Any]]:
             'layer': type(module).__name__,
             'bug': bug.name,
             'failures': list(bug.failures),
-            'safe_path': bug.safe_path.__name__,
+            'safe_path': bug.replacement.__name__,
             'made_safe': bug.matches(module, runtime),
         }
         for path, module, bug in matching_bugs(built, [runtime], subclasses=True)
