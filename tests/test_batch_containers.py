@@ -24,7 +24,6 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, Dataset
 
 from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.layout import batch_to_channels_last, is_channels_last
@@ -233,98 +232,14 @@ def test_a_dense_target_the_first_guess_restrided_is_viewed_in_the_loss():
     assert_same_run(steps, reference(dense=True))
 
 
-class DenseTargets(Dataset):
-    """The dense-target batches of :func:`data`, one sample at a time."""
+@pytest.mark.parametrize('integration', ['composer', 'lightning'])
+def test_a_trainer_dense_target_viewed_in_the_loss(integration):
+    """The same through the Composer algorithm and the Lightning callback: the loss views the target."""
+    from guarded_runs import Run, guarded
 
-    def __init__(self) -> None:
-        self.images, self.targets = (torch.cat(t) for t in zip(*data(dense=True)))
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.images[index], self.targets[index]
-
-
-def test_composer_dense_target_viewed_in_the_loss():
-    pytest.importorskip('composer')
-    from composer import Callback, Trainer
-    from composer.models import ComposerModel
-
-    from channels_last_algo.integrations.composer import ChannelsLast
-
-    class Dense(ComposerModel):
-        def __init__(self, net: nn.Module) -> None:
-            super().__init__()
-            self.net = net
-
-        def forward(self, batch):
-            return self.net(batch[0])
-
-        def loss(self, outputs, batch):
-            return dense_loss(outputs, batch[1])
-
-    class Record(Callback):
-        def __init__(self, net: nn.Module) -> None:
-            self.net, self.steps = net, []
-
-        def batch_end(self, state, logger) -> None:
-            self.steps.append((state.loss.detach().clone(), snapshot(self.net)))
-
-    net = build(CLASSES)
-    record = Record(net)
-    trainer = Trainer(
-        model=Dense(net),
-        train_dataloader=DataLoader(DenseTargets(), batch_size=BATCH),
-        optimizers=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
-        max_duration=f'{STEPS}ba',
-        device='cpu',
-        algorithms=[ChannelsLast()],
-        callbacks=[record],
-        progress_bar=False,
-    )
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    assert_same_run(record.steps, reference(dense=True))
-
-
-def test_lightning_dense_target_viewed_in_the_loss():
-    L = pytest.importorskip('lightning')
-
-    from channels_last_algo.integrations.lightning import ChannelsLastCallback
-
-    class Dense(L.LightningModule):
-        def __init__(self, net: nn.Module) -> None:
-            super().__init__()
-            self.net = net
-            self.steps: list[tuple[torch.Tensor, dict]] = []
-
-        def training_step(self, batch, batch_idx):
-            images, target = batch
-            return dense_loss(self.net(images), target)
-
-        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-            self.steps.append((outputs['loss'].detach().clone(), snapshot(self.net)))
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.net.parameters(), lr=0.1, momentum=0.9)
-
-    module = Dense(build(CLASSES))
-    trainer = L.Trainer(
-        callbacks=[ChannelsLastCallback()],
-        accelerator='cpu',
-        devices=1,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    trainer.fit(module, train_dataloaders=DataLoader(DenseTargets(), batch_size=BATCH))
-    assert_same_run(module.steps, reference(dense=True))
+    run = Run(lambda: build(CLASSES), data(dense=True), lambda out, batch: dense_loss(out, batch[1]))
+    steps, _, _ = guarded(run, integration)
+    assert_same_run(steps, reference(dense=True))
 
 
 def test_lightning_trains_on_dataclass_batches_as_nchw():
