@@ -1,7 +1,8 @@
 """Doctest collection across the two test environments.
 
 An integration module whose trainer is not installed here (Composer in the newest-torch
-environment, Lightning in the Composer one) is not collected, and the doctests of the
+environment, Lightning in the Composer one) is not collected: each is named for its trainer's
+package (``integrations/composer*.py``, ``integrations/lightning*.py``). The doctests of the
 application modules that build Composer objects are skipped where Composer is missing.
 """
 
@@ -15,11 +16,14 @@ from channels_last_algo.integrations import INTEGRATIONS
 # Application modules that import Composer at the top: the checkpoints of recipe runs.
 COMPOSER_MODULES = ('channels_last_algo/app/runs/run_checkpoints.py',)
 
+INTEGRATION_FOLDER = Path('channels_last_algo', 'integrations')
+
 collect_ignore = sorted(
     {
-        str(Path(*module.split('.')).with_suffix('.py'))
-        for module, package, _ in INTEGRATIONS.values()
+        str(path.relative_to(Path(__file__).parent))
+        for package in {package for _, package, _ in INTEGRATIONS.values()}
         if importlib.util.find_spec(package) is None
+        for path in (Path(__file__).parent / INTEGRATION_FOLDER).glob(f'{package}*.py')
     }
     | (set(COMPOSER_MODULES) if importlib.util.find_spec('composer') is None else set())
 )

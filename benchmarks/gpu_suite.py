@@ -185,7 +185,7 @@ def part_zoo(settings: Settings) -> dict[str, Any]:
         x = torch.randn(settings.zoo_batch, 3, settings.zoo_size, settings.zoo_size, device=settings.device)
         labels = torch.randint(0, 1000, (settings.zoo_batch,), device=settings.device)
         loss = lambda m, b, labels=labels: nn.functional.cross_entropy(m(b), labels)  # noqa: E731
-        decision = guard.decide(model, x, loss, max_seconds=20)
+        decision = guard.auto.decide(model, x, loss, max_seconds=20)
         audited = build().to(settings.device)
         LayoutGuard().on_init(audited)
         report = audit_model(audited, x.contiguous(memory_format=torch.channels_last))

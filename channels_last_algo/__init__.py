@@ -24,10 +24,10 @@ from channels_last_algo.core import *  # noqa: F401,F403  (the core's public API
 from channels_last_algo.core import __all__ as _core_all
 from channels_last_algo.integrations import integration_attribute
 
-__all__ = [*_core_all, 'ChannelsLast', 'ChannelsLastCallback']
+__all__ = [*_core_all, 'ChannelsLast', 'ChannelsLastCallback', 'FusedEval', 'FusedEvalCallback']
 
 
 def __getattr__(name: str):
-    """``ChannelsLast`` (Composer) and ``ChannelsLastCallback`` (Lightning): loaded from their
-    integration on first use, with the install command when it is missing."""
+    """``ChannelsLast`` and ``FusedEval`` (Composer), ``ChannelsLastCallback`` and ``FusedEvalCallback``
+    (Lightning): loaded from their integration on first use, with the install command when it is missing."""
     return integration_attribute(name, __name__)

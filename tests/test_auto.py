@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from channels_last_algo import LayoutGuard, WeightLayoutPlan, has_channels_last_strides
-from channels_last_algo.core import guard as guard_module
+from channels_last_algo.core import auto_mode as auto_mode_module
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
 from channels_last_algo.core.timing import FakeClock
 
@@ -172,30 +172,30 @@ def test_plain_loop_guard_follows_the_decision():
     guard.on_init(model)
     x = torch.randn(4, 3, 8, 8)
     decide = functools.partial(decide_layout, timer=LayoutClock(model[0].weight, channels_last_cost=2.0))
-    guard_module.decide_layout, original = decide, guard_module.decide_layout
+    auto_mode_module.decide_layout, original = decide, auto_mode_module.decide_layout
     try:
-        guard.decide(model, x, lambda m, inputs: m(inputs).sum())
+        guard.auto.decide(model, x, lambda m, inputs: m(inputs).sum())
     finally:
-        guard_module.decide_layout = original
+        auto_mode_module.decide_layout = original
     assert not guard.channels_last and guard.on_batch(x) is x
     assert not has_channels_last_strides(model[0].weight)
     with pytest.raises(RuntimeError, match="mode='auto'"):
-        LayoutGuard().decide(model, x, lambda m, inputs: m(inputs).sum())
+        LayoutGuard().auto.decide(model, x, lambda m, inputs: m(inputs).sum())
 
 
 def test_repr_shows_the_mode_asked_for_and_effective_mode_the_one_acted_in():
     model = _model()
     guard = LayoutGuard(mode='auto')
     guard.on_init(model)
-    guard.decide(model, torch.randn(4, 3, 8, 8), lambda m, inputs: m(inputs).sum(), max_rounds=2, warmup=0)
+    guard.auto.decide(model, torch.randn(4, 3, 8, 8), lambda m, inputs: m(inputs).sum(), max_rounds=2, warmup=0)
     assert repr(guard) == "LayoutGuard(mode='auto', audit_steps=0, strict=False)"
-    assert guard.effective_mode == 'auto' and guard.decision is not None
+    assert guard.effective_mode == 'auto' and guard.auto.decision is not None
     contiguous = LayoutGuard(mode='auto')  # weights that must stay contiguous: nothing to time, it acts as 'on'
     contiguous.on_init(_model(), weight_layout=WeightLayoutPlan(contiguous=True, reason='tensor parallel'))
     assert contiguous.mode == 'auto' and contiguous.effective_mode == 'on' and contiguous.channels_last
     assert repr(contiguous) == "LayoutGuard(mode='auto', audit_steps=0, strict=False)"
-    with pytest.raises(RuntimeError, match="this guard's mode is 'on'"):
-        contiguous.decide(model, torch.randn(4, 3, 8, 8), lambda m, inputs: m(inputs).sum())
+    with pytest.raises(RuntimeError, match="does not act in auto mode"):
+        contiguous.auto.decide(model, torch.randn(4, 3, 8, 8), lambda m, inputs: m(inputs).sum())
 
 
 def _trainer(mode, **options):
@@ -237,7 +237,7 @@ def _decide_with_costs(channels_last_cost):
 @pytest.mark.parametrize('channels_last_cost', [0.5, 2.0])
 def test_composer_auto_trains_exactly_as_the_chosen_layout_from_the_start(monkeypatch, channels_last_cost):
     pytest.importorskip('composer', reason='the Composer integration needs composer (the torch 2.7 environment)')
-    monkeypatch.setattr(guard_module, 'decide_layout', _decide_with_costs(channels_last_cost))
+    monkeypatch.setattr(auto_mode_module, 'decide_layout', _decide_with_costs(channels_last_cost))
     auto, algorithm = _trainer('auto')
     auto.fit()
     chosen = algorithm.decision.channels_last
@@ -252,7 +252,7 @@ def test_composer_auto_trains_exactly_as_the_chosen_layout_from_the_start(monkey
 
 def test_composer_repr_and_checkpoint_show_mode_auto_after_the_decision(monkeypatch):
     pytest.importorskip('composer', reason='the Composer integration needs composer (the torch 2.7 environment)')
-    monkeypatch.setattr(guard_module, 'decide_layout', _decide_with_costs(2.0))
+    monkeypatch.setattr(auto_mode_module, 'decide_layout', _decide_with_costs(2.0))
     trainer, algorithm = _trainer('auto')
     trainer.fit()
     assert algorithm.decision is not None and not algorithm.decision.channels_last
@@ -262,7 +262,7 @@ def test_composer_repr_and_checkpoint_show_mode_auto_after_the_decision(monkeypa
 
 def test_resumed_run_keeps_the_decision_without_measuring(monkeypatch, tmp_path):
     pytest.importorskip('composer', reason='the Composer integration needs composer (the torch 2.7 environment)')
-    monkeypatch.setattr(guard_module, 'decide_layout', _decide_with_costs(2.0))
+    monkeypatch.setattr(auto_mode_module, 'decide_layout', _decide_with_costs(2.0))
     first, algorithm = _trainer('auto', save_folder=str(tmp_path), save_interval='3ba')
     first.fit()
     decided = algorithm.decision
@@ -271,7 +271,7 @@ def test_resumed_run_keeps_the_decision_without_measuring(monkeypatch, tmp_path)
     def must_not_measure(*args, **kwargs):
         raise AssertionError('a resumed run measured again')
 
-    monkeypatch.setattr(guard_module, 'decide_layout', must_not_measure)
+    monkeypatch.setattr(auto_mode_module, 'decide_layout', must_not_measure)
     resumed, algorithm = _trainer('auto', load_path=str(tmp_path / 'ep0-ba3-rank0.pt'))
     assert algorithm.decision == decided  # the interval and the rounds come back with the layout
     assert not has_channels_last_strides(resumed.state.model.module[0].weight)

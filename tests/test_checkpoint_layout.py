@@ -76,7 +76,7 @@ def test_a_canonical_checkpoint_loads_back_into_channels_last_bit_for_bit(assign
     target.load_state_dict(saved['model'], assign=assign)  # assign=True: new Parameters, so the optimizer after
     optimizer = torch.optim.SGD(target.parameters(), lr=0.1, momentum=0.9)
     optimizer.load_state_dict(saved['optimizer'])
-    guard.after_load(target, optimizer)
+    guard.on_load(target, optimizer)
     for name, weight in _conv_weights(target).items():
         assert is_channels_last(weight), name
         assert torch.equal(weight, saved['model'][name])

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from channels_last_algo import ChannelsLast, LayoutBreakError, has_channels_last_strides, is_channels_last
 from channels_last_algo.app.runs.demo import TinyResNet
-from channels_last_algo.core import guard as guard_module
+from channels_last_algo.core import auto_mode as auto_mode_module
 from channels_last_algo.core.auto import decide_layout
 from conftest import breaking_model, no_dispatch_mode, random_images, tiny_loader
 
@@ -137,7 +137,7 @@ def test_fuse_eval_without_a_network_in_module_is_refused_at_init():
         def loss(self, outputs, batch):
             return nn.functional.cross_entropy(outputs, batch[1])
 
-    with pytest.raises(ValueError, match=r'fuse_eval=True\) fuses the network a ComposerModel keeps in .module'):
+    with pytest.raises(ValueError, match=r'fuses the network a ComposerModel keeps in .module'):
         Trainer(
             model=Unwrapped(),
             train_dataloader=tiny_loader(),
@@ -178,7 +178,7 @@ def test_composer_console_shows_the_start_block_once_before_its_config_and_the_b
 
 
 def test_composer_auto_mode_says_what_it_times_and_what_it_kept(capsys, monkeypatch):
-    monkeypatch.setattr(guard_module, 'decide_layout', functools.partial(decide_layout, max_rounds=2, warmup=0))
+    monkeypatch.setattr(auto_mode_module, 'decide_layout', functools.partial(decide_layout, max_rounds=2, warmup=0))
     algorithm = ChannelsLast(mode='auto')
     trainer = Trainer(
         model=ComposerClassifier(TinyResNet(), num_classes=10),

@@ -132,7 +132,7 @@ def test_auto_mode_says_what_it_times_before_and_what_it_kept_after():
     guard = LayoutGuard(mode='auto')
     guard.console = shown.append
     guard.on_init(model)
-    decision = guard.decide(model, torch.randn(4, 3, 8, 8), lambda m, x: m(x).sum(), max_rounds=2, warmup=0)
+    decision = guard.auto.decide(model, torch.randn(4, 3, 8, 8), lambda m, x: m(x).sum(), max_rounds=2, warmup=0)
     assert shown == [  # the bounds given to decide(), decide_layout's own otherwise
         'auto layout: timing channels first (NCHW) against channels last on the first training batch, '
         'at most 2 rounds or 60 s ...',
@@ -144,8 +144,8 @@ def test_auto_mode_says_what_it_times_before_and_what_it_kept_after():
         f'channels first, 2 rounds, {decision.cost_seconds:.1f} s'
     ]
     assert guard.start_block.hyperparameters['channels_last/auto_rounds'] == 2
-    guard.show_start()
-    guard.show_start()  # once
+    guard.on_run_start()
+    guard.on_run_start()  # once
     assert shown[2:] == [str(guard.start_block)]
 
 

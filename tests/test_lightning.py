@@ -30,7 +30,7 @@ from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import channels_last_algo.core.guard as guard_module
+import channels_last_algo.core.auto_mode as auto_mode_module
 from channels_last_algo import ChannelsLastCallback, LayoutBreakError, has_channels_last_strides, is_channels_last
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
 from conftest import STRIDE_WARNING, breaking_model, leave_rank, no_dispatch_mode, random_images, small_net
@@ -124,7 +124,7 @@ def set_up(callback: ChannelsLastCallback, net: nn.Module | None = None, **optio
 @pytest.fixture
 def quick_decisions(monkeypatch):
     """Auto mode decides on 2 paired rounds: real timing, bounded cost."""
-    monkeypatch.setattr(guard_module, 'decide_layout', functools.partial(decide_layout, max_rounds=2, warmup=0))
+    monkeypatch.setattr(auto_mode_module, 'decide_layout', functools.partial(decide_layout, max_rounds=2, warmup=0))
 
 
 # --- the handlers, on a Trainer that never fits ----------------------------------------------------
@@ -134,7 +134,7 @@ def test_options_repr_and_bad_values():
     assert repr(ChannelsLastCallback(audit_steps=2)) == "ChannelsLastCallback(mode='on', audit_steps=2, strict=False)"
     assert (
         repr(ChannelsLastCallback(fuse_eval=True, repair=False))
-        == "ChannelsLastCallback(mode='on', audit_steps=0, strict=False, fuse_eval=True, repair=False)"
+        == "ChannelsLastCallback(mode='on', audit_steps=0, strict=False, repair=False, fuse_eval=True)"
     )
     with pytest.raises(ValueError, match='fuse_eval must be True or False'):
         ChannelsLastCallback(fuse_eval='yes')
@@ -362,7 +362,7 @@ def test_auto_decision_is_logged_checkpointed_and_resumed_without_measuring(quic
     def no_measuring(*args, **kwargs):
         raise AssertionError('a resumed run measured again')
 
-    monkeypatch.setattr(guard_module, 'decide_layout', no_measuring)
+    monkeypatch.setattr(auto_mode_module, 'decide_layout', no_measuring)
     resumed = ChannelsLastCallback(mode='auto')
     trainer(max_steps=4, callbacks=[resumed]).fit(Classifier(), loader(), ckpt_path=tmp_path / 'run.ckpt')
     assert resumed.decision == decision
@@ -510,7 +510,7 @@ def _run_rank(out: Path) -> None:
     """One rank: ``mode='on'`` with an audit, then ``mode='auto'``, each under DDP from the initial weights."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    guard_module.decide_layout = functools.partial(decide_layout, max_rounds=2, warmup=0)
+    auto_mode_module.decide_layout = functools.partial(decide_layout, max_rounds=2, warmup=0)
     initial = torch.load(out / 'initial.pt')
     result = {}
     for run, callback in (('on', ChannelsLastCallback(audit_steps=STEPS)), ('auto', ChannelsLastCallback(mode='auto'))):

@@ -2,7 +2,7 @@
 
 Layout (:mod:`.layout`), the functional conversion (:mod:`.convert`), canonical checkpoints
 (:mod:`.canonical_checkpoints`), the repair rules and
-layers (:mod:`.layers`), the layout audit (:mod:`.audit`), auto mode (:mod:`.auto`), what
+layers (:mod:`.layers`), the layout audit (:mod:`.audit`), auto mode (:mod:`.auto`, :mod:`.auto_mode`), what
 parallel wrappers allow (:mod:`.weight_layout`), the framework-neutral event layer
 (:mod:`.guard`), what a user sees of a run (:mod:`.console`), fused inference (:mod:`.fuse`),
 known kernel bugs and the doctor (:mod:`.safety`), and interleaved timing (:mod:`.timing`).
@@ -10,6 +10,7 @@ Integrations and the application import from here; nothing here imports from the
 """
 
 from channels_last_algo.core.audit import AuditRecord, AuditReport, LayoutAudit, LayoutBreakError, audit_model
+from channels_last_algo.core.auto_mode import AutoMode, Trial
 from channels_last_algo.core.canonical_checkpoints import canonical_state
 from channels_last_algo.core.console import ConsoleBlock
 from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last
@@ -39,6 +40,7 @@ from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layou
 __all__ = [
     'AuditRecord',
     'AuditReport',
+    'AutoMode',
     'ConsoleBlock',
     'ConversionSummary',
     'DoctorReport',
@@ -54,6 +56,7 @@ __all__ = [
     'RULES',
     'RepairRule',
     'SwapRecord',
+    'Trial',
     'WeightLayoutPlan',
     'apply_channels_first',
     'apply_channels_last',

@@ -17,7 +17,7 @@ Lightning callback and the ``channels-last train`` run folder save through it; a
 calls it before ``torch.save``. Loading needs nothing for the model (``load_state_dict`` copies
 into the existing channels-last tensors); the optimizer state that ``Optimizer.load_state_dict``
 brings in NCHW is put back in its parameters' layout by
-:meth:`~channels_last_algo.core.guard.LayoutGuard.after_load` (``restride`` with the optimizers).
+:meth:`~channels_last_algo.core.guard.LayoutGuard.on_load` (``restride`` with the optimizers).
 
 Example:
     >>> import torch

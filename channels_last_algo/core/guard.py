@@ -1,13 +1,12 @@
 """The framework-neutral event layer that keeps a training run channels last.
 
-:class:`LayoutGuard` holds the work of each event: convert the model once (``on_init``), put
-every batch in NHWC (``on_batch``), audit the first training steps (``on_step_start``,
-``on_step_end``, or the ``step()`` context manager), and in auto mode settle the layout from
-timed trial steps (``decide``). What every trainer adapter needs is written here once: the
-settle sequence across ranks and resumes (``settle``), the audit's metrics (``end_step``), the
-fused evaluation passes (``fuse_eval``) and the mode acted in (``effective_mode``); the Composer
-algorithm and the Lightning callback only map their trainer's events onto these calls, and a
-plain PyTorch loop calls them directly.
+:class:`LayoutGuard` holds the work of each training event, named ``on_<moment>``: convert the
+model once (``on_init``), restride a loaded checkpoint's optimizer state (``on_load``), show what
+the run starts with (``on_run_start``), put every batch in NHWC (``on_batch``), and audit the first
+training steps (``on_step_start``, ``on_step_end``, or the ``step()`` context manager). Auto mode is
+its own object (:attr:`LayoutGuard.auto`, :mod:`~channels_last_algo.core.auto_mode`); the guard
+asks it which layout. The Composer algorithm and the Lightning callback map their trainer's events
+onto these calls; a plain PyTorch loop calls them directly.
 
 Example:
     >>> import torch
@@ -22,59 +21,32 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import inspect
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from channels_last_algo.core.argument_checks import require_module, require_optimizers
 from channels_last_algo.core.audit import AuditReport
 from channels_last_algo.core.audited_steps import AuditedSteps
-from channels_last_algo.core.auto import LayoutDecision, decide_layout
-from channels_last_algo.core.console import ConsoleBlock, start_block, step_metrics, timing_line
+from channels_last_algo.core.auto_mode import AutoMode, LossFn
+from channels_last_algo.core.console import ConsoleBlock, start_block
 from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last, restride
-from channels_last_algo.core.fuse import FusedEvaluation
 from channels_last_algo.core.inputs import Inputs, InputSelection
 from channels_last_algo.core.layout import to_channels_first, to_channels_last
-from channels_last_algo.core.options import check_options
+from channels_last_algo.core.options import check_options, options_repr
 from channels_last_algo.core.repair_check import RefusedRepair, RepairCheck
 from channels_last_algo.core.viewed_outputs import ViewedOutputs
 from channels_last_algo.core.weight_layout import OptimizerWatch, WeightLayoutPlan, for_training, weight_layout_for
 
-__all__ = ['LayoutGuard', 'StepLogs', 'Trial']
+__all__ = ['LayoutGuard']
 
 Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
 
 log = logging.getLogger(__name__)
-
-
-# decide_layout's bounds by default, which auto mode's timing line names unless decide() is given others.
-_DECIDE_DEFAULTS = {
-    name: p.default for name, p in inspect.signature(decide_layout).parameters.items() if p.default is not p.empty
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Trial:
-    """What auto mode times (:meth:`LayoutGuard.settle`): ``draw()`` gives the first training batch
-    as a step gets it (called on rank 0 only), ``loss_fn(model, batch)`` a training step's loss."""
-
-    draw: Callable[[], Any]
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
-
-
-class StepLogs(NamedTuple):
-    """What a trainer logs after a training step (:meth:`LayoutGuard.end_step`): an audited step's
-    metrics (:func:`~channels_last_algo.core.console.step_metrics`), and after the last audited step
-    :attr:`LayoutGuard.audit_block`'s hyperparameters; empty where there are none."""
-
-    metrics: dict[str, int]
-    hyperparameters: dict[str, Any]
 
 
 class LayoutGuard:
@@ -85,14 +57,15 @@ class LayoutGuard:
     evaluation and prediction alike, and wrap each training step's forward, loss and backward
     in :meth:`step` (or call :meth:`on_step_start` / :meth:`on_step_end`).
 
-    Options: the keyword-only ones of :data:`~channels_last_algo.core.options.OPTIONS` (``docs/options.md``).
+    Options: the keyword-only ones of :data:`~channels_last_algo.core.options.OPTIONS` (``docs/options.md``),
+    all but the integrations' ``fuse_eval``.
 
     What a user should see (:mod:`channels_last_algo.core.console`): :attr:`start_block` (the
-    conversion, repairs, weight layout and auto mode's decision), shown once at the first training
-    step unless :meth:`show_start` showed it before; auto mode's timing line and decision
-    (:meth:`decide`); and after the last audited step the breaks left (:attr:`audit_block`). They
-    go to :attr:`console`, a trainer integration's console, or, where it is None (a plain loop),
-    to the log at INFO (WARNING for breaks left): one record each.
+    conversion, repairs, weight layout and auto mode's decision), shown once by :meth:`on_run_start`
+    or else at the first training step; auto mode's timing line and decision; and after the last
+    audited step the breaks left (:attr:`audit_block`). They go to :attr:`console`, a trainer
+    integration's console, or, where it is None (a plain loop), to the log at INFO (WARNING for
+    breaks left): one record each.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(288, 2))
@@ -113,54 +86,39 @@ class LayoutGuard:
         repair: bool = True,
         inputs: Inputs = 'auto',
         weights: str = 'auto',
-        fuse_eval: bool = False,
     ) -> None:
-        options = dict(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs)
-        check_options(**options, weights=weights, fuse_eval=fuse_eval)
-        self.weights = weights
+        self.options = dict(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs)
+        self.options['weights'] = weights
+        check_options(**self.options)
         self.mode = mode  # as asked; effective_mode is the one acted on
-        self._effective_mode = mode
-        self.fuse_eval = fuse_eval
-        self.inputs = InputSelection(inputs)
-        self._conv_channels: set[int] = set()  # in_channels of the model's convolutions
-        self.repair = repair
         self.audit_steps = audit_steps
-        self.strict = strict
+        self.inputs = InputSelection(inputs)
+        self.auto = AutoMode(mode == 'auto', self._trial_step, self._show)
         self.summary: Optional[ConversionSummary] = None
-        self.decision: Optional[LayoutDecision] = None
         self.weight_layout: Optional[WeightLayoutPlan] = None
+        self.console: Optional[Callable[[str], None]] = None  # an integration's console; None: the log
+        self._conv_channels: set[int] = set()  # in_channels of the model's convolutions
         self._audited: Optional[AuditedSteps] = None
         self._repair_check: Optional[RepairCheck] = None
-        self.console: Optional[Callable[[str], None]] = None  # an integration's console; None: the log
         self._model_name = ''
         self._start_shown = False
-        self._resumed: Optional[LayoutDecision] = None  # the decision of the checkpoint a run resumed from
-        self._fused = FusedEvaluation()  # fuse_eval's swap, from each pass's first batch to its end
         self._viewed: Optional[ViewedOutputs] = None  # views NHWC makes fail: watched on the first step
         self._optimizer_watch: Optional[OptimizerWatch] = None  # optimizers made after on_init
 
     def __repr__(self) -> str:
         """The options as asked (``mode='auto'`` stays ``'auto'``); defaults after ``strict`` left out."""
-        return (
-            f'{type(self).__name__}(mode={self.mode!r}, audit_steps={self.audit_steps}, '
-            f'strict={self.strict}{", fuse_eval=True" if self.fuse_eval else ""}'
-            f'{"" if self.repair else ", repair=False"}'
-            f'{"" if self.inputs.inputs == "auto" else f", inputs={self.inputs!r}"}'
-            f'{"" if self.weights == "auto" else f", weights={self.weights!r}"})'
-        )
+        return options_repr(type(self).__name__, self.options)
 
     @property
     def effective_mode(self) -> str:
         """The mode the guard acts in: :attr:`mode`, except that ``'auto'`` acts as ``'on'`` once
-        :meth:`on_init` found weights that must stay contiguous (no channels-last weights to time)."""
-        return self._effective_mode
+        the weights must stay contiguous (no channels-last weights to time)."""
+        return 'auto' if self.auto.enabled else self.mode.replace('auto', 'on')
 
     @property
     def channels_last(self) -> bool:
         """Whether the model and batches are channels last now (in auto mode: until decided, yes)."""
-        if self.effective_mode == 'auto':
-            return self.decision is None or self.decision.channels_last
-        return self.effective_mode == 'on'
+        return self.auto.channels_last if self.auto.enabled else self.mode != 'off'
 
     @property
     def report(self) -> Optional[AuditReport]:
@@ -175,7 +133,12 @@ class LayoutGuard:
         if self.summary is None:
             return None
         return start_block(
-            self._model_name, self.summary, self.weight_layout, self.effective_mode, self.decision, self.audit_steps
+            self._model_name,
+            self.summary,
+            self.weight_layout,
+            self.effective_mode,
+            self.auto.decision,
+            self.audit_steps,
         )
 
     @property
@@ -196,22 +159,12 @@ class LayoutGuard:
                 self.summary.repaired.remove(item.record)
                 self._show(f'channels last: not repaired: {item}', warn=True)
 
-    def show_start(self) -> None:
-        """Show :attr:`start_block` on :attr:`console` (or log it), once; nothing before :meth:`on_init`."""
-        block = self.start_block
-        if block is not None and not self._start_shown:
-            self._start_shown = True
-            self._show(str(block))
-
     def _show(self, text: str, warn: bool = False) -> None:
         if self.console is None:
             return log.log(logging.WARNING if warn else logging.INFO, '%s', text)
         self.console(text)
 
-    @property
-    def auditing(self) -> bool:
-        """True while a step is being audited."""
-        return self._audited is not None and self._audited.active
+    # --- the model: built, loaded, starting ----------------------------------------------------------
 
     def on_init(
         self, model: torch.nn.Module, optimizers: Optimizers = None, weight_layout: Optional[WeightLayoutPlan] = None
@@ -230,19 +183,20 @@ class LayoutGuard:
         if self.mode == 'off':
             return None
         plan = weight_layout_for(model) if weight_layout is None else weight_layout
-        self.weight_layout = for_training(plan, optimizers, self.weights)
+        self.weight_layout = for_training(plan, optimizers, self.options['weights'])
         self._model_name = type(model).__name__
         self._viewed = ViewedOutputs(model, functools.partial(self._weights_viewed, weakref.ref(model)))
-        if not self.weight_layout.contiguous and self.weights == 'auto':
+        if not self.weight_layout.contiguous and self.options['weights'] == 'auto':
             self._optimizer_watch = OptimizerWatch(
                 model, functools.partial(self._weights_contiguous, weakref.ref(model))
             )
         if not self.weight_layout.contiguous:
-            self.summary = apply_channels_last(model, optimizers=optimizers, repair=self.repair)  # logs it
+            self.summary = apply_channels_last(model, optimizers=optimizers, repair=self.options['repair'])
             self._repair_check = RepairCheck(model, self.summary.repaired)
         else:
             self.summary = self._keep_weights_contiguous(model, optimizers)
-        self._audited = AuditedSteps(model, self.audit_steps, self.strict) if self.audit_steps else None
+        if self.audit_steps:
+            self._audited = AuditedSteps(model, self.audit_steps, self.options['strict'])
         if self.inputs.inputs == 'auto':
             convolutions = (torch.nn.modules.conv._ConvNd,)
             self._conv_channels = {m.in_channels for m in model.modules() if isinstance(m, convolutions)}
@@ -250,7 +204,7 @@ class LayoutGuard:
 
     def _weights_viewed(self, model: weakref.ref, where: str) -> bool:
         """Code at ``where`` views a channels-last weight (``parameters_to_vector``): weights contiguous."""
-        if self.weights != 'auto' or self.weight_layout.contiguous:
+        if self.options['weights'] != 'auto' or self.weight_layout.contiguous:
             return False
         self._weights_contiguous(model, None, WeightLayoutPlan(True, f'a weight is viewed at {where}'))
         return True
@@ -258,7 +212,7 @@ class LayoutGuard:
     def _weights_contiguous(self, model: weakref.ref, optimizer: Optimizers, plan: WeightLayoutPlan) -> None:
         """An optimizer made after :meth:`on_init`, or code in a step, flattens the weights: contiguous now."""
         self.weight_layout = plan
-        self._effective_mode = 'on' if self.effective_mode == 'auto' else self.effective_mode
+        self.auto.stand_down()
         if self._optimizer_watch is not None:
             self._optimizer_watch.close()
         if not plan.sharded and model() is not None:
@@ -269,87 +223,26 @@ class LayoutGuard:
         """Where the weight layout asks for contiguous weights: restride them back unless already
         sharded, and act in mode ``'on'`` where auto mode was asked for (logged)."""
         refused = "; auto mode would time channels-last weights, which sharding does not allow: mode 'on'"
-        log.info('%s: %s%s', self._model_name, self.weight_layout, refused if self.effective_mode == 'auto' else '')
-        self._effective_mode = 'on'
+        log.info('%s: %s%s', self._model_name, self.weight_layout, refused if self.auto.enabled else '')
+        self.auto.stand_down()
         if self.weight_layout.sharded:
             return ConversionSummary(layout='channels first')
         return apply_channels_first(model, optimizers=optimizers)
 
-    def decide(
-        self,
-        model: torch.nn.Module,
-        batch: Any,
-        loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
-        optimizers: Optimizers = None,
-        **options: Any,
-    ) -> LayoutDecision:
-        """Auto mode: time ``loss_fn(model, batch).backward()`` in both layouts; keep channels first only
-        on evidence that channels last is slower (docs/auto.md). ``options`` go to
-        :func:`~channels_last_algo.core.auto.decide_layout`. The model is left in the chosen layout.
-        """
-        if self.effective_mode != 'auto':
-            raise RuntimeError(f"decide() is for mode='auto'; this guard's mode is {self.effective_mode!r}")
-
-        def run_step(channels_last: bool) -> None:
-            if not self.inputs.known(batch):  # the first (warm-up) step finds the images
-                first = self.inputs.start(batch, self._looks_like_an_image, to_channels_last)
-                try:
-                    loss = loss_fn(model, first)
-                finally:
-                    self.inputs.finish()
-                loss.backward()
-                return
-            inputs = self.inputs.convert(batch, to_channels_last if channels_last else to_channels_first)
-            loss_fn(model, inputs).backward()
-
-        bounds = {**_DECIDE_DEFAULTS, **options}
-        self._show(timing_line(bounds['max_rounds'], bounds['max_seconds']))
-        self.decision = decide_layout(model, run_step, optimizers=optimizers, **options)
-        self._show(str(self.decision))
-        return self.decision
-
-    def apply_decision(self, model: torch.nn.Module, decision: LayoutDecision, optimizers: Optimizers = None) -> None:
-        """Put ``model`` in the layout of a decision made before (on resume, or on rank 0)."""
-        self.decision = decision
-        restride(model, decision.channels_last, optimizers)
-
-    def settle(
-        self,
-        model: torch.nn.Module,
-        trial: Callable[[], Optional[Trial]],
-        optimizers: Optimizers = None,
-        rank: int = 0,
-        world_size: int = 1,
-        broadcast: Optional[Callable[[Any], Any]] = None,
-    ) -> None:
-        """Auto mode's layout, settled alike under every trainer: a resumed run's decision
-        (:meth:`load_state_dict`) is applied without measuring; else ``trial()`` (called on every rank)
-        gives the step to time, or None where there is none (yet); rank 0 times it (:meth:`decide`) and,
-        where ``world_size`` > 1, every rank takes the layout ``broadcast(obj)`` sends from rank 0."""
-        if self.effective_mode != 'auto':
+    def _trial_step(self, model: torch.nn.Module, batch: Any, loss_fn: LossFn, channels_last: bool) -> None:
+        """One of auto mode's timed steps; the first (a warm-up) finds the batch's images."""
+        if not self.inputs.known(batch):
+            first = self.inputs.start(batch, self._looks_like_an_image, to_channels_last)
+            try:
+                loss = loss_fn(model, first)
+            finally:
+                self.inputs.finish()
+            loss.backward()
             return
-        if self._resumed is not None:
-            self.apply_decision(model, self._resumed, optimizers)
-            log.info('auto layout: resumed with %s, decided in the checkpointed run', self._resumed.layout)
-            return
-        timed = trial()
-        if timed is None:
-            return
-        decision = self.decide(model, timed.draw(), timed.loss_fn, optimizers) if rank == 0 else None
-        if world_size > 1:  # rank 0 decided; every rank takes its layout
-            decision = LayoutDecision.from_dict(broadcast(None if decision is None else decision.to_dict()))
-            self.apply_decision(model, decision, optimizers)
+        inputs = self.inputs.convert(batch, to_channels_last if channels_last else to_channels_first)
+        loss_fn(model, inputs).backward()
 
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the guard: auto mode's decision (None before one)."""
-        return {'decision': None if self.decision is None else self.decision.to_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take a checkpointed run's decision, which :meth:`settle` then applies instead of measuring."""
-        if state.get('decision') is not None:
-            self._resumed = LayoutDecision.from_dict(state['decision'])
-
-    def after_load(self, model: torch.nn.Module, optimizers: Optimizers = None) -> None:
+    def on_load(self, model: torch.nn.Module, optimizers: Optimizers = None) -> None:
         """After a checkpoint was loaded: the model and the optimizer state in the guard's layout again.
 
         ``Optimizer.load_state_dict`` (and ``load_state_dict(assign=True)``) keep the canonical NCHW
@@ -358,6 +251,24 @@ class LayoutGuard:
         if self.weight_layout is None or self.weight_layout.contiguous:
             return
         restride(model, self.channels_last, optimizers)
+
+    def on_run_start(self) -> None:
+        """Show :attr:`start_block` on :attr:`console` (or log it), once; nothing before :meth:`on_init`.
+        In auto mode, call it once :attr:`auto` has settled the layout, so the block names the decision."""
+        block = self.start_block
+        if block is not None and not self._start_shown:
+            self._start_shown = True
+            self._show(str(block))
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the guard: auto mode's decision (None before one)."""
+        return self.auto.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a checkpointed run's decision, which :meth:`AutoMode.settle` then applies instead of measuring."""
+        self.auto.load_state_dict(state)
+
+    # --- batches and steps ---------------------------------------------------------------------------
 
     def on_batch(self, batch: Any) -> Any:
         """The batch with its image tensors (the ``inputs`` option) in NHWC, no copy when they
@@ -381,14 +292,17 @@ class LayoutGuard:
         """The first batch's guess: a tensor whose channel count some convolution takes."""
         return tensor.shape[1] in self._conv_channels
 
-    def end_forward(self) -> None:
+    def on_forward_end(self) -> None:
         """The forward of the batch given to :meth:`on_batch` is over: stop following its tensors
-        (which otherwise ends after the first outermost module call that runs a convolution)."""
+        (which otherwise ends after the first outermost module call that runs a convolution), and
+        show what a forward-only watch found."""
         self.inputs.finish()
+        if self._viewed is not None and not self._viewed.watching:
+            self._end_watch(training=False)
 
     def on_step_start(self) -> None:
         """Show :attr:`start_block` before the first step; audit this step if audited steps remain."""
-        self.show_start()
+        self.on_run_start()
         self._start_watch(whole_step=True)
         if self._audited is not None and self.channels_last:
             self._audited.start_step()
@@ -423,14 +337,6 @@ class LayoutGuard:
         for line in [] if self._viewed is None else self._viewed.end(training):
             self._show(f'channels last: {line}', warn=True)
 
-    def end_step(self) -> StepLogs:
-        """:meth:`on_step_end`, with what a trainer logs of it (:class:`StepLogs`)."""
-        step_report = self.on_step_end()
-        if step_report is None:
-            return StepLogs({}, {})
-        block = self.audit_block
-        return StepLogs(step_metrics(step_report), {} if block is None else block.hyperparameters)
-
     def close(self) -> None:
         """Stop an audit (and a search for the images) left running by a step that raised; safe
         to call at any time."""
@@ -451,18 +357,3 @@ class LayoutGuard:
             self.close()
             raise
         self.on_step_end()
-
-    def start_evaluation(self) -> None:
-        """An evaluation, test or prediction pass begins: with ``fuse_eval``, :meth:`fuse_evaluation`
-        swaps a fused copy in at its first batch."""
-        if self.fuse_eval and self.effective_mode != 'off':
-            self._fused.begin_pass()
-
-    def fuse_evaluation(self, network: Callable[[], tuple[torch.nn.Module, str, torch.nn.Module]], batch: Any) -> None:
-        """At a pass's first batch: :meth:`~channels_last_algo.core.fuse.FusedEvaluation.first_batch`."""
-        self._fused.first_batch(network, batch)
-
-    def end_evaluation(self) -> None:
-        """The pass is over: the training network back in place of a fused copy."""
-        self._end_watch(training=False)
-        self._fused.end()

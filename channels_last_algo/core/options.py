@@ -3,8 +3,10 @@
 :data:`OPTIONS` holds each option of :class:`~channels_last_algo.core.guard.LayoutGuard`, in the
 order of its keyword-only signature, which the Composer algorithm, the Lightning callback and a
 recipe's ``algorithms.channels_last`` share: its default, what it accepts and what it means.
+``fuse_eval`` is theirs only (:data:`INTEGRATION_ONLY`): it adds the fused-evaluation object.
 :func:`check_options` refuses the first invalid value with one message (a string where a bool
-belongs is refused, not read as truthy), and :func:`options_reference` writes ``docs/options.md``.
+belongs is refused, not read as truthy), :func:`options_repr` writes the call that rebuilds an
+object, and :func:`options_reference` writes ``docs/options.md``.
 
 Example:
     >>> check_options(mode='auto', strict=False)
@@ -25,7 +27,7 @@ from typing import Any
 from channels_last_algo.core.inputs import check_inputs
 from channels_last_algo.core.weight_layout import WEIGHTS
 
-__all__ = ['MODES', 'OPTIONS', 'Option', 'check_options', 'options_reference']
+__all__ = ['INTEGRATION_ONLY', 'MODES', 'OPTIONS', 'Option', 'check_options', 'options_reference', 'options_repr']
 
 MODES = ('on', 'off', 'auto')
 
@@ -75,9 +77,18 @@ OPTIONS: dict[str, Option] = {
         "contiguous; 'contiguous': contiguous weights, NHWC activations",
     ),
     'fuse_eval': Option(
-        False, _is_bool, 'True or False', 'evaluate on a fused copy (BatchNorm folded, convolutions fused)'
+        False,
+        _is_bool,
+        'True or False',
+        'evaluate on a fused copy (BatchNorm folded, convolutions fused): adds FusedEval or FusedEvalCallback',
     ),
 }
+
+# The options of the integrations only: each adds a second object beside the guard.
+INTEGRATION_ONLY = ('fuse_eval',)
+
+# Always shown by options_repr; the others only where they differ from their default.
+_SHOWN = ('mode', 'audit_steps', 'strict')
 
 
 def check_options(table: Mapping[str, Option] = OPTIONS, /, **options: Any) -> None:
@@ -93,6 +104,27 @@ def check_options(table: Mapping[str, Option] = OPTIONS, /, **options: Any) -> N
     for name, value in options.items():
         if not table[name].valid(value):
             raise ValueError(f'{name} must be {table[name].accepts}, got {value!r}')
+
+
+def options_repr(owner: str, options: Mapping[str, Any]) -> str:
+    """The call that rebuilds ``owner`` with ``options``: mode, audit_steps and strict, then the
+    options that differ from their default, in :data:`OPTIONS` order.
+
+    Example:
+        >>> options_repr('ChannelsLast', {'mode': 'auto', 'audit_steps': 0, 'strict': False, 'repair': False})
+        "ChannelsLast(mode='auto', audit_steps=0, strict=False, repair=False)"
+    """
+    shown = [
+        f'{name}={_shown(options[name])}'
+        for name in OPTIONS
+        if name in options and (name in _SHOWN or options[name] != OPTIONS[name].default)
+    ]
+    return f'{owner}({", ".join(shown)})'
+
+
+def _shown(value: Any) -> str:
+    """A value as the call writes it; a predicate by its name."""
+    return getattr(value, '__name__', 'predicate') if callable(value) else repr(value)
 
 
 def options_reference() -> str:

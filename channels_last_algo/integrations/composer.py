@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from channels_last_algo.integrations import GuardedIntegration, require
+from channels_last_algo.integrations import require
 
 require('composer', 'composer')
 
@@ -28,22 +28,23 @@ from composer.core.precision import get_precision_context
 from composer.loggers import ConsoleLogger, Logger, ProgressBarLogger
 from composer.utils import dist
 
+from channels_last_algo.core.auto_mode import Trial
 from channels_last_algo.core.batch_tree import Path, map_leaves
-from channels_last_algo.core.canonical_checkpoints import canonical_state
-from channels_last_algo.core.guard import LayoutGuard, Trial
+from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.inputs import Inputs
 from channels_last_algo.core.weight_layout import weight_layout_for
+from channels_last_algo.integrations.composer_adapter import save_canonical
+from channels_last_algo.integrations.composer_fused_eval import FusedEval, unwrapped
+from channels_last_algo.integrations.guarded import GuardedIntegration
 
 __all__ = ['ChannelsLast']
 
 log = logging.getLogger(__name__)
 
 _BATCH_EVENTS = (Event.BEFORE_FORWARD, Event.EVAL_BEFORE_FORWARD, Event.PREDICT_BEFORE_FORWARD)
+_FORWARD_ENDS = (Event.EVAL_AFTER_FORWARD, Event.PREDICT_AFTER_FORWARD)
 _AUDIT_EVENTS = (Event.AFTER_BACKWARD, Event.FIT_END)
-_AUTO_EVENTS = (Event.AFTER_LOAD, Event.FIT_START)  # FIT_START also shows the start block
-_SAVE_METHODS = ('state_dict', 'get_model_state_dict')  # what Composer's checkpoint savers write
-_FUSE_START_EVENTS = (Event.EVAL_START, Event.PREDICT_START)
-_FUSE_END_EVENTS = (Event.EVAL_END, Event.PREDICT_END)
+_START_EVENTS = (Event.AFTER_LOAD, Event.FIT_START)  # FIT_START also shows the start block
 
 
 def _total_loss(loss: Any) -> torch.Tensor:
@@ -79,11 +80,6 @@ def _broadcast(obj: Any) -> Any:
     shared = [obj]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
-
-
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside DDP's wrapper, if there is one."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def _float_images(batch: Any) -> Any:
@@ -147,9 +143,8 @@ class ChannelsLast(GuardedIntegration, Algorithm):
 
     Options: the keyword-only ones of :data:`~channels_last_algo.core.options.OPTIONS` (``docs/options.md``).
 
-    With ``fuse_eval``, evaluation and prediction run on a fused copy of the network the ComposerModel
-    keeps in ``.module`` (as ``ComposerClassifier`` does), built from the current weights (EMA's, when
-    swapped in) at each pass's first batch and dropped at its end; a sharded network runs unfused.
+    ``fuse_eval=True`` runs a :class:`~channels_last_algo.integrations.composer_fused_eval.FusedEval`
+    with it: evaluation and prediction on a fused copy of the ComposerModel's ``.module``.
 
     Checkpoints: what Composer saves (``state.state_dict()``, weights-only too) holds NCHW-contiguous
     tensors under the original keys (:mod:`channels_last_algo.core.canonical_checkpoints`); at
@@ -180,51 +175,40 @@ class ChannelsLast(GuardedIntegration, Algorithm):
         weights: str = 'auto',
         fuse_eval: bool = False,
     ) -> None:
-        self.guard = LayoutGuard(
-            mode=mode,
-            audit_steps=audit_steps,
-            strict=strict,
-            repair=repair,
-            inputs=inputs,
-            fuse_eval=fuse_eval,
-            weights=weights,
-        )
+        options = dict(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs)
+        self.take_options(**options, weights=weights, fuse_eval=fuse_eval)
+        self._fused_eval = FusedEval()  # what fuse_eval runs
 
     def match(self, event: Event, state: State) -> bool:
-        del state  # unused
         if self.guard.mode == 'off':
             return False
         return (
-            event == Event.INIT
-            or event in _BATCH_EVENTS
-            or (self.fuse_eval and (event in _FUSE_START_EVENTS or event in _FUSE_END_EVENTS))
+            event in (Event.INIT, *_START_EVENTS, *_BATCH_EVENTS, *_FORWARD_ENDS)
             or (self.guard.audit_steps > 0 and event in _AUDIT_EVENTS)
-            or event in _AUTO_EVENTS
+            or (self.fuse_eval and self._fused_eval.match(event, state))
         )
 
     def apply(self, event: Event, state: State, logger: Logger) -> Optional[int]:
         if event == Event.INIT:
             self._init(state, logger)
-        elif event in _AUTO_EVENTS:
-            self._settle(event, state, logger)
+        elif event in _START_EVENTS:
+            self._start(event, state, logger)
         elif event in _BATCH_EVENTS:
             state.batch = self.guard.on_batch(state.batch)
             if event == Event.BEFORE_FORWARD:
                 self.guard.on_step_start()
-            else:
-                self.guard.fuse_evaluation(functools.partial(_fused_network, state), state.batch)
-        elif event in _FUSE_START_EVENTS:
-            self.guard.start_evaluation()
-        elif event in _FUSE_END_EVENTS:
-            self.guard.end_evaluation()
+        elif event in _FORWARD_ENDS:
+            self.guard.on_forward_end()
         elif event == Event.AFTER_BACKWARD:
-            metrics, hyperparameters = self.guard.end_step()
+            metrics, hyperparameters = self.end_step()
             if metrics:
                 logger.log_metrics(metrics)
             if hyperparameters:
                 logger.log_hyperparameters(hyperparameters)
-        else:  # FIT_END
+        elif event == Event.FIT_END:
             self.guard.close()
+        if self.fuse_eval and self._fused_eval.match(event, state):
+            self._fused_eval.apply(event, state, logger)
         return None
 
     def _init(self, state: State, logger: Logger) -> None:
@@ -234,23 +218,21 @@ class ChannelsLast(GuardedIntegration, Algorithm):
         weight_layout = weight_layout_for(state.model, fsdp_config=state.fsdp_config, tp_config=state.tp_config)
         self.guard.on_init(state.model, state.optimizers, weight_layout=weight_layout)
         logger.log_hyperparameters(self.guard.start_block.hyperparameters)
-        _save_canonical(state)
-        if self.fuse_eval:
-            _fused_network(state)  # refused now, not at the first evaluation after training
+        save_canonical(state)
 
-    def _settle(self, event: Event, state: State, logger: Logger) -> None:
+    def _start(self, event: Event, state: State, logger: Logger) -> None:
         """After a checkpoint loads, and when fit starts: the loaded optimizer state in the model's
         layout, auto mode's layout settled once (its decision logged), the start block shown."""
         if event == Event.AFTER_LOAD:
-            self.guard.after_load(state.model, state.optimizers)
-        if self.guard.decision is None:
+            self.guard.on_load(state.model, state.optimizers)
+        if self.guard.auto.enabled and self.decision is None:
             trial = functools.partial(_trial, event, state)
             rank, world_size = dist.get_global_rank(), dist.get_world_size()
-            self.guard.settle(_unwrapped(state.model), trial, state.optimizers, rank, world_size, _broadcast)
-            if self.guard.decision is not None:
+            self.guard.auto.settle(unwrapped(state.model), trial, state.optimizers, rank, world_size, _broadcast)
+            if self.decision is not None:
                 logger.log_hyperparameters(self.guard.start_block.hyperparameters)
         if event == Event.FIT_START:
-            self.guard.show_start()
+            self.guard.on_run_start()
 
 
 def _trial(event: Event, state: State) -> Optional[Trial]:
@@ -270,27 +252,3 @@ def _trial(event: Event, state: State) -> Optional[Trial]:
             return _total_loss(model.loss(model(batch), batch))
 
     return Trial(lambda: batch, loss_fn)
-
-
-def _fused_network(state: State) -> tuple[torch.nn.Module, str, torch.nn.Module]:
-    """The ComposerModel (unwrapped from DDP), ``'module'`` and the network it keeps there, which
-    ``fuse_eval`` fuses; a ValueError naming the model where there is none."""
-    model = _unwrapped(state.model)
-    network = getattr(model, 'module', None)
-    if not isinstance(network, torch.nn.Module):
-        raise ValueError(
-            f'ChannelsLast(fuse_eval=True) fuses the network a ComposerModel keeps in .module (as '
-            f'ComposerClassifier does); {type(model).__name__} has none. Keep the network there, or '
-            'leave fuse_eval off.'
-        )
-    return model, 'module', network
-
-
-def _save_canonical(state: State) -> None:
-    """Make what Composer's checkpoint savers write (``state.state_dict()``, and
-    ``state.get_model_state_dict()`` for weights-only checkpoints) canonical NCHW tensors
-    (:func:`~channels_last_algo.core.canonical_checkpoints.canonical_state`), on this State only."""
-    for name in _SAVE_METHODS:
-        method = getattr(state, name)
-        if getattr(method, '__wrapped__', None) is None:
-            setattr(state, name, functools.wraps(method)(lambda method=method: canonical_state(method())))

@@ -20,7 +20,8 @@ moves things to the device:
   is bypassed when a ``LightningDataModule`` defines that hook, and a forward pre-hook on the
   LightningModule misses steps that call a submodule directly.
 
-Both are wrapped on the strategy instance from ``setup`` to ``teardown`` (or an exception).
+Both are wrapped on the strategy instance from ``setup`` to ``teardown`` (or an exception), by
+:func:`~channels_last_algo.integrations.lightning_adapter.follow_strategy`.
 
 Example:
     >>> from channels_last_algo import ChannelsLastCallback
@@ -38,7 +39,7 @@ from typing import Any, Optional
 
 import torch
 
-from channels_last_algo.integrations import GuardedIntegration, require
+from channels_last_algo.integrations import require
 
 require('lightning', 'lightning')
 
@@ -46,48 +47,25 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import CombinedLoader, rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info
 
+from channels_last_algo.core.auto_mode import Trial
 from channels_last_algo.core.canonical_checkpoints import canonical_state
-from channels_last_algo.core.guard import LayoutGuard, Trial
 from channels_last_algo.core.inputs import Inputs
-from channels_last_algo.core.options import Option, check_options
 from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layout_for
+from channels_last_algo.integrations.guarded import GuardedIntegration
+from channels_last_algo.integrations.lightning_adapter import first_training_batch, follow_strategy, replace_on_instance
+from channels_last_algo.integrations.lightning_fused_eval import FusedEvalCallback
 
 __all__ = ['ChannelsLastCallback']
 
 log = logging.getLogger(__name__)
 
-# The option only this callback has, checked as the guard checks its own (core.options).
-_OPTIONS = {
-    'network': Option(
-        None,
-        lambda value: value is None or isinstance(value, str),
-        'the name of a LightningModule attribute (a str)',
-        'with fuse_eval, the LightningModule attribute holding the network',
-    ),
-}
-
-
-def _patch(owner: object, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
-    """Set ``owner.<name>`` to ``replacement`` on this instance only; return what undoes it."""
-    had_own = name in vars(owner)
-    original = getattr(owner, name)
-    setattr(owner, name, replacement)
-
-    def undo() -> None:
-        if had_own:
-            setattr(owner, name, original)
-        else:
-            delattr(owner, name)
-
-    return undo
-
 
 @contextlib.contextmanager
 def _logging_muted(pl_module: pl.LightningModule) -> Iterator[None]:
     """``self.log`` / ``self.log_dict`` do nothing inside: auto mode's trial steps leave no metrics."""
-    undo = [_patch(pl_module, name, lambda *args, **kwargs: None) for name in ('log', 'log_dict')]
+    undo = [replace_on_instance(pl_module, name, lambda *args, **kwargs: None) for name in ('log', 'log_dict')]
     try:
         yield
     finally:
@@ -132,18 +110,6 @@ def _training_loss(trainer: pl.Trainer, module: pl.LightningModule, batch: Any) 
     return loss
 
 
-def _first_training_batch(trainer: pl.Trainer) -> Any:
-    """The first batch of the train dataloader(s), on the device, as ``training_step`` gets it.
-
-    The dataloaders are not built before ``fit``'s loop starts, so this asks their source
-    (the module, the datamodule, or what was passed to ``fit``) as the loop will. The random
-    state is put back, so drawing it does not change the run's data order."""
-    loaders = trainer.fit_loop._data_source.dataloader()
-    with torch.random.fork_rng(devices=[]):
-        batch, _, _ = next(iter(CombinedLoader(loaders, 'max_size_cycle')))
-    return trainer.strategy.batch_to_device(batch)
-
-
 def _trial(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[Trial]:
     """Auto mode's trial step: ``training_step`` on the first training batch. None without training
     batches (validate, test, predict) or under manual optimization (``training_step`` steps the
@@ -157,7 +123,7 @@ def _trial(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Optional[Trial
             "cannot be timed without training; channels last (use mode='on' or 'off' to choose)"
         )
         return None
-    return Trial(functools.partial(_first_training_batch, trainer), functools.partial(_training_loss, trainer))
+    return Trial(functools.partial(first_training_batch, trainer), functools.partial(_training_loss, trainer))
 
 
 def _log_hyperparameters(trainer: pl.Trainer, params: dict[str, Any]) -> None:
@@ -213,20 +179,21 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         fuse_eval: bool = False,
         network: Optional[str] = None,
     ) -> None:
-        check_options(_OPTIONS, network=network)
-        self.guard = LayoutGuard(
-            mode=mode,
-            audit_steps=audit_steps,
-            strict=strict,
-            repair=repair,
-            inputs=inputs,
-            fuse_eval=fuse_eval,
-            weights=weights,
-        )
+        options = dict(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs)
+        self.take_options(**options, weights=weights, fuse_eval=fuse_eval)
+        self._fused_eval = FusedEvalCallback(network=network)  # what fuse_eval runs
         self._console = self.guard.console = _Console()
-        self.network = network
         self._prepared: Optional[pl.LightningModule] = None  # the module converted, once
         self._undo: list[Callable[[], None]] = []
+
+    @property
+    def network(self) -> Optional[str]:
+        """With ``fuse_eval``, the LightningModule attribute holding the network to fuse."""
+        return self._fused_eval.network
+
+    def _fusing(self) -> Optional[FusedEvalCallback]:
+        """The fused-evaluation callback while ``fuse_eval`` is on (and the guard acts)."""
+        return self._fused_eval if self.fuse_eval and self.guard.effective_mode != 'off' else None
 
     # --- checkpoints ---------------------------------------------------------------------------------
     # state_dict holds auto mode's decision. Lightning restores callbacks after setup and configure_model,
@@ -242,7 +209,7 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning restores the optimizer state after strategy.setup, just before this hook.
-        self.guard.after_load(pl_module, trainer.optimizers or None)
+        self.guard.on_load(pl_module, trainer.optimizers or None)
         bar = trainer.progress_bar_callback
         self._console.bar = bar if bar is not None and bar.is_enabled else None  # disabled off rank 0
 
@@ -254,31 +221,19 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.guard.effective_mode == 'off':
             return
-        strategy = trainer.strategy
-        move_model, move_batch = strategy.model_to_device, strategy.batch_to_device
-
-        def model_to_device() -> None:
-            move_model()
-            self._prepare(trainer, pl_module)
-
-        def batch_to_device(*args: Any, **kwargs: Any) -> Any:
-            return self.guard.on_batch(move_batch(*args, **kwargs))
-
-        self._undo += [
-            _patch(strategy, 'model_to_device', model_to_device),
-            _patch(strategy, 'batch_to_device', batch_to_device),
-        ]
+        prepare = functools.partial(self._prepare, trainer, pl_module)
+        self._undo.append(follow_strategy(trainer.strategy, prepare, self.guard.on_batch))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._restore()
+        self._restore(trainer, pl_module, stage)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._restore()  # Lightning skips teardown hooks after an exception
+        self._restore(trainer, pl_module, 'exception')  # Lightning skips teardown hooks after an exception
 
-    def _restore(self) -> None:
+    def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Stop an audit and a fused evaluation left running; unwrap the strategy."""
         self.guard.close()
-        self.guard.end_evaluation()
+        self._fused_eval.teardown(trainer, pl_module, stage)
         self._console.bar = None
         while self._undo:
             self._undo.pop()()
@@ -293,15 +248,15 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         if self.guard.effective_mode == 'off' or self._prepared is pl_module:
             return
         self._prepared = pl_module
-        if self.fuse_eval:
-            self._fused_network(pl_module)  # refused now, not at the first validation after training
+        if self._fusing():
+            self._fused_eval.network_of(pl_module)  # refused now, not at the first validation after training
         optimizers = trainer.optimizers or None
         self.guard.on_init(pl_module, optimizers, weight_layout=_weight_layout(trainer, pl_module))
         trial = functools.partial(_trial, trainer, pl_module)
         broadcast = functools.partial(trainer.strategy.broadcast, src=0)
-        self.guard.settle(pl_module, trial, optimizers, trainer.global_rank, trainer.world_size, broadcast)
+        self.guard.auto.settle(pl_module, trial, optimizers, trainer.global_rank, trainer.world_size, broadcast)
         _log_hyperparameters(trainer, self.guard.start_block.hyperparameters)
-        self.guard.show_start()
+        self.guard.on_run_start()
 
     # --- training steps: the audit -------------------------------------------------------------
 
@@ -311,63 +266,36 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         self.guard.on_step_start()
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self.guard.end_forward()  # training_step may call a submodule, not the LightningModule's forward
+        self.guard.on_forward_end()  # training_step may call a submodule, not the LightningModule's forward
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        metrics, hyperparameters = self.guard.end_step()
+        metrics, hyperparameters = self.end_step()
         if metrics:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
         if hyperparameters:
             _log_hyperparameters(trainer, hyperparameters)
 
-    # --- validation, test and prediction (one set of handlers): fused inference ------------------
+    # --- validation, test and prediction (one set of handlers) -------------------------------------
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._prepare(trainer, pl_module)
-        self.guard.start_evaluation()
+        if self._fusing():
+            self._fused_eval.on_validation_start(trainer, pl_module)
 
     def on_validation_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        self.guard.fuse_evaluation(functools.partial(self._fused_network, pl_module), batch)
+        if self._fusing():
+            self._fused_eval.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self.guard.end_forward()
+        self.guard.on_forward_end()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.guard.end_evaluation()
+        self._fused_eval.on_validation_end(trainer, pl_module)
 
     on_test_start = on_predict_start = on_validation_start
     on_test_batch_start = on_predict_batch_start = on_validation_batch_start
     on_test_batch_end = on_predict_batch_end = on_validation_batch_end
     on_test_end = on_predict_end = on_validation_end
-
-    def _fused_network(self, pl_module: pl.LightningModule) -> tuple[pl.LightningModule, str, torch.nn.Module]:
-        """The module, the attribute and the network ``fuse_eval`` fuses; a ValueError naming what is wrong."""
-        attribute = self.network or self._network_attribute(pl_module)
-        network = getattr(pl_module, attribute, None)
-        from torch._dynamo.eval_frame import OptimizedModule
-
-        if isinstance(network, OptimizedModule):
-            raise ValueError(
-                f'ChannelsLastCallback(fuse_eval=True): {type(pl_module).__name__}.{attribute} is '
-                'compiled with torch.compile, which does its own fusion; leave fuse_eval off'
-            )
-        if not isinstance(network, torch.nn.Module):
-            raise ValueError(
-                f'ChannelsLastCallback(fuse_eval=True): {type(pl_module).__name__}.{attribute} is '
-                f'{type(network).__name__}, not the network to fuse; name it with network=...'
-            )
-        return pl_module, attribute, network
-
-    @staticmethod
-    def _network_attribute(pl_module: pl.LightningModule) -> str:
-        holders = [name for name, child in pl_module.named_children() if any(True for _ in child.parameters())]
-        if len(holders) != 1:
-            raise ValueError(
-                f'ChannelsLastCallback(fuse_eval=True) fuses the child module of the LightningModule '
-                f'that holds its parameters; {type(pl_module).__name__} has {len(holders)} such '
-                f'children ({", ".join(holders) or "none"}): name the one to fuse with network=...'
-            )
-        return holders[0]

@@ -1,0 +1,146 @@
+"""Auto mode: the guard's one question, which layout to train in, asked once per run.
+
+:class:`AutoMode` times the first training batch in both layouts (:meth:`AutoMode.decide`, with
+:func:`~channels_last_algo.core.auto.decide_layout`), or takes the decision a resumed run saved.
+:meth:`AutoMode.settle` is that sequence as every trainer needs it: the resumed decision, else rank 0
+times a :class:`Trial` and every rank takes its layout. The guard reads :attr:`AutoMode.channels_last`.
+
+Example:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3))
+    >>> def step(model, batch, loss_fn, channels_last):
+    ...     memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    ...     loss_fn(model, batch.to(memory_format=memory_format)).backward()
+    >>> auto = AutoMode(True, step)
+    >>> decision = auto.decide(model, torch.randn(2, 3, 8, 8), lambda m, x: m(x).sum(), max_rounds=2, warmup=0)
+    >>> auto.channels_last == decision.channels_last, auto.state_dict()['decision'] is not None
+    (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
+
+import torch
+
+from channels_last_algo.core.auto import LayoutDecision, decide_layout
+from channels_last_algo.core.console import timing_line
+from channels_last_algo.core.convert import restride
+
+__all__ = ['AutoMode', 'LayoutDecision', 'Trial']  # LayoutDecision: what AutoMode.decision holds
+
+Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+log = logging.getLogger(__name__)
+
+# decide_layout's bounds by default, which the timing line names unless decide() is given others.
+_DECIDE_DEFAULTS = {
+    name: p.default for name, p in inspect.signature(decide_layout).parameters.items() if p.default is not p.empty
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+    """What auto mode times (:meth:`AutoMode.settle`): ``draw()`` gives the first training batch
+    as a step gets it (called on rank 0 only), ``loss_fn(model, batch)`` a training step's loss."""
+
+    draw: Callable[[], Any]
+    loss_fn: LossFn
+
+
+class AutoMode:
+    """Which layout a run trains in, when the guard was asked for ``mode='auto'``.
+
+    Args:
+        enabled: whether the run asked for auto mode; :meth:`stand_down` turns it off (the
+            weights must stay contiguous, so there are no channels-last weights to time).
+        step: ``step(model, batch, loss_fn, channels_last)`` runs one trial step (forward, loss,
+            backward) with the batch in the layout asked for; the guard's converts the batch.
+        show: where the timing line and the decision go (the guard's console).
+    """
+
+    def __init__(
+        self,
+        enabled: bool,
+        step: Callable[[torch.nn.Module, Any, LossFn, bool], None],
+        show: Callable[[str], None] = log.info,
+    ) -> None:
+        self.enabled = enabled
+        self.decision: Optional[LayoutDecision] = None
+        self._step = step
+        self._show = show
+        self._resumed: Optional[LayoutDecision] = None  # the decision of the checkpoint a run resumed from
+
+    @property
+    def channels_last(self) -> bool:
+        """The layout decided; channels last until a decision is made."""
+        return self.decision is None or self.decision.channels_last
+
+    def stand_down(self) -> None:
+        """Auto mode no longer applies: the run acts as ``mode='on'``."""
+        self.enabled = False
+
+    def decide(
+        self, model: torch.nn.Module, batch: Any, loss_fn: LossFn, optimizers: Optimizers = None, **options: Any
+    ) -> LayoutDecision:
+        """Time ``loss_fn(model, batch).backward()`` in both layouts; keep channels first only on evidence
+        that channels last is slower (docs/auto.md). ``options`` go to
+        :func:`~channels_last_algo.core.auto.decide_layout`. The model is left in the chosen layout.
+        """
+        if not self.enabled:
+            raise RuntimeError("decide() is for mode='auto', and this run does not act in auto mode")
+        bounds = {**_DECIDE_DEFAULTS, **options}
+        self._show(timing_line(bounds['max_rounds'], bounds['max_seconds']))
+
+        def run_step(channels_last: bool) -> None:
+            self._step(model, batch, loss_fn, channels_last)
+
+        self.decision = decide_layout(model, run_step, optimizers=optimizers, **options)
+        self._show(str(self.decision))
+        return self.decision
+
+    def apply(self, model: torch.nn.Module, decision: LayoutDecision, optimizers: Optimizers = None) -> None:
+        """Put ``model`` in the layout of a decision made before (on resume, or on rank 0)."""
+        self.decision = decision
+        restride(model, decision.channels_last, optimizers)
+
+    def settle(
+        self,
+        model: torch.nn.Module,
+        trial: Callable[[], Optional[Trial]],
+        optimizers: Optimizers = None,
+        rank: int = 0,
+        world_size: int = 1,
+        broadcast: Optional[Callable[[Any], Any]] = None,
+    ) -> None:
+        """The layout, settled alike under every trainer, once: a resumed run's decision
+        (:meth:`load_state_dict`) is applied without measuring; else ``trial()`` (called on every rank)
+        gives the step to time, or None where there is none (yet); rank 0 times it (:meth:`decide`) and,
+        where ``world_size`` > 1, every rank takes the layout ``broadcast(obj)`` sends from rank 0."""
+        if not self.enabled or self.decision is not None:
+            return
+        if self._resumed is not None:
+            self.apply(model, self._resumed, optimizers)
+            log.info('auto layout: resumed with %s, decided in the checkpointed run', self._resumed.layout)
+            return
+        timed = trial()
+        if timed is None:
+            return
+        decision = self.decide(model, timed.draw(), timed.loss_fn, optimizers) if rank == 0 else None
+        if world_size > 1:  # rank 0 decided; every rank takes its layout
+            decision = LayoutDecision.from_dict(broadcast(None if decision is None else decision.to_dict()))
+            self.apply(model, decision, optimizers)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps: the decision (None before one)."""
+        return {'decision': None if self.decision is None else self.decision.to_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take a checkpointed run's decision, which :meth:`settle` then applies instead of measuring."""
+        if state.get('decision') is not None:
+            self._resumed = LayoutDecision.from_dict(state['decision'])
