@@ -19,7 +19,8 @@ and that model's pattern is one: ``y[:, :k] = conv(x[:, :k])``).
 This module imports :class:`ZooEntry` from :mod:`zoo_models` at the top; ``zoo_models`` imports this
 module inside its functions, on first use (its name -> class table for ``'local'`` entries is
 ``{'unet': UNet, **MODELS}``), so neither import waits on the other and the zoo's entry type stays in
-one place.
+one place. The attention nets (families 3 and 4) are in :mod:`functional_attention`, and the conv, head
+and stem-blocks-head net that every net is built of in :mod:`functional_blocks`.
 
 Example:
     >>> import torch
@@ -40,36 +41,15 @@ import torch.nn.functional as F
 from torch import nn
 
 try:  # imported as benchmarks.functional_models (the tests)
+    from .functional_attention import AttentionReshapeNet, AttentionViewNet, GridAttentionNet, WindowAttentionNet
+    from .functional_blocks import BlocksNet, conv_bn, pooled_head
     from .zoo_models import ZooEntry
 except ImportError:  # imported next to the benchmark scripts
+    from functional_attention import AttentionReshapeNet, AttentionViewNet, GridAttentionNet, WindowAttentionNet
+    from functional_blocks import BlocksNet, conv_bn, pooled_head
     from zoo_models import ZooEntry
 
 __all__ = ['FUNCTIONAL_ZOO', 'MODELS']
-
-
-def _conv_bn(cin: int, cout: int, kernel: int = 3, stride: int = 1, groups: int = 1) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False), nn.BatchNorm2d(cout), nn.ReLU()
-    )
-
-
-def _head(width: int, num_classes: int) -> nn.Sequential:
-    """Global average pooling (a module: the repair rule keeps its gradient NHWC) and a Linear."""
-    return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(1), nn.Linear(width, num_classes))
-
-
-class _Net(nn.Module):
-    """A stride-2 stem, ``blocks``, a 1x1 conv and the pooled head."""
-
-    def __init__(self, blocks: list[nn.Module], width: int, num_classes: int) -> None:
-        super().__init__()
-        self.stem = _conv_bn(3, width, stride=2)
-        self.blocks = nn.Sequential(*blocks)
-        self.mix = _conv_bn(width, width, kernel=1)
-        self.head = _head(width, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.mix(self.blocks(self.stem(x))))
 
 
 # 1. channel slices
@@ -82,14 +62,14 @@ class PartialConv(nn.Module):
         super().__init__()
         self.k = dim // ratio
         self.pconv = nn.Conv2d(self.k, self.k, 3, padding=1, bias=False)
-        self.mlp = nn.Sequential(_conv_bn(dim, 2 * dim, 1), nn.Conv2d(2 * dim, dim, 1, bias=False))
+        self.mlp = nn.Sequential(conv_bn(dim, 2 * dim, 1), nn.Conv2d(2 * dim, dim, 1, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.cat([self.pconv(x[:, : self.k]), x[:, self.k :]], 1)
         return x + self.mlp(y)
 
 
-class PartialConvNet(_Net):
+class PartialConvNet(BlocksNet):
     """functional-slice: the conv sees ``x[:, :k]``, whose backward (``slice_backward``) pads its gradient NCHW."""
 
     def __init__(self, num_classes: int = 10, width: int = 16) -> None:
@@ -103,15 +83,15 @@ class Ghost(nn.Module):
         super().__init__()
         init = -(-out // ratio)
         self.out = out
-        self.primary = _conv_bn(cin, init, 1)
-        self.cheap = _conv_bn(init, init * (ratio - 1), 3, groups=init)
+        self.primary = conv_bn(cin, init, 1)
+        self.cheap = conv_bn(init, init * (ratio - 1), 3, groups=init)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.primary(x)
         return torch.cat([a, self.cheap(a)], 1)[:, : self.out]
 
 
-class GhostSliceNet(_Net):
+class GhostSliceNet(BlocksNet):
     """functional-slice: ghost modules cut their concatenation to ``out`` channels with ``[:, :out]``."""
 
     def __init__(self, num_classes: int = 10, width: int = 16) -> None:
@@ -129,7 +109,7 @@ class TokenCat(nn.Module):
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.mix = nn.Linear(dim, dim)
-        self.fuse = _conv_bn(2 * dim, dim, 1)
+        self.fuse = conv_bn(2 * dim, dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
@@ -138,7 +118,7 @@ class TokenCat(nn.Module):
         return self.fuse(torch.cat([x, F.gelu(t)], 1))
 
 
-class TokenCatNet(_Net):
+class TokenCatNet(BlocksNet):
     """functional-cat: ``torch.cat`` of the NHWC trunk with a token branch viewed back as NCHW."""
 
     def __init__(self, num_classes: int = 10, width: int = 16) -> None:
@@ -152,12 +132,12 @@ class PermuteCatNet(nn.Module):
 
     def __init__(self, num_classes: int = 10, width: int = 16) -> None:
         super().__init__()
-        self.stem = _conv_bn(3, width, stride=2)
+        self.stem = conv_bn(3, width, stride=2)
         self.dw = nn.Conv2d(width, width, 7, padding=3, groups=width)
         self.norm = nn.LayerNorm(width)
         self.pw = nn.Linear(width, width)
-        self.fuse = _conv_bn(2 * width, width, 1)
-        self.head = _head(width, num_classes)
+        self.fuse = conv_bn(2 * width, width, 1)
+        self.head = pooled_head(width, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
@@ -166,123 +146,7 @@ class PermuteCatNet(nn.Module):
         return self.head(self.fuse(torch.cat([x, y], 1)))
 
 
-# 3. attention reshaped back to N x C x H x W
-
-
-class _Attention(nn.Module):
-    """Softmax attention over the H*W tokens with nn.Linear q, k, v, beside a conv, BatchNorm, GELU branch."""
-
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.scale = float(dim // heads) ** -0.5
-        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
-        self.conv = nn.Sequential(nn.Conv2d(dim, dim, 3, padding=1, bias=False), nn.BatchNorm2d(dim), nn.GELU())
-
-    def attend(self, x: torch.Tensor) -> torch.Tensor:
-        """Heads x (H*W) x (H*W) attention: B x heads x HW x C/heads."""
-        b, c, h, w = x.shape
-        t = x.flatten(2).transpose(1, 2)
-        shape = [b, h * w, self.heads, c // self.heads]
-        q = self.q(t).view(shape).transpose(1, 2)
-        k = self.k(t).view(shape).transpose(1, 2)
-        v = self.v(t).view(shape).transpose(1, 2)
-        return torch.softmax(q @ k.transpose(-2, -1) * self.scale, -1) @ v
-
-
-class AttentionAdd(_Attention):
-    """LeViT / EfficientFormerV2 style: ``(attn @ v).transpose(2, 3).reshape(B, C, H, W)`` added to the conv
-    branch, then ReLU. With one head this is ``.transpose(1, 2).reshape(B, C, H, W)`` of the B x HW x C
-    tokens, an NHWC view that keeps NHWC; with two heads the reshape copies, to NCHW."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = x.shape
-        a = self.attend(x).transpose(2, 3).reshape(b, c, h, w)
-        return F.relu(a + self.conv(x))
-
-
-class AttentionReshapeNet(_Net):
-    """functional-attention: multi-head attention reshaped back with ``.transpose(2, 3).reshape(B, C, H, W)``,
-    added to the GELU'd conv branch, then ReLU (``threshold_backward`` and ``gelu_backward`` meet its gradient)."""
-
-    def __init__(self, num_classes: int = 10, width: int = 16, heads: int = 2) -> None:
-        super().__init__([AttentionAdd(width, heads)], width, num_classes)
-
-
-class AttentionMul(_Attention):
-    """Single-head attention, back with ``.permute(0, 2, 1).contiguous().view(B, C, H, W)``, multiplied
-    onto the conv branch, then ReLU."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = x.shape
-        a = self.attend(x).squeeze(1)
-        a = a.permute(0, 2, 1).contiguous().view(b, c, h, w)
-        return F.relu(a * self.conv(x))
-
-
-class AttentionViewNet(_Net):
-    """functional-attention: attention viewed back with ``.permute(0, 2, 1).contiguous().view(B, C, H, W)``,
-    multiplied onto the GELU'd conv branch, then ReLU."""
-
-    def __init__(self, num_classes: int = 10, width: int = 16) -> None:
-        super().__init__([AttentionMul(width, 1)], width, num_classes)
-
-
-# 4. window and grid attention
-
-
-class _Partitioned(nn.Module):
-    """Attention inside groups of ``size * size`` tokens, with nn.Linear q, k, v and a 1x1 conv after."""
-
-    def __init__(self, dim: int, size: int) -> None:
-        super().__init__()
-        self.size = size
-        self.scale = float(dim) ** -0.5
-        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
-        self.proj = _conv_bn(dim, dim, 1)
-
-    def attend(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.softmax(self.q(t) @ self.k(t).transpose(1, 2) * self.scale, -1) @ self.v(t)
-
-
-class WindowAttention(_Partitioned):
-    """Swin: ``permute`` to B x H x W x C, ``.view(B, H//w, w, W//w, w, C).permute(0, 1, 3, 2, 4, 5)
-    .contiguous()`` into windows, attention, the reverse, ``.permute(0, 3, 1, 2).contiguous()``, a conv."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = x.shape
-        s = self.size
-        t = x.permute(0, 2, 3, 1).view(b, h // s, s, w // s, s, c).permute(0, 1, 3, 2, 4, 5).contiguous()
-        t = self.attend(t.view(-1, s * s, c))
-        t = t.view(b, h // s, w // s, s, s, c).permute(0, 1, 3, 2, 4, 5).contiguous().view(b, h, w, c)
-        return x + self.proj(t.permute(0, 3, 1, 2).contiguous())
-
-
-class WindowAttentionNet(_Net):
-    """functional-window: Swin window attention, back to N x C x H x W with ``.permute(0, 3, 1, 2).contiguous()``."""
-
-    def __init__(self, num_classes: int = 10, width: int = 16) -> None:
-        super().__init__([WindowAttention(width, 4)], width, num_classes)
-
-
-class GridAttention(_Partitioned):
-    """MaxViT's grid attention: tokens ``H // g`` apart attend to each other; the reverse permutes the
-    6D grid straight to channels first and reshapes to B x C x H x W; the result is added to ``x``."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, c, h, w = x.shape
-        g = self.size
-        t = x.permute(0, 2, 3, 1).view(b, g, h // g, g, w // g, c).permute(0, 2, 4, 1, 3, 5).contiguous()
-        t = self.attend(t.view(-1, g * g, c))
-        t = t.view(b, h // g, w // g, g, g, c).permute(0, 5, 3, 1, 4, 2).reshape(b, c, h, w)
-        return self.proj(t + x)
-
-
-class GridAttentionNet(_Net):
-    """functional-window: MaxViT grid attention reshaped back to N x C x H x W and added to its input."""
-
-    def __init__(self, num_classes: int = 10, width: int = 16) -> None:
-        super().__init__([WindowAttention(width, 4), GridAttention(width, 4)], width, num_classes)
+# 3. and 4. attention reshaped back to N x C x H x W, window and grid attention: functional_attention.py
 
 
 # 5. global mean as a function
@@ -295,7 +159,7 @@ class SqueezeMeanNet(nn.Module):
 
     def __init__(self, num_classes: int = 10, width: int = 16) -> None:
         super().__init__()
-        self.stem = _conv_bn(3, width, stride=2)
+        self.stem = conv_bn(3, width, stride=2)
         self.dw = nn.Sequential(nn.Conv2d(width, width, 3, padding=1, groups=width, bias=False), nn.BatchNorm2d(width))
         self.reduce, self.expand = nn.Conv2d(width, 8, 1), nn.Conv2d(8, width, 1)
         self.last = nn.Sequential(nn.Conv2d(width, 2 * width, 1, bias=False), nn.BatchNorm2d(2 * width))
@@ -319,7 +183,7 @@ class FocalModulation(nn.Module):
             [nn.Sequential(nn.Conv2d(dim, dim, 3, padding=1, groups=dim, bias=False), nn.GELU()) for _ in range(levels)]
         )
         self.h = nn.Conv2d(dim, dim, 1)
-        self.proj = _conv_bn(dim, dim, 1)
+        self.proj = conv_bn(dim, dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, ctx, gates = torch.split(self.f(x), [self.dim, self.dim, self.levels + 1], 1)
@@ -332,7 +196,7 @@ class FocalModulation(nn.Module):
         return x + self.proj(q * self.h(ctx_all))
 
 
-class FocalModulationNet(_Net):
+class FocalModulationNet(BlocksNet):
     """functional-mean: focal modulation, whose global context is ``gelu(ctx.mean((2, 3), keepdim=True))``."""
 
     def __init__(self, num_classes: int = 10, width: int = 16) -> None:
@@ -348,15 +212,15 @@ class PyramidPool(nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.spp = _conv_bn(3 * dim, dim, 1)
-        self.psp = _conv_bn(2 * dim, dim, 1)
+        self.spp = conv_bn(3 * dim, dim, 1)
+        self.psp = conv_bn(2 * dim, dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.spp(torch.cat([x, F.max_pool2d(x, 5, 1, 2), F.max_pool2d(x, 9, 1, 4)], 1))
         return self.psp(torch.cat([x, F.adaptive_avg_pool2d(x, 1).expand_as(x)], 1))
 
 
-class PyramidPoolNet(_Net):
+class PyramidPoolNet(BlocksNet):
     """functional-pooled-cat: SPP's max-pool branches (NHWC throughout) and PSP's expanded global
     pool (channels first) concatenated to the features."""
 
@@ -372,9 +236,9 @@ class ShuffleSplit(nn.Module):
         super().__init__()
         half = dim // 2
         self.branch = nn.Sequential(
-            _conv_bn(half, half, 1),
+            conv_bn(half, half, 1),
             nn.Conv2d(half, half, 3, padding=1, groups=half, bias=False),
-            _conv_bn(half, half, 1),
+            conv_bn(half, half, 1),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -384,7 +248,7 @@ class ShuffleSplit(nn.Module):
         return y.view(n, 2, c // 2, h, w).transpose(1, 2).contiguous().view(n, c, h, w)
 
 
-class SplitShuffleNet(_Net):
+class SplitShuffleNet(BlocksNet):
     """functional-pooled-cat: ``chunk`` halves concatenated back, one of them already shuffled to NCHW."""
 
     def __init__(self, num_classes: int = 10, width: int = 16) -> None:
@@ -400,7 +264,7 @@ class BranchSum(nn.Module):
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.branches = nn.ModuleList([_conv_bn(dim, dim, 1), _conv_bn(dim, dim, 3), _conv_bn(dim, dim, 5)])
+        self.branches = nn.ModuleList([conv_bn(dim, dim, 1), conv_bn(dim, dim, 3), conv_bn(dim, dim, 5)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_zeros(x.shape)
@@ -419,11 +283,11 @@ class InplaceNet(nn.Module):
     def __init__(self, num_classes: int = 10, width: int = 16) -> None:
         super().__init__()
         self.k = width // 4
-        self.stem = _conv_bn(3, width, stride=2)
+        self.stem = conv_bn(3, width, stride=2)
         self.pconv = nn.Conv2d(self.k, self.k, 3, padding=1, bias=False)
-        self.mlp = nn.Sequential(_conv_bn(width, 2 * width, 1), nn.Conv2d(2 * width, width, 1, bias=False))
+        self.mlp = nn.Sequential(conv_bn(width, 2 * width, 1), nn.Conv2d(2 * width, width, 1, bias=False))
         self.sum = BranchSum(width)
-        self.head = _head(width, num_classes)
+        self.head = pooled_head(width, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)

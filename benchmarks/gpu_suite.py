@@ -41,24 +41,25 @@ import torch
 import torchvision
 from torch import nn
 
-from channels_last_algo.core.audit import audit_model
 from channels_last_algo.core.fuse import fuse_for_inference
 from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.machine_description import describe_machine
+from channels_last_algo.core.model_audit import audit_model
 from channels_last_algo.core.runtime import torch_release
 from channels_last_algo.core.timing import Timings, synchronizer, time_interleaved
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA_TEST_FILES = (
-    'tests/test_repair.py',
-    'tests/test_repair_layers.py',
-    'tests/test_repair_check.py',
-    'tests/test_safety.py',
-    'tests/test_data.py',
-    'tests/test_fuse.py',
-    'tests/test_compile.py',
-    'tests/test_contracts.py',
-    'tests/test_video.py',
+    'tests/core/test_repair.py',
+    'tests/app/test_repaired_zoo.py',
+    'tests/core/test_repair_layers.py',
+    'tests/core/test_repair_check.py',
+    'tests/core/test_safety.py',
+    'tests/app/test_data.py',
+    'tests/app/test_fuse.py',
+    'tests/integrations/test_compile.py',
+    'tests/core/test_contracts.py',
+    'tests/core/test_video.py',
 )
 
 

@@ -25,9 +25,9 @@ import zoo_models as zoo  # benchmarks/, next to this script
 from arguments import Option, benchmark_parser
 from results_writer import RunStart, run_record, write_results
 
-from channels_last_algo.core.audit import audit_model
 from channels_last_algo.core.audit_report import format_bytes
 from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.model_audit import audit_model
 from channels_last_algo.core.runtime import torch_release
 
 MODELS = tuple(e.name for e in zoo.TIMM_ZOO + zoo.TIMM_HEAVY_ZOO) + tuple(

@@ -2,7 +2,8 @@
 functional-break nets of :mod:`functional_models`.
 
 Not part of the installed package: the benchmarks import it as ``zoo_models`` (next to them),
-the tests as ``benchmarks.zoo_models`` (``tests/conftest.py`` puts the repository root on the path).
+the tests in ``tests/app/`` as ``benchmarks.zoo_models`` (``tests/conftest.py`` puts the repository root on the
+path; ``tests/core/`` imports nothing of the benchmarks).
 
 Each :class:`ZooEntry` names a model, its family, where its definition comes from
 (``'torchvision'``, ``'timm'`` or ``'local'``: this module's :class:`UNet` or a model of

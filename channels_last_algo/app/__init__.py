@@ -12,7 +12,7 @@ below imports from here.
 
 The rule: a subject imports only from itself and the subjects before it in the order
 ``data <- recipes <- runs <- cli``, at a module's top and inside its functions alike, and no two
-modules import each other, directly or around a circle (``tests/test_package.py`` checks both). A
+modules import each other, directly or around a circle (``tests/app/test_package.py`` checks both). A
 module that needs Composer imports it inside the function that uses it, or is imported there, so that
 everything but training runs without Composer.
 

@@ -30,7 +30,7 @@ from typing import Any, Optional
 from channels_last_algo.core.audit_report import AuditRecord, AuditReport, format_bytes
 from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.convert import ConversionSummary
-from channels_last_algo.core.swap import UncoveredLayer
+from channels_last_algo.core.swap_records import UncoveredLayer
 from channels_last_algo.core.weight_layout import WeightLayoutPlan
 
 __all__ = ['ConsoleBlock', 'audit_block', 'start_block', 'step_metrics', 'timing_line']
@@ -120,7 +120,7 @@ def start_block(
     """What the run starts with: conversion, weight layout, repairs, safe paths, auto's decision.
 
     Example:
-        >>> from channels_last_algo.core.swap import SwapRecord
+        >>> from channels_last_algo.core.swap_records import SwapRecord
         >>> pool = SwapRecord('2', 'repair', 'global_avg_pool', 'torch.nn.AdaptiveAvgPool2d', 'ChannelsLastPool')
         >>> summary = ConversionSummary(converted=['0.weight', '3.weight'], repaired=[pool])
         >>> block = start_block('Net', summary, WeightLayoutPlan(False, 'one process'), audit_steps=2)

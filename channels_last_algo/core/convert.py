@@ -46,7 +46,7 @@ from channels_last_algo.core.argument_checks import require_flags, require_modul
 from channels_last_algo.core.layers import repair_model, unrepaired_subclasses
 from channels_last_algo.core.layout import MemoryFormat, channels_last_format, to_channels_first, to_channels_last
 from channels_last_algo.core.safety.bugs import make_safe, unsafe_subclasses
-from channels_last_algo.core.swap import SwapRecord, UncoveredLayer
+from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 from channels_last_algo.core.weight_layout import weight_layout_for
 
 __all__ = ['ConversionSummary', 'apply_channels_first', 'apply_channels_last', 'restride']

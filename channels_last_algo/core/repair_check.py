@@ -49,7 +49,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from channels_last_algo.core import module_calls
 from channels_last_algo.core.saved_state import SavedState
-from channels_last_algo.core.swap import SwapRecord, qualified_name, swap_back
+from channels_last_algo.core.swap import qualified_name, swap_back
+from channels_last_algo.core.swap_records import SwapRecord
 
 __all__ = ['TOLERANCES', 'RefusedRepair', 'RepairCheck']
 

@@ -1,5 +1,5 @@
 """The swap engine: a module changes class in place for an equivalent one, and says so in a
-:class:`SwapRecord`.
+:class:`~channels_last_algo.core.swap_records.SwapRecord`.
 
 Two tables swap modules, each row a :class:`SwapRow`, each table for its reason, the record's ``kind``:
 
@@ -51,14 +51,12 @@ from typing import Any, ClassVar, Optional, TypeVar, Union
 from torch import nn
 
 from channels_last_algo.core.runtime import VersionSpec
+from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 
 __all__ = [
-    'KINDS',
     'LayerType',
     'Replacement',
-    'SwapRecord',
     'SwapRow',
-    'UncoveredLayer',
     'first_matches',
     'original_class',
     'overridden',
@@ -74,56 +72,10 @@ __all__ = [
     'unswapped_class',
 ]
 
-KINDS = ('repair', 'safe_path')
-"""Why a module was changed: a repair rule, or a kernel bug's safe path."""
-
 
 def qualified_name(cls: type) -> str:
     """``'torch.nn.modules.conv.Conv2d'`` for ``nn.Conv2d``."""
     return f'{cls.__module__}.{cls.__qualname__}'
-
-
-@dataclasses.dataclass(frozen=True)
-class SwapRecord:
-    """One module that a swap table changed.
-
-    Attributes:
-        path: the module's name in ``model.named_modules()`` ('' for the model itself).
-        kind: one of :data:`KINDS`.
-        reason: the row applied: the repair rule's name or the kernel bug's name.
-        original: qualified name of the module's type before.
-        replacement: name of the class it has now.
-    """
-
-    path: str
-    kind: str
-    reason: str
-    original: str
-    replacement: str
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f'swap record kind {self.kind!r} must be one of {KINDS}')
-
-
-@dataclasses.dataclass(frozen=True)
-class UncoveredLayer:
-    """A module that a row would swap but whose class defines its own version of a method the
-    swap takes over, so it keeps its class (and its layout break or kernel bug).
-
-    Attributes:
-        path: the module's name in ``model.named_modules()`` ('' for the model itself).
-        kind: one of :data:`KINDS`: the table whose row it needed.
-        reason: that row: the repair rule's name or the kernel bug's name.
-        layer: qualified name of the module's class.
-        overrides: the methods its class defines that the swap would replace (``('forward',)``).
-    """
-
-    path: str
-    kind: str
-    reason: str
-    layer: str
-    overrides: tuple[str, ...]
 
 
 class Replacement:

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from channels_last_algo.app.cli.shared_arguments import UsageError, first_line
+from channels_last_algo.app.recipes.footprints import input_pass_bytes
 from channels_last_algo.app.recipes.models import input_shape_problem, model_builder
-from channels_last_algo.app.recipes.step_memory import REFUSE_ABOVE, available_bytes, input_pass_bytes, size_text
+from channels_last_algo.app.recipes.step_memory import REFUSE_ABOVE, available_bytes, size_text
 
 __all__ = ['add_model_arguments', 'build_for', 'check_fits', 'check_input', 'input_shape', 'model_name']
 

@@ -18,9 +18,9 @@ import torch
 from channels_last_algo.app.cli.model_arguments import add_model_arguments, build_for
 from channels_last_algo.app.cli.shared_arguments import UsageError, first_line, seconds
 from channels_last_algo.app.recipes.models import model_builder
-from channels_last_algo.core.audit import audit_model
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.layout import to_channels_last
+from channels_last_algo.core.model_audit import audit_model
 from channels_last_algo.core.safety.diagnostics import doctor
 
 __all__ = ['add_audit', 'add_doctor']

@@ -17,7 +17,7 @@ do, in this order:
 
 Each takes an :class:`EncodedImage` (a file's bytes), a PIL image or an ``(H, W, 3)`` uint8
 array. :class:`ToHWCUint8` is the stand-in for ``ToTensor`` when composing torchvision's own
-PIL transforms instead. The equivalence tests (``tests/test_transforms.py``) and
+PIL transforms instead. The equivalence tests (``tests/app/test_transforms.py``) and
 ``docs/data.md`` state the tolerances.
 
 Example:
@@ -173,7 +173,7 @@ def _planned_region(image: Any, plan: CropPlan) -> tuple[torch.Tensor, tuple[int
     # the crop copied to a dense NHWC block first, mirrored on the way when the plan flips:
     # torch's uint8 antialiased kernel is faster on a dense block than on a strided view by
     # more than the copy costs, and it is mirror-symmetric, so mirroring before the resize
-    # gives the same pixels as after (benchmarks/decode.py, tests/test_transforms.py)
+    # gives the same pixels as after (benchmarks/decode.py, tests/app/test_transforms.py)
     region = pixels[None, :, top : top + height, left : left + width]
     region = region.flip(3) if plan.flip else region.contiguous(memory_format=torch.channels_last)
     return region, (height, width)

@@ -9,7 +9,8 @@
 - :mod:`~channels_last_algo.app.recipes.models`, :mod:`~channels_last_algo.app.recipes.optimizers`,
   :mod:`~channels_last_algo.app.recipes.training_data`: the model, optimizer and data sets a recipe names;
 - :mod:`~channels_last_algo.app.recipes.placement`, :mod:`~channels_last_algo.app.recipes.step_memory`: the
-  device, batch split and microbatch a step runs with here, and whether that step fits in memory.
+  device, batch split and microbatch a step runs with here, and whether that step fits in memory;
+- :mod:`~channels_last_algo.app.recipes.footprints`: the peak memory of a model's passes, counted on ``meta``.
 
 Example:
     >>> from channels_last_algo.app.recipes.loading import load_recipe

@@ -29,7 +29,7 @@ _HEADER = """# Recipe keys
 
 Every key of a recipe (`recipes/resnet50_imagenet.yaml`), made from the schema that checks it
 (`channels_last_algo/app/recipes/schema.py`). `channels-last train --help-keys` prints this page;
-regenerate it with `channels-last train --help-keys > docs/recipe_keys.md` (`tests/test_recipe_keys.py`
+regenerate it with `channels-last train --help-keys > docs/recipe_keys.md` (`tests/app/test_recipe_keys.py`
 fails when it is out of date). A key's default is its value when a recipe leaves it out. Set any
 key on the command line with `--set KEY=VALUE`, the value read as YAML (`0.1`, `true`, `null`, `[1, 2]`).
 Time strings: {units}."""

@@ -1,7 +1,7 @@
 """What trains or times a model: a recipe's training run, the side-by-side comparison, and the demo.
 
-- :mod:`~channels_last_algo.app.runs.checkpoint_files`, :mod:`~channels_last_algo.app.runs.folder`: a run's
-  checkpoint files and the locked folder that holds them;
+- :mod:`~channels_last_algo.app.runs.checkpoint_files`, :mod:`~channels_last_algo.app.runs.folder`,
+  :mod:`~channels_last_algo.app.runs.run_lock`: a run's checkpoint files, the folder that holds them and its lock;
 - :mod:`~channels_last_algo.app.runs.run_checkpoints`: the Composer callback that writes them, and a model from one;
 - :mod:`~channels_last_algo.app.runs.trainer`: Composer's Trainer for a recipe;
 - :mod:`~channels_last_algo.app.runs.train`: one training run, from the pre-flight checks to the last checkpoint;

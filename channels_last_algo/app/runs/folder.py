@@ -2,7 +2,8 @@
 
 :class:`RunFolder` is the folder a training run writes its checkpoints to. Opening it for a
 run (:meth:`RunFolder.open`) takes a lock held for the whole run (a lock file with the pid,
-locked with ``flock``, so a lock left by a dead process is known to be stale) and refuses a
+locked with ``flock``, so a lock left by a dead process is known to be stale:
+:mod:`~channels_last_algo.app.runs.run_lock`) and refuses a
 folder that holds another run's checkpoints unless the run resumes them or is told to
 overwrite them; :meth:`RunFolder.check` makes every refusal first, writing nothing.
 Checkpoints are written atomically (:meth:`RunFolder.write`: a temporary file, ``fsync``,
@@ -29,10 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO, Optional, Union
@@ -49,14 +48,13 @@ from channels_last_algo.app.runs.checkpoint_files import (
     progress,
     read_state,
 )
+from channels_last_algo.app.runs.run_lock import NEW_FOLDER, RunLock
 
 __all__ = ['RunFolder']
 
 log = logging.getLogger(__name__)
 
 _PARTIAL = '.partial'
-LOCK_NAME = '.run.lock'
-_NEW_FOLDER = 'give this run another folder (--set train.save_folder=PATH)'
 # what frees a checkpoint write that failed with an errno, before --resume continues the run
 _WRITE_FIXES = {
     errno.ENOSPC: 'free space on its disk',
@@ -76,16 +74,6 @@ def _fsync_folder(folder: Path) -> None:
         os.close(descriptor)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, owned by another user
-        return True
-    return True
-
-
 def _os_error(error: BaseException) -> Optional[OSError]:
     """The OSError that ``error`` is or was raised from (``torch.save`` turns a failed write into a
     RuntimeError raised while handling it), or None."""
@@ -98,40 +86,18 @@ def _os_error(error: BaseException) -> Optional[OSError]:
     return None
 
 
-def _check_usable(folder: Path) -> None:
-    """RunFolderError naming the path and the fix when ``folder`` is a file, lies under one, cannot be
-    written, or has something else than a file for its lock; seen without writing anything."""
-    if folder.is_symlink() and not folder.exists():
-        raise RunFolderError(f'{folder} is {not_a_file(folder)}', f'create that folder, or {_NEW_FOLDER}')
-    existing = next(path for path in (folder, *folder.parents) if path.exists() or path.is_symlink())
-    made = '' if existing == folder else f'{folder} cannot be made: '
-    if not existing.is_dir():
-        raise RunFolderError(f'{made}{existing} is a file, not a folder', f'move the file away, or {_NEW_FOLDER}')
-    if not os.access(existing, os.W_OK | os.X_OK | (os.R_OK if existing == folder else 0)):
-        fix = f'make it writable (chmod u+rwx), or {_NEW_FOLDER}'
-        raise RunFolderError(f'{made}{existing} is not writable for this user', fix)
-    kind = not_a_file(folder / LOCK_NAME)
-    if kind is not None:
-        fix = f'delete it (a run makes its own), or {_NEW_FOLDER}'
-        raise RunFolderError(f'{folder / LOCK_NAME} must be the lock file of a run, but is {kind}', fix)
-
-
 class RunFolder:
     """The checkpoint folder of one run. See the module docstring."""
 
     def __init__(self, folder: Union[str, os.PathLike]) -> None:
         self.folder = Path(folder)
-        self._lock: Optional[int] = None
+        self._lock = RunLock(self.folder)
         self._unreadable: dict[Path, str] = {}  # checkpoints --resume skipped, and why: this run may replace them
 
     def __repr__(self) -> str:
         return f'{type(self).__name__}({str(self.folder)!r})'
 
     # --- the lock ---------------------------------------------------------------------------------
-
-    @property
-    def lock_path(self) -> Path:
-        return self.folder / LOCK_NAME
 
     def check(
         self, resume: Union[bool, str, os.PathLike] = False, overwrite: bool = False, max_duration: Optional[str] = None
@@ -140,97 +106,18 @@ class RunFolder:
         run can make it before any other work: a folder that cannot hold a run (a file, not writable, a
         folder for its lock), a live run holding it, and :meth:`prepare`'s. Returns the checkpoint to
         resume from as things are now."""
-        _check_usable(self.folder)
-        try:
-            with contextlib.suppress(FileNotFoundError):  # no lock file: no run holds the folder
-                descriptor = self._take_lock(os.O_RDONLY)
-                try:
-                    self._gone_holder(descriptor)
-                finally:
-                    os.close(descriptor)  # and with it the flock
-        except OSError as error:
-            raise self._lock_error(error) from error
+        self._lock.check()
         return self._plan(resume, overwrite, max_duration)[0]
 
     def lock(self) -> None:
         """Hold the folder for this process until :meth:`unlock` (or the process ends). RunFolderError
         naming the pid of another live run that holds it, or the path and the fix when the folder cannot
         hold a run (:meth:`check`). The lock of a process that is gone is taken over, with a log line."""
-        if self._lock is not None:
-            raise RuntimeError(f'{self.folder} is already locked by this RunFolder')
-        _check_usable(self.folder)
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            descriptor = self._take_lock(os.O_RDWR | os.O_CREAT)
-            try:
-                gone = self._gone_holder(descriptor)
-                if gone is not None:
-                    log.warning(
-                        '%s: taking over the lock of pid %s, which is gone (a run that was stopped)', self.folder, gone
-                    )
-                os.ftruncate(descriptor, 0)
-                os.pwrite(descriptor, f'{os.getpid()} {socket.gethostname()}\n'.encode(), 0)
-                os.fsync(descriptor)
-            except BaseException:
-                os.close(descriptor)
-                raise
-        except OSError as error:
-            raise self._lock_error(error) from error
-        self._lock = descriptor
-
-    def _lock_error(self, error: OSError) -> RunFolderError:
-        return RunFolderError(
-            f'cannot lock {error.filename or self.lock_path} for this run: {error.strerror or error}; make sure '
-            f'this user can create and write {self.folder}, or {_NEW_FOLDER}'
-        )
-
-    def _in_use(self, then: str = '') -> RunFolderError:
-        return RunFolderError(
-            f'{self.folder} is in use by another run ({self._holder()}); wait for it to finish, or {_NEW_FOLDER}{then}'
-        )
-
-    def _take_lock(self, flags: int) -> int:
-        """A descriptor of the lock file opened with ``flags``, ``flock``-ed; RunFolderError if another
-        process holds it."""
-        while True:
-            descriptor = os.open(self.lock_path, flags | os.O_NOFOLLOW, 0o644)
-            try:
-                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as error:
-                os.close(descriptor)
-                if error.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-                raise self._in_use() from None
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(self.lock_path).st_ino == os.fstat(descriptor).st_ino:
-                    return descriptor  # locked the file that is there, not one its last holder just removed
-            os.close(descriptor)
-
-    def _gone_holder(self, descriptor: int) -> Optional[str]:
-        """The pid in the locked lock file when it is another process that is gone; RunFolderError when
-        it is a live one of this host (a file system whose locks do not reach across processes)."""
-        owner = os.pread(descriptor, 200, 0).decode(errors='replace').split()
-        if not owner or not owner[0].isdigit() or int(owner[0]) == os.getpid():
-            return None
-        if owner[1:2] == [socket.gethostname()] and _pid_alive(int(owner[0])):
-            raise self._in_use(f'. If no run uses it, delete {self.lock_path}')
-        return owner[0]
-
-    def _holder(self) -> str:
-        try:
-            pid, host = (self.lock_path.read_text().split() + ['?', '?'])[:2]
-        except OSError:
-            return 'lock file unreadable'
-        return f'pid {pid} on {host}'
+        self._lock.take()
 
     def unlock(self) -> None:
         """Release the lock and remove the lock file; nothing if not locked."""
-        if self._lock is None:
-            return
-        with contextlib.suppress(FileNotFoundError):
-            self.lock_path.unlink()
-        os.close(self._lock)  # closing releases the flock
-        self._lock = None
+        self._lock.release()
 
     @contextlib.contextmanager
     def open(
@@ -276,7 +163,7 @@ class RunFolder:
             kind = not_a_file(path) if named else None  # `latest` is the link each write moves
             if kind is not None:
                 raise RunFolderError(
-                    f'{path} is named as a checkpoint but is {kind}; move it out of {self.folder}, or {_NEW_FOLDER}'
+                    f'{path} is named as a checkpoint but is {kind}; move it out of {self.folder}, or {NEW_FOLDER}'
                 )
         start, batches = self._resume_point(resume, max_duration)
         ours = start is not None and start.resolve().parent == self.folder.resolve()

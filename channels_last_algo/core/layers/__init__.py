@@ -8,7 +8,7 @@ hold those layers, so they are not imported here.
 
 The layers move axes with ``permute`` (or ``movedim``) on axes counted from the front: the
 TorchScript ONNX exporter writes negative axes into the ONNX ``Transpose`` as they are, which
-onnxruntime refuses. ``tests/test_export_matrix.py`` runs every layer through fx,
+onnxruntime refuses. ``tests/core/test_export_matrix.py`` runs every layer through fx,
 TorchScript, ``torch.export`` and both ONNX exporters, and compares the numbers.
 
 Example:

@@ -6,7 +6,7 @@ its own ``forward`` is left alone and named by :func:`unrepaired_subclasses`), a
 condition on the layer's settings, the replacement (a subclass that only overrides
 ``forward``), and where the break exists: the devices and the torch versions. A rule applies
 only where its break exists, so a rule that a newer torch makes unnecessary is not applied
-there; ``tests/test_repair.py`` probes every rule's break on the installed torch, so a row
+there; ``tests/core/test_repair.py`` probes every rule's break on the installed torch, so a row
 whose versions are wrong fails there.
 
 Applying a rule reassigns the module's class in place (:mod:`channels_last_algo.core.swap`): the
@@ -59,7 +59,8 @@ from channels_last_algo.core.layers.mobilenet_v2 import ChannelsLastMobileNetV2
 from channels_last_algo.core.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d
 from channels_last_algo.core.layers.pixel_shuffle import ChannelsLastPixelShuffle, ChannelsLastPixelUnshuffle
 from channels_last_algo.core.runtime import VersionSpec, model_device
-from channels_last_algo.core.swap import SwapRecord, SwapRow, UncoveredLayer, swap_first_match, uncovered
+from channels_last_algo.core.swap import SwapRow, swap_first_match, uncovered
+from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 
 __all__ = ['RULES', 'RepairRule', 'repair_model', 'unrepaired_subclasses']
 
@@ -251,7 +252,7 @@ def repair_model(
         rules: the rule table, :data:`RULES` unless given.
 
     Returns:
-        One :class:`~channels_last_algo.core.swap.SwapRecord` (kind ``'repair'``, the rule's name
+        One :class:`~channels_last_algo.core.swap_records.SwapRecord` (kind ``'repair'``, the rule's name
         as its reason) per replaced module, in ``named_modules`` order; empty when nothing
         matched (a repaired model matches nothing again).
     """

@@ -39,7 +39,8 @@ from torch import nn
 
 from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, SubsampledConv2d
 from channels_last_algo.core.runtime import Runtime, model_device
-from channels_last_algo.core.swap import SwapRecord, SwapRow, UncoveredLayer, first_matches, swap_first_match, uncovered
+from channels_last_algo.core.swap import SwapRow, first_matches, swap_first_match, uncovered
+from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 
 __all__ = ['FAILURES', 'KNOWN_BUGS', 'KernelBug', 'default_runtimes', 'make_safe', 'matching_bugs', 'unsafe_subclasses']
 
@@ -229,7 +230,7 @@ def make_safe(
         bugs: the table, :data:`KNOWN_BUGS` unless given.
 
     Returns:
-        One :class:`~channels_last_algo.core.swap.SwapRecord` (kind ``'safe_path'``, the bug's name
+        One :class:`~channels_last_algo.core.swap_records.SwapRecord` (kind ``'safe_path'``, the bug's name
         as its reason, the safe path's class name as its replacement) per swapped module; empty
         when nothing matched (a safe model matches nothing again).
     """

@@ -44,10 +44,11 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from channels_last_algo.core.audit import AuditReport, audit_model
+from channels_last_algo.core.audit import AuditReport
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.layout import to_channels_last
 from channels_last_algo.core.machine_description import describe_machine, machine_label
+from channels_last_algo.core.model_audit import audit_model
 from channels_last_algo.core.runtime import Runtime
 from channels_last_algo.core.safety.bugs import matching_bugs
 from channels_last_algo.core.safety.layer_check import check_layers, relative_error
