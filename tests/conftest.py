@@ -1,9 +1,16 @@
 """Shared test helpers: small models and data, dispatch-mode checks, and skips for packages
 that only one of the two test environments has (Composer: torch 2.7; Lightning: newest torch).
 
-The model zoos live with the benchmarks, in ``benchmarks/zoo_models.py`` (outside the installed
-package); this module puts the repository root on ``sys.path`` and imports them as ``zoo``, so
-``from conftest import zoo`` works under pytest and in a test module run as a script.
+The tests live in three folders: ``core/`` (the layout engine, ``channels_last_algo.core``; these never
+import ``channels_last_algo.app`` nor ``benchmarks``, which ``app/test_package.py`` checks), ``integrations/``
+(Composer, Lightning, Accelerate, distributed, compile) and ``app/`` (the CLI, recipes, data, runs, the
+benchmarks and the package). A helper module lives in the folder of the tests that import it
+(``core/guarded_runs.py``, ``app/recipe_runs.py``, ``app/image_folders.py``); pytest's default import mode
+puts a test module's own folder on ``sys.path``, so it is imported by its plain name, and test module
+names are unique across the folders. This module, shared by all three, puts this folder (for
+``from conftest import ...``) and the repository root (for ``benchmarks``, which only ``app/`` tests
+import) on ``sys.path``, and both on ``PYTHONPATH`` for the child processes of tests, which run test
+modules as scripts (rank programs) and import the package from any working directory.
 """
 
 from __future__ import annotations
@@ -18,17 +25,21 @@ from torch import nn
 from torch.utils import _python_dispatch
 from torch.utils.data import DataLoader, TensorDataset
 
-# Child processes of tests (rank programs, models checked in a subprocess) import the package as the
-# tests do, from any working directory: a checkout run with PYTHONPATH=. (a GPU machine's) gets the
-# checkout's absolute path in front.
-os.environ['PYTHONPATH'] = os.pathsep.join(
-    [str(Path(__file__).resolve().parent.parent)]
-    + [str(Path(entry).resolve()) for entry in os.environ.get('PYTHONPATH', '').split(os.pathsep) if entry]
-)
-sys.path.insert(0, str(Path(__file__).parent))  # `from conftest import ...` in test modules
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `from benchmarks import ...`, from any folder
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 
-from benchmarks import zoo_models as zoo  # noqa: E402, F401  (the zoos, for `from conftest import zoo`)
+# Child processes of tests (rank programs, models checked in a subprocess) import the package and this
+# module as the tests do, from any working directory: a checkout run with PYTHONPATH=. (a GPU machine's)
+# gets the checkout's absolute path in front. This folder comes first: `conftest` is this module, not the
+# repository root's conftest.py (doctest collection).
+os.environ['PYTHONPATH'] = os.pathsep.join(
+    dict.fromkeys(
+        [str(TESTS), str(ROOT)]
+        + [str(Path(entry).resolve()) for entry in os.environ.get('PYTHONPATH', '').split(os.pathsep) if entry]
+    )
+)
+sys.path.insert(0, str(ROOT))  # `from benchmarks import ...` (app/ tests only), from any working directory
+sys.path.insert(0, str(TESTS))  # `from conftest import ...` in test modules, in any of the three folders
 
 
 class DropsNHWC(nn.Module):
@@ -56,6 +67,41 @@ def small_net() -> nn.Module:
         nn.Flatten(),
         nn.Linear(16, 4),
     )
+
+
+class _Block(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(x + self.bn2(self.conv2(out)))
+
+
+class TinyResNet(nn.Module):
+    """Conv, BN, ReLU, max pooling, two residual blocks, global pooling and a linear head: the demo's
+    model (``channels_last_algo.app.runs.demo.TinyResNet``), here for the core tests, which import nothing
+    of the application; ``app/test_package.py`` checks that the two stay the same model."""
+
+    def __init__(self, num_classes: int = 10, width: int = 32, in_channels: int = 3) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.blocks = nn.Sequential(_Block(width), _Block(width))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
 
 
 def breaking_model() -> nn.Module:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-RECIPE = str(Path(__file__).resolve().parent.parent / 'recipes' / 'resnet50_imagenet.yaml')
+RECIPE = str(Path(__file__).resolve().parents[2] / 'recipes' / 'resnet50_imagenet.yaml')
 TINY = [
     'model.name=channels_last_algo.app.runs.demo:TinyResNet',
     'model.num_classes=10',

@@ -12,7 +12,14 @@ import conftest  # noqa: F401  (puts the repository root on sys.path, for `bench
 
 @pytest.mark.parametrize(
     'module',
-    ['benchmarks.zoo_models', 'benchmarks.functional_models', 'benchmarks.results_writer', 'benchmarks.arguments'],
+    [
+        'benchmarks.zoo_models',
+        'benchmarks.functional_models',
+        'benchmarks.functional_attention',
+        'benchmarks.functional_blocks',
+        'benchmarks.results_writer',
+        'benchmarks.arguments',
+    ],
 )
 def test_examples_hold(module):
     result = doctest.testmod(importlib.import_module(module))

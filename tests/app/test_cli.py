@@ -19,7 +19,7 @@ from channels_last_algo.app.cli.entry import main
 from channels_last_algo.app.recipes.models import input_shape_problem
 from channels_last_algo.app.runs.demo import run_demo
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_version_and_help(capsys):

@@ -18,10 +18,12 @@ import copy
 import pytest
 import torch
 
+from benchmarks import zoo_models as zoo
 from benchmarks.functional_models import FUNCTIONAL_ZOO
-from channels_last_algo.core.audit import audit_model
 from channels_last_algo.core.convert import apply_channels_last
-from conftest import zoo
+from channels_last_algo.core.model_audit import audit_model
+
+pytestmark = pytest.mark.slow  # a sweep of the functional zoo (deselect with -m 'not slow')
 
 CAPTURES = {
     'fx': lambda m, x: torch.fx.symbolic_trace(m),

@@ -64,6 +64,7 @@ def _randomize_batchnorm(model, seed=0):
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', list(ZOO))
 def test_zoo_matches_eager_nchw_and_leaves_the_model_alone(name):
     torch.manual_seed(0)
@@ -539,6 +540,7 @@ def test_composer_evaluation_with_fuse_eval_gives_the_same_metrics(tmp_path):
     assert checkpoint['state']['model'].keys() == {f'module.{key}' for key in keys}  # the training network
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('name', ['resnet50', 'efficientnet_b0'])
 def test_repaired_models_still_fuse_on_the_fx_route(name):
     """apply_channels_last repairs by default; the repaired layers branch on their input's shape,

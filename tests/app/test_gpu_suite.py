@@ -15,7 +15,7 @@ import torch
 
 from channels_last_algo.core.runtime import version_in
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VARIANTS = {'nchw', 'to_channels_last', 'channels_last_algo', 'compile_nchw', 'compile_channels_last_algo'}
 
 

@@ -1,6 +1,6 @@
 """Hostile image files and data folders: each is refused in one line that names the file or folder
 and the fix, or skipped and reported under ``on_corrupt='skip'``; never trained on silently,
-never a traceback (special but good files: tests/test_decode.py).
+never a traceback (special but good files: tests/app/test_decode.py).
 
 Folder problems are DataPathError before any image is read (``RecipeError``, exit 2, in the CLI);
 file problems are found by the pre-flight scan (``--check-data``) and, in training, raise

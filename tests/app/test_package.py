@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import channels_last_algo
 from channels_last_algo.integrations import INTEGRATIONS, integration_attribute
@@ -158,7 +159,7 @@ def test_no_import_cycle_between_app_modules():
 # line, docstring included) and a module of the package and of the benchmarks; tables are data, not
 # functions, and are not counted.
 MAX_FUNCTION_LINES = 40
-MAX_MODULE_LINES = 500
+MAX_MODULE_LINES = 400
 SOURCES = sorted([*PACKAGE.rglob('*.py'), *(PACKAGE.parent / 'benchmarks').rglob('*.py')])
 
 
@@ -191,8 +192,8 @@ def test_swapped_layers_import_nothing_from_safety():
 
 
 def test_swap_engine_and_runtime_sit_below_the_tables():
-    """The engine and the runtime description import nothing of the package but each other."""
-    below = {'channels_last_algo.core.swap', 'channels_last_algo.core.runtime'}
+    """The engine, its records and the runtime description import nothing of the package but each other."""
+    below = {'channels_last_algo.core.swap', 'channels_last_algo.core.swap_records', 'channels_last_algo.core.runtime'}
     for name in below:
         path = PACKAGE.parent / (name.replace('.', '/') + '.py')
         assert _imported_modules(path) <= below, path
@@ -212,3 +213,111 @@ def _assigns_class(path: Path) -> bool:
 def test_only_the_swap_engine_reassigns_a_module_class():
     swappers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob('*.py') if _assigns_class(path))
     assert swappers == ['core/swap.py']
+
+
+# The tests' folders: tests/core tests the core alone, so it imports nothing of the application nor of the
+# benchmarks, directly or through a helper of the tests it imports (conftest, core/guarded_runs.py, ...).
+TESTS = Path(__file__).resolve().parents[1]
+CORE_TESTS = TESTS / 'core'
+APART_FROM_CORE = ('channels_last_algo.app', 'benchmarks')
+
+
+def _names_imported(path: Path) -> list[tuple[int, str]]:
+    """(line, module) for each import in ``path``, at its top or inside a function: ``from a import b``
+    gives ``a`` and ``a.b``; ``importlib.import_module('a')`` and ``pytest.importorskip('a')`` give ``a``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found += [(node.lineno, node.module), *((node.lineno, f'{node.module}.{a.name}') for a in node.names)]
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, 'attr', getattr(node.func, 'id', None)) in ('import_module', 'importorskip')
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
+            found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def _test_helper(name: str, folder: Path) -> Path | None:
+    """The tests' module that a test in ``folder`` imports as ``name``: one beside it, or at tests/ (conftest);
+    one of another folder (say app/recipe_runs.py) is not on its path and counts as itself."""
+    top = name.split('.')[0]
+    for place in (folder, TESTS, *(path for path in TESTS.iterdir() if path.is_dir() and path != folder)):
+        if (place / f'{top}.py').is_file():
+            return place / f'{top}.py'
+    return None
+
+
+def _imports_apart_from_core(path: Path, seen: set[Path] | None = None) -> list[str]:
+    """``'core/test_x.py:12 imports benchmarks.zoo_models'`` for each import of the application or of the
+    benchmarks by ``path`` or by the tests' modules it imports (``'... through conftest.py:30'``)."""
+    seen = seen if seen is not None else {path}
+    where = path.relative_to(TESTS)
+    found = []
+    for line, name in _names_imported(path):
+        if any(name == banned or name.startswith(f'{banned}.') for banned in APART_FROM_CORE):
+            found.append(f'{where}:{line} imports {name}')
+        helper = _test_helper(name, path.parent)
+        if helper is None or helper in seen:
+            continue
+        seen.add(helper)
+        if helper.parent not in (path.parent, TESTS):
+            found.append(f'{where}:{line} imports {name}, a helper of {helper.parent.relative_to(TESTS)}/ tests')
+        deeper = _imports_apart_from_core(helper, seen)
+        found += [f'{where}:{line} imports {name}, which: {problem}' for problem in deeper]
+    return found
+
+
+@pytest.mark.parametrize('path', sorted(CORE_TESTS.rglob('*.py')), ids=lambda path: path.name)
+def test_core_tests_import_neither_the_application_nor_the_benchmarks(path):
+    assert _imports_apart_from_core(path) == []
+
+
+def test_the_check_of_the_core_tests_names_each_import_apart_from_the_core(tmp_path, monkeypatch):
+    tests = tmp_path / 'tests'
+    (tests / 'core').mkdir(parents=True)
+    (tests / 'app').mkdir()
+    (tests / 'conftest.py').write_text('import benchmarks.zoo_models\n')
+    (tests / 'app' / 'recipe_runs.py').write_text('RECIPE = 1\n')
+    (tests / 'core' / 'helper.py').write_text('def f():\n    from channels_last_algo import app\n')
+    core_test = tests / 'core' / 'test_x.py'
+    core_test.write_text(
+        'import importlib\nfrom channels_last_algo.app.cli import entry\nfrom conftest import small_net\n'
+        'import helper\nfrom recipe_runs import RECIPE\nimportlib.import_module("benchmarks")\n'
+    )
+    monkeypatch.setattr(sys.modules[__name__], 'TESTS', tests)
+    assert _imports_apart_from_core(core_test) == [
+        'core/test_x.py:2 imports channels_last_algo.app.cli',
+        'core/test_x.py:2 imports channels_last_algo.app.cli.entry',
+        'core/test_x.py:3 imports conftest, which: conftest.py:1 imports benchmarks.zoo_models',
+        'core/test_x.py:4 imports helper, which: core/helper.py:2 imports channels_last_algo.app',
+        'core/test_x.py:5 imports recipe_runs, a helper of app/ tests',
+        'core/test_x.py:6 imports benchmarks',
+    ]
+
+
+def test_test_modules_have_names_unique_across_the_folders():
+    """pytest's default import mode imports a test module by its file name, with its folder on ``sys.path``."""
+    names = [path.name for path in TESTS.rglob('*.py') if '__pycache__' not in path.parts]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
+
+
+def test_the_core_tests_tiny_resnet_is_the_demos():
+    """conftest.TinyResNet (for core/ tests) and the demo's: the same modules, parameters and numbers."""
+    from channels_last_algo.app.runs.demo import TinyResNet as DemoResNet
+    from conftest import TinyResNet
+
+    for kwargs in ({}, {'width': 16}, {'num_classes': 4, 'in_channels': 1}):
+        torch.manual_seed(0)
+        ours = TinyResNet(**kwargs)
+        torch.manual_seed(0)
+        demos = DemoResNet(**kwargs)
+        assert str(ours) == str(demos)
+        assert ours.state_dict().keys() == demos.state_dict().keys()
+        assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), demos.state_dict().values()))
+        x = torch.randn(2, kwargs.get('in_channels', 3), 16, 16)
+        torch.testing.assert_close(ours(x), demos(x), rtol=0, atol=0)

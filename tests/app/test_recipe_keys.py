@@ -7,13 +7,15 @@ import typing
 from pathlib import Path
 
 import pytest
+from recipe_runs import RECIPE
 
 from channels_last_algo.app.cli.entry import main
 from channels_last_algo.app.recipes.keys import recipe_keys_reference, schema_keys
-from channels_last_algo.app.recipes.schema import Recipe
+from channels_last_algo.app.recipes.loading import load_recipe
+from channels_last_algo.app.recipes.schema import Recipe, RecipeError
 from channels_last_algo.core.options import OPTIONS, options_reference
 
-DOC = Path(__file__).resolve().parent.parent / 'docs' / 'recipe_keys.md'
+DOC = Path(__file__).resolve().parents[2] / 'docs' / 'recipe_keys.md'
 
 
 def test_the_doc_is_the_reference_regenerated():
@@ -52,3 +54,11 @@ def test_help_keys_needs_no_recipe_and_no_composer(monkeypatch, capsys):
     assert out == recipe_keys_reference()
     assert '- `train.device_train_microbatch_size`: images per forward and backward pass' in out
     assert "  int or str; default: `auto`; accepts: 'auto' (fit the device) or an integer >= 1" in out
+
+
+def test_the_recipe_flag_of_input_selection_takes_the_same_values():
+    """``algorithms.channels_last.inputs`` takes what ``InputSelection`` takes (core/test_inputs.py)."""
+    assert load_recipe(RECIPE).algorithms['channels_last']['inputs'] == 'auto'
+    assert load_recipe(RECIPE, ['algorithms.channels_last.inputs=[0]']).algorithms['channels_last']['inputs'] == [0]
+    with pytest.raises(RecipeError, match=r'algorithms.channels_last.inputs: expected .auto.'):
+        load_recipe(RECIPE, ['algorithms.channels_last.inputs=5'])

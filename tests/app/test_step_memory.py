@@ -17,6 +17,7 @@ from recipe_runs import RECIPE, TINY, sets  # noqa: E402
 from torch import nn
 
 from channels_last_algo.app.recipes import step_memory
+from channels_last_algo.app.recipes.footprints import model_footprints
 from channels_last_algo.app.recipes.loading import load_recipe
 from channels_last_algo.app.recipes.schema import RecipeError
 from channels_last_algo.app.recipes.step_memory import (
@@ -25,7 +26,6 @@ from channels_last_algo.app.recipes.step_memory import (
     available_bytes,
     check_step_memory,
     estimate_step,
-    model_footprints,
 )
 
 MiB = 2**20

@@ -11,7 +11,7 @@ weight gradients of a float64 step equal the NCHW model's; the ``Parameter`` obj
 original. Models run several to a subprocess (a layout kernel bug may kill the process: then
 the models of that process fail, named, and the runner lives).
 
-Run one model by hand: ``python tests/test_zoo.py resnet10t``.
+Run one model by hand, from the repository root: ``PYTHONPATH=. python tests/app/test_zoo.py resnet10t``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import zoo_models as zoo
 from channels_last_algo.core.runtime import version_in
-from conftest import zoo
+
+pytestmark = pytest.mark.slow  # a sweep of timm's zoo (deselect with -m 'not slow')
 
 MODELS = [entry.name for entry in zoo.TIMM_ZOO]
 PER_PROCESS = 5
@@ -144,7 +146,7 @@ REMAINING: dict[str, tuple[dict[str, dict[tuple[str, str], int]], str]] = {
     ),
 }
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _max_error(actual: torch.Tensor, expected: torch.Tensor, scale: float | None = None) -> float:
@@ -175,7 +177,7 @@ def _step(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 # torch.export of each whole model runs in the newest torch only, and TorchScript (deprecated since
-# torch 2.11) in neither: they were most of this test's time. tests/test_export_matrix.py takes every
+# torch 2.11) in neither: they were most of this test's time. tests/core/test_export_matrix.py takes every
 # swapped layer through every exporter, TorchScript included, in both environments.
 TOOLS = {
     'fx': lambda m, x: torch.fx.symbolic_trace(m)(x),
@@ -218,7 +220,7 @@ def _usability(reference: torch.nn.Module, model: torch.nn.Module, x: torch.Tens
 def _plain_breaks(reference: torch.nn.Module, x: torch.Tensor) -> int | None:
     """The breaks of a float32 step after plain ``model.to(memory_format=torch.channels_last)``; None
     where torch refuses that (a 5D weight)."""
-    from channels_last_algo.core.audit import audit_model
+    from channels_last_algo.core.model_audit import audit_model
 
     try:
         plain = copy.deepcopy(reference).float().to(memory_format=torch.channels_last)
@@ -229,8 +231,8 @@ def _plain_breaks(reference: torch.nn.Module, x: torch.Tensor) -> int | None:
 
 def check_model(name: str) -> dict:
     """Everything the test asserts on one zoo model, as a JSON-ready dict."""
-    from channels_last_algo.core.audit import audit_model
     from channels_last_algo.core.convert import apply_channels_last
+    from channels_last_algo.core.model_audit import audit_model
 
     start = time.perf_counter()
     entry = next(e for e in zoo.TIMM_ZOO if e.name == name)

@@ -194,7 +194,7 @@ def test_repr_shows_the_mode_asked_for_and_effective_mode_the_one_acted_in():
     contiguous.on_init(_model(), weight_layout=WeightLayoutPlan(contiguous=True, reason='tensor parallel'))
     assert contiguous.mode == 'auto' and contiguous.effective_mode == 'on' and contiguous.channels_last
     assert repr(contiguous) == "LayoutGuard(mode='auto', audit_steps=0, strict=False)"
-    with pytest.raises(RuntimeError, match="does not act in auto mode"):
+    with pytest.raises(RuntimeError, match='does not act in auto mode'):
         contiguous.auto.decide(model, torch.randn(4, 3, 8, 8), lambda m, inputs: m(inputs).sum())
 
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from channels_last_algo import apply_channels_last, has_channels_last_strides
-from channels_last_algo.app.runs.demo import TinyResNet
 from channels_last_algo.core.convert import apply_channels_first
+from conftest import TinyResNet
 
 
 def _four_and_five_d(model):

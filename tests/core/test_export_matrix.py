@@ -30,6 +30,8 @@ from channels_last_algo.core.layout import to_channels_last
 from channels_last_algo.core.runtime import Runtime
 from channels_last_algo.core.safety.bugs import KNOWN_BUGS, make_safe
 
+pytestmark = pytest.mark.slow  # every swapped layer through every exporter (deselect with -m 'not slow')
+
 SHAPE = (2, 3, 8, 8)
 SAFE_RUNTIMES = [Runtime((2, 7, 0), 'cpu', 'AVX512'), Runtime((2, 13, 0), 'cuda')]  # where both safe paths apply
 

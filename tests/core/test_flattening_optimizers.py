@@ -1,5 +1,5 @@
 """Each row of the flattening-optimizer table keeps a guarded model's weights contiguous, and training
-through it equals NCHW training (LBFGS, Muon: tests/test_views.py; here ZeroRedundancyOptimizer)."""
+through it equals NCHW training (LBFGS, Muon: tests/core/test_views.py; here ZeroRedundancyOptimizer)."""
 
 from __future__ import annotations
 

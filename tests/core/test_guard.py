@@ -12,8 +12,7 @@ from channels_last_algo import (
     batch_to_channels_last,
     has_channels_last_strides,
 )
-from channels_last_algo.app.runs.demo import TinyResNet
-from conftest import breaking_model, no_dispatch_mode, random_images, tiny_loader
+from conftest import TinyResNet, breaking_model, no_dispatch_mode, random_images, tiny_loader
 
 
 def test_plain_loop_audits_the_first_steps_then_installs_nothing():

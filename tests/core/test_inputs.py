@@ -223,21 +223,6 @@ def test_lightning_step_that_calls_a_submodule_finds_the_images():
     assert not any(seen['frames'] or seen['target'] for seen in module.net.seen)
 
 
-def test_the_recipe_flag_takes_the_same_values():
-    from pathlib import Path
-
-    from channels_last_algo.app.recipes.loading import load_recipe
-    from channels_last_algo.app.recipes.schema import RecipeError
-
-    recipe_file = Path(__file__).parent.parent / 'recipes' / 'resnet50_imagenet.yaml'
-    assert load_recipe(recipe_file).algorithms['channels_last']['inputs'] == 'auto'
-    assert load_recipe(recipe_file, ['algorithms.channels_last.inputs=[0]']).algorithms['channels_last']['inputs'] == [
-        0
-    ]
-    with pytest.raises(RecipeError, match=r'algorithms.channels_last.inputs: expected .auto.'):
-        load_recipe(recipe_file, ['algorithms.channels_last.inputs=5'])
-
-
 def test_a_compiled_fullgraph_forward_keeps_the_first_batch_guess():
     net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3))
     guard = LayoutGuard()

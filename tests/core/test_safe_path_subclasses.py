@@ -25,7 +25,8 @@ from channels_last_algo import LayoutGuard
 from channels_last_algo.core.layers.safe_paths import SubsampledConv2d
 from channels_last_algo.core.runtime import Runtime
 from channels_last_algo.core.safety import KNOWN_BUGS, make_safe, matching_bugs, run_isolated, unsafe_subclasses
-from channels_last_algo.core.swap import UncoveredLayer, swap_back, swappable
+from channels_last_algo.core.swap import swap_back, swappable
+from channels_last_algo.core.swap_records import UncoveredLayer
 
 ONEDNN = next(bug for bug in KNOWN_BUGS if bug.name == 'onednn_1x1_strided_weight_grad')
 XEON = Runtime(torch_version=(2, 7, 0), device='cpu', cpu_isa='AVX512')

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from channels_last_algo.core.audit import audit_model
 from channels_last_algo.core.audit_report import AuditReport
 from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.model_audit import audit_model
 
 
 class R2Plus1D(nn.Module):

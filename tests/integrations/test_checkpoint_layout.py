@@ -3,7 +3,7 @@
 channels-last runs bit for bit; across 2 gloo ranks through ``torch.distributed.checkpoint`` and
 ``set_model_state_dict(..., broadcast_from_rank0=True)`` no weight arrives permuted.
 
-Run as a script (``python -m torch.distributed.run --nproc_per_node 2 tests/test_checkpoint_layout.py
+Run as a script (``python -m torch.distributed.run --nproc_per_node 2 tests/integrations/test_checkpoint_layout.py
 CHECKPOINT OUT``), this file is a rank's program for the distributed test.
 """
 
@@ -23,7 +23,7 @@ from channels_last_algo import LayoutGuard, apply_channels_last
 from channels_last_algo.core.canonical_checkpoints import canonical_state, is_canonical
 from channels_last_algo.core.layout import is_channels_last
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for conftest
 from conftest import leave_rank, small_net  # noqa: E402
 
 

@@ -103,13 +103,19 @@ def test_mode_off_matches_no_event():
 
 
 def _evaluation_pass(algorithm, state: State, logger: Logger) -> type:
-    """EVAL_START, the first batch, EVAL_END; the network's type during the pass."""
+    """One evaluation batch as Composer's engine runs it, then the Trainer's close; the network's type
+    during the pass."""
     state.model.eval()
     _run(algorithm, Event.EVAL_START, state, logger)
     state.batch = (torch.randn(2, 3, 8, 8), torch.tensor([0, 1]))
     _run(algorithm, Event.EVAL_BEFORE_FORWARD, state, logger)
     during = type(state.model.module)
+    with torch.no_grad():
+        state.outputs = state.model(state.batch)
+    _run(algorithm, Event.EVAL_AFTER_FORWARD, state, logger)
     _run(algorithm, Event.EVAL_END, state, logger)
+    for callback in state.callbacks:
+        callback.close(state, logger)
     return during
 
 

@@ -1,7 +1,7 @@
 """ChannelsLast under distributed training: DDP and FSDP2 on 2 CPU ranks (gloo), and the weight-layout decision.
 
 The multi-process test starts 2 ranks with Composer's own launcher (``python -m
-composer.cli.launcher -n 2 tests/test_distributed.py OUT``, which sets RANK, WORLD_SIZE,
+composer.cli.launcher -n 2 tests/integrations/test_distributed.py OUT``, which sets RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and MASTER_PORT). Run as that script, this
 file is the rank's program: it trains a small conv net (3x3, depthwise 3x3 and 1x1 convs,
 BatchNorm) with ``ChannelsLast`` in Composer's ``Trainer(device='cpu')``, which wraps it in DDP

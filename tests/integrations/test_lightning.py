@@ -3,8 +3,8 @@
 Unit tests call the callback's handlers on a Trainer that never fits; the rest fit small
 conv nets on the CPU. The 2-rank DDP test starts two processes itself (LOCAL_RANK, NODE_RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT: Lightning then takes them as launched externally, with
-gloo); run as that script (``python tests/test_lightning.py OUT``), this file is the rank's
-program. As in tests/test_distributed.py, the single-process reference trains each global batch
+gloo); run as that script (``python tests/integrations/test_lightning.py OUT``), this file is the rank's
+program. As in tests/integrations/test_distributed.py, the single-process reference trains each global batch
 in two microbatches, one rank's half each, so BatchNorm sees what it sees under DDP and the
 parameters match.
 """
