@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -353,9 +354,12 @@ def _step_checks(
 ) -> tuple[list[Check], Optional[AuditReport]]:
     """The training steps in child processes, without and with the safe paths, then the safe step's
     comparisons and audit, or, when it crashed, an NCHW step alone."""
-    with ThreadPoolExecutor(2) as pool:  # two child processes at once: most of each is importing torch
+    # Two child processes at once (most of each is importing torch), each on its share of the cores:
+    # two OpenMP pools of all the cores wait on each other, several times slower than one after the other.
+    threads = {'OMP_NUM_THREADS': str(max(1, (os.cpu_count() or 2) // 2))}
+    with ThreadPoolExecutor(2) as pool:
         unsafe, safe = pool.map(
-            lambda layout: run_isolated(_train_step, model, input_shape, device, layout, timeout=timeout),
+            lambda layout: run_isolated(_train_step, model, input_shape, device, layout, timeout=timeout, env=threads),
             ('unsafe', 'safe'),
         )
     checks = [
