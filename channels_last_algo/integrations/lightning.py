@@ -143,9 +143,10 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
 
     Options: the keyword-only ones of :data:`~channels_last_algo.core.options.OPTIONS` (``docs/options.md``).
     Here ``mode='auto'`` times ``training_step`` on the first training batch before DDP wraps the model
-    (``self.log`` muted); under manual optimization nothing is timed. ``network``, this callback's own:
-    with ``fuse_eval``, the LightningModule attribute holding the network to fuse (by default its one
-    child with parameters).
+    (``self.log`` muted); under manual optimization nothing is timed. ``fuse_eval=True`` runs a
+    :class:`~channels_last_algo.integrations.lightning_fused_eval.FusedEvalCallback` with it, given
+    ``network`` (the LightningModule attribute holding the network to fuse; by default its one child
+    with parameters).
 
     Checkpoints hold NCHW-contiguous tensors (``on_save_checkpoint``); the optimizer state a
     resumed run loads takes its parameters' layout again at ``on_train_start``.
