@@ -295,6 +295,11 @@ class InputSelection:
         if not self._calls and (self._flow.convolutions or failed):  # the network ran, or the step failed
             self.finish()
 
+    @property
+    def following(self) -> bool:
+        """Whether a first batch's tensors are being followed now (from :meth:`start` to :meth:`finish`)."""
+        return self._flow is not None
+
     def finish(self) -> None:
         """Stop following and keep what was found for the batch structure; nothing if not started.
 

@@ -264,6 +264,6 @@ def test_a_first_step_that_fails_shows_its_own_error_and_stops_following(model, 
     batch = guard.on_batch(torch.randn(2, 3, 8, 8))
     with pytest.raises(RuntimeError, match=error), guard.step():
         model(batch)
-    assert guard.inputs._flow is None
+    assert not guard.inputs.following
     guard.on_batch(torch.randn(2, 3, 8, 8))
     assert not module_calls.tracking(guard.inputs)
