@@ -16,7 +16,9 @@ modules as scripts (rank programs) and import the package from any working direc
 from __future__ import annotations
 
 import os
+import socket
 import sys
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
@@ -42,11 +44,32 @@ sys.path.insert(0, str(ROOT))  # `from benchmarks import ...` (app/ tests only),
 sys.path.insert(0, str(TESTS))  # `from conftest import ...` in test modules, in any of the three folders
 
 
+def free_port() -> int:
+    """A TCP port free now on this machine, for a process group's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(('127.0.0.1', 0))
+        return sock.getsockname()[1]
+
+
 class DropsNHWC(nn.Module):
     """A layer that hands its NHWC input on as NCHW: one break in forward."""
 
     def forward(self, x):
         return x.contiguous()
+
+
+class BackToChannelsLast(nn.Module):
+    """A layer that makes its NCHW input NHWC again, inside the model: one break in forward."""
+
+    def forward(self, x):
+        return x.to(memory_format=torch.channels_last)
+
+
+def forward_break_net() -> nn.Module:
+    """Two breaks in forward, at ``body.1`` (NHWC -> NCHW) and ``body.2`` (back to NHWC); importable by
+    name for the ``channels-last audit`` command (``conftest:forward_break_net``)."""
+    body = nn.Sequential(nn.ReLU(), DropsNHWC(), BackToChannelsLast(), nn.Conv2d(8, 4, 3))
+    return nn.Sequential(OrderedDict(stem=nn.Conv2d(3, 8, 3, padding=1), body=body))
 
 
 STRIDE_WARNING = 'Grad strides do not match bucket view strides'

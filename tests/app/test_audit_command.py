@@ -2,31 +2,11 @@
 ``module:function``, its exit codes, and repair by default (the audit itself: core/test_audit.py)."""
 
 import json
-from collections import OrderedDict
 
 import pytest
-import torch
-from torch import nn
 
 from channels_last_algo.app.cli import entry as cli
 from channels_last_algo.core.audit import AuditReport
-
-
-class _Contiguous(nn.Module):
-    def forward(self, x):
-        return x.contiguous()  # NHWC -> NCHW
-
-
-class _BackToChannelsLast(nn.Module):
-    def forward(self, x):
-        return x.to(memory_format=torch.channels_last)  # NCHW -> NHWC inside the model
-
-
-def _forward_break_net():
-    """Two breaks in forward, at ``body.1`` and ``body.2`` (core/test_audit.py's model of that name)."""
-    body = nn.Sequential(nn.ReLU(), _Contiguous(), _BackToChannelsLast(), nn.Conv2d(8, 4, 3))
-    return nn.Sequential(OrderedDict(stem=nn.Conv2d(3, 8, 3, padding=1), body=body))
-
 
 # the command
 
@@ -38,7 +18,7 @@ def test_cli_audit_prints_the_report_and_exits_0_on_a_resnet(capsys):
 
 
 def test_cli_audit_strict_exits_1_on_a_breaking_model(capsys):
-    spec = f'{__name__}:_forward_break_net'
+    spec = 'conftest:forward_break_net'
     assert cli.main(['audit', spec, '--input', '2,3,8,8', '--strict']) == 1
     captured = capsys.readouterr()
     assert 'body.1' in captured.out and 'aten.clone.default' in captured.out

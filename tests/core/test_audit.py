@@ -16,6 +16,7 @@ from channels_last_algo.core.audit import AuditRecord, AuditReport, LayoutAudit,
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.layout import to_channels_last
 from channels_last_algo.core.model_audit import audit_model
+from conftest import DropsNHWC, forward_break_net
 
 ZOO_INPUT = (1, 3, 64, 64)  # small, but large enough that the last stage is 2x2 (not ambiguous)
 
@@ -143,16 +144,6 @@ def test_report_json_round_trips_and_prints_a_table(zoo):
 # hand-made models: attribution, exits, the context object
 
 
-class _Contiguous(nn.Module):
-    def forward(self, x):
-        return x.contiguous()  # NHWC -> NCHW
-
-
-class _BackToChannelsLast(nn.Module):
-    def forward(self, x):
-        return x.to(memory_format=torch.channels_last)  # NCHW -> NHWC inside the model
-
-
 class _DropInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -168,11 +159,6 @@ class _BackwardDrop(nn.Module):
         return _DropInBackward.apply(x)
 
 
-def _forward_break_net():
-    body = nn.Sequential(nn.ReLU(), _Contiguous(), _BackToChannelsLast(), nn.Conv2d(8, 4, 3))
-    return nn.Sequential(OrderedDict(stem=nn.Conv2d(3, 8, 3, padding=1), body=body))
-
-
 def _backward_break_net():
     return nn.Sequential(OrderedDict(stem=nn.Conv2d(3, 8, 3, padding=1), drop=_BackwardDrop(), head=nn.Conv2d(8, 4, 3)))
 
@@ -185,7 +171,7 @@ def _converted(factory):
 
 
 def test_forward_breaks_are_attributed_to_the_running_module():
-    report = audit_model(_converted(_forward_break_net), _nhwc(2, 3, 8, 8))
+    report = audit_model(_converted(forward_break_net), _nhwc(2, 3, 8, 8))
     assert [(r.op, r.module_path, r.phase, r.layouts, r.nbytes) for r in report.breaks] == [
         ('aten.clone.default', 'body.1', 'forward', 'NHWC->NCHW', 2 * 8 * 8 * 8 * 4),
         ('aten._to_copy.default', 'body.2', 'forward', 'NCHW->NHWC', 2 * 8 * 8 * 8 * 4),
@@ -233,7 +219,7 @@ def test_a_drop_outside_the_model_is_listed_apart_and_not_a_break():
 
 
 def test_audit_model_leaves_parameters_buffers_and_grads_as_they_were():
-    model = _converted(lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), _Contiguous()))
+    model = _converted(lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), DropsNHWC()))
     model[0].weight.grad = old_grad = torch.ones_like(model[0].weight)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     audit_model(model, _nhwc(2, 3, 8, 8))
@@ -243,7 +229,7 @@ def test_audit_model_leaves_parameters_buffers_and_grads_as_they_were():
 
 
 def test_audit_spans_per_step_merge_into_the_whole_report_and_leave_nothing_installed():
-    model = _converted(_forward_break_net)
+    model = _converted(forward_break_net)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     pre_hooks, hooks = len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks)
     audit = LayoutAudit(model)

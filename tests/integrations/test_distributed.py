@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -35,7 +34,7 @@ from torch import nn
 
 from channels_last_algo import ChannelsLast, LayoutGuard, apply_channels_last
 from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layout_for
-from conftest import STRIDE_WARNING, leave_rank, small_net
+from conftest import STRIDE_WARNING, free_port, leave_rank, small_net
 
 pytestmark = pytest.mark.distributed
 
@@ -258,12 +257,6 @@ def _run_rank(out: Path) -> None:
 # --- the test process -----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
-        return sock.getsockname()[1]
-
-
 def _reference(initial: Path, steps: int) -> dict[int, dict[str, torch.Tensor]]:
     """One process, NCHW, no ChannelsLast: each global batch of the 2-rank run (rank 0's samples,
     then rank 1's) in two microbatches of RANK_BATCH, parameters after ``STEPS`` and ``steps`` steps."""
@@ -322,7 +315,7 @@ def two_ranks(tmp_path_factory):
         '-n',
         str(WORLD),
         '--master_port',
-        str(_free_port()),
+        str(free_port()),
         '--stdout',
         str(out / 'rank{rank}.stdout'),
         '--stderr',

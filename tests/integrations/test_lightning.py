@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -33,7 +32,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import channels_last_algo.core.auto_mode as auto_mode_module
 from channels_last_algo import ChannelsLastCallback, LayoutBreakError, has_channels_last_strides, is_channels_last
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
-from conftest import STRIDE_WARNING, breaking_model, leave_rank, no_dispatch_mode, random_images, small_net
+from conftest import STRIDE_WARNING, breaking_model, free_port, leave_rank, no_dispatch_mode, random_images, small_net
 
 WORLD = 2
 RANK_BATCH = 4
@@ -539,12 +538,6 @@ def _run_rank(out: Path) -> None:
     leave_rank()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(('127.0.0.1', 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope='module')
 def two_ranks(tmp_path_factory):
     """Start both ranks of the program; their records."""
@@ -553,7 +546,7 @@ def two_ranks(tmp_path_factory):
     torch.save(small_net().state_dict(), out / 'initial.pt')
     env = {k: v for k, v in os.environ.items() if k not in ('RANK', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE')}
     env.update(OMP_NUM_THREADS='1', WORLD_SIZE=str(WORLD), NODE_RANK='0', MASTER_ADDR='127.0.0.1')
-    env['MASTER_PORT'] = str(_free_port())
+    env['MASTER_PORT'] = str(free_port())
     output = {'stdout': subprocess.PIPE, 'stderr': subprocess.STDOUT, 'text': True}
     command = [sys.executable, __file__, str(out)]
     ranks = [subprocess.Popen(command, env={**env, 'LOCAL_RANK': str(r)}, cwd=out, **output) for r in range(WORLD)]
