@@ -90,8 +90,6 @@ class LayoutGuard:
         self.options = dict(mode=mode, audit_steps=audit_steps, strict=strict, repair=repair, inputs=inputs)
         self.options['weights'] = weights
         check_options(**self.options)
-        self.mode = mode  # as asked; effective_mode is the one acted on
-        self.audit_steps = audit_steps
         self.inputs = InputSelection(inputs)
         self.auto = AutoMode(mode == 'auto', self._trial_step, self._show)
         self.summary: Optional[ConversionSummary] = None
@@ -108,6 +106,16 @@ class LayoutGuard:
     def __repr__(self) -> str:
         """The options as asked (``mode='auto'`` stays ``'auto'``); defaults after ``strict`` left out."""
         return options_repr(type(self).__name__, self.options)
+
+    @property
+    def mode(self) -> str:
+        """The mode as asked; :attr:`effective_mode` is the one acted in."""
+        return self.options['mode']
+
+    @property
+    def audit_steps(self) -> int:
+        """How many first training steps are audited."""
+        return self.options['audit_steps']
 
     @property
     def effective_mode(self) -> str:

@@ -45,6 +45,7 @@ _BATCH_EVENTS = (Event.BEFORE_FORWARD, Event.EVAL_BEFORE_FORWARD, Event.PREDICT_
 _FORWARD_ENDS = (Event.EVAL_AFTER_FORWARD, Event.PREDICT_AFTER_FORWARD)
 _AUDIT_EVENTS = (Event.AFTER_BACKWARD, Event.FIT_END)
 _START_EVENTS = (Event.AFTER_LOAD, Event.FIT_START)  # FIT_START also shows the start block
+_ALWAYS = (Event.INIT, *_START_EVENTS, *_BATCH_EVENTS, *_FORWARD_ENDS)  # the events matched in every mode but off
 
 
 def _total_loss(loss: Any) -> torch.Tensor:
@@ -183,7 +184,7 @@ class ChannelsLast(GuardedIntegration, Algorithm):
         if self.guard.mode == 'off':
             return False
         return (
-            event in (Event.INIT, *_START_EVENTS, *_BATCH_EVENTS, *_FORWARD_ENDS)
+            event in _ALWAYS
             or (self.guard.audit_steps > 0 and event in _AUDIT_EVENTS)
             or (self.fuse_eval and self._fused_eval.match(event, state))
         )
