@@ -1,15 +1,20 @@
-"""Doctest collection across the two test environments.
+"""Doctest collection across the two test environments, and one check on every test and doctest.
 
 An integration module whose trainer is not installed here (Composer in the newest-torch
 environment, Lightning in the Composer one) is not collected: each is named for its trainer's
 package (``integrations/composer*.py``, ``integrations/lightning*.py``). The doctests of the
 application modules that build Composer objects are skipped where Composer is missing.
+
+A test that leaves a ``TorchFunctionMode`` on (a view watch or a first batch's input search that
+never saw its forward end) would change what every later test in the process sees: it fails
+where it happened, and the modes it left are taken off.
 """
 
 import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 from channels_last_algo.integrations import INTEGRATIONS
 
@@ -44,3 +49,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if isinstance(item, pytest.DoctestItem) and item.name.startswith(COMPOSER_DOCTESTS):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_torch_function_mode_left_on():
+    before = torch._C._len_torch_function_stack()
+    yield
+    left = [
+        type(torch._C._get_function_stack_at(i)).__name__ for i in range(before, torch._C._len_torch_function_stack())
+    ]
+    while torch._C._len_torch_function_stack() > before:
+        torch._C._pop_torch_function_stack()
+    if left:
+        pytest.fail(f'the test left torch function modes on: {left}')

@@ -16,6 +16,8 @@ Example:
     >>> images, labels = guard.on_batch((torch.randn(4, 3, 16, 16), torch.zeros(4)))
     >>> images.is_contiguous(memory_format=torch.channels_last)
     True
+    >>> model(images).is_contiguous(memory_format=torch.channels_last)  # the batch's forward
+    True
 """
 
 from __future__ import annotations

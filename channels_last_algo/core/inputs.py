@@ -62,7 +62,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from channels_last_algo.core.batch_tree import Path, leaves, map_leaves, path_name
 from channels_last_algo.core.layout import channels_last_format
-from channels_last_algo.core.module_calls import compiled_wrapper, settle_hooks, subscribe, unsubscribe
+from channels_last_algo.core.module_calls import compiled_wrapper, exit_mode, settle_hooks, subscribe, unsubscribe
 
 __all__ = ['Inputs', 'InputSelection', 'check_inputs']
 
@@ -113,15 +113,17 @@ def _is_convolution(func: Any) -> bool:
 
 
 def _view_fails_in_channels_last(tensor: torch.Tensor, args: tuple, kwargs: dict) -> bool:
-    """True when ``tensor.view(*args)`` would raise had ``tensor`` NHWC strides."""
+    """True when ``tensor.view(*args)`` would raise had ``tensor`` NHWC strides (asked of torch itself:
+    a mode below this one, such as a view watch's, would run a failing view on a copy)."""
     fmt = channels_last_format(tensor)
     if fmt is None:
         return False
-    probe = torch.empty(tensor.shape, dtype=tensor.dtype, device='meta').to(memory_format=fmt)
-    try:
-        probe.view(*args, **kwargs)
-    except RuntimeError:
-        return True
+    with torch._C.DisableTorchFunction():
+        probe = torch.empty(tensor.shape, dtype=tensor.dtype, device='meta').to(memory_format=fmt)
+        try:
+            probe.view(*args, **kwargs)
+        except RuntimeError:
+            return True
     return False
 
 
@@ -278,7 +280,7 @@ class InputSelection:
         if follow and not outer:
             self._flow.__enter__()
         elif outer and not follow:
-            self._flow.__exit__(None, None, None)
+            exit_mode(self._flow)
         self._calls.append(follow)
 
     def left(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, failed: bool) -> None:
@@ -289,7 +291,7 @@ class InputSelection:
         follow = self._calls.pop()
         outer = self._calls[-1] if self._calls else False
         if follow and not outer:
-            self._flow.__exit__(None, None, None)
+            exit_mode(self._flow)
         elif outer and not follow:
             self._flow.__enter__()
         if not self._calls and (self._flow.convolutions or failed):  # the network ran, or the step failed
@@ -311,7 +313,7 @@ class InputSelection:
             return
         unsubscribe(self)
         if self._calls and self._calls[-1]:  # called from inside a followed module call
-            flow.__exit__(None, None, None)
+            exit_mode(flow)
         self._calls = []
         # no convolution seen (a compiled forward, or none ran before the batch ended): keep the guess
         chosen = (flow.fed if flow.convolutions else flow.guessed) - flow.viewed

@@ -52,6 +52,7 @@ __all__ = [
     'hooks_installed',
     'compiled_in_place',
     'compiled_wrapper',
+    'exit_mode',
     'in_graph_capture',
     'paused',
     'settle_hooks',
@@ -159,6 +160,21 @@ def settle_hooks() -> None:
     elif not _listeners and _handles and _state['depth'] == 0 and not _compiled:
         while _handles:
             _handles.pop().remove()
+
+
+def exit_mode(mode: torch.overrides.TorchFunctionMode) -> None:
+    """Take ``mode`` off the torch function mode stack wherever it is, the modes above it kept in
+    order; nothing if it is not there. A listener's mode entered in one module call and left in
+    another may no longer be on top (``__exit__`` pops whatever is), or gone."""
+    stack = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    if not any(entry is mode for entry in stack):
+        return
+    above = []
+    while torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is not mode:
+        above.append(torch._C._pop_torch_function_stack())
+    mode.__exit__(None, None, None)
+    for entry in reversed(above):
+        torch._C._push_on_torch_function_stack(entry)
 
 
 def subscribe(listener: ModuleCallListener) -> None:

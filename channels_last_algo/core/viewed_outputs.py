@@ -45,7 +45,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.layout import channels_last_format
-from channels_last_algo.core.module_calls import compiled_wrapper, in_graph_capture, paused, subscribe, unsubscribe
+from channels_last_algo.core.module_calls import (
+    compiled_wrapper,
+    exit_mode,
+    in_graph_capture,
+    paused,
+    subscribe,
+    unsubscribe,
+)
 from channels_last_algo.core.saved_state import SavedState
 
 __all__ = ['ViewedOutputs', 'channels_first_outputs']
@@ -219,7 +226,7 @@ class ViewedOutputs:
         mode, self._mode = self._mode, None
         paused, self._paused_for = self._paused_for, None
         if mode is not None and paused is None:
-            mode.__exit__(None, None, None)
+            exit_mode(mode)
         if mode is not None:
             unsubscribe(self)
         found, self._new = self._new, []
@@ -241,7 +248,7 @@ class ViewedOutputs:
             self._rehearse(module._orig_mod, args)
         if self._paused_for is None and _on_top(self._mode):
             self._paused_for = module  # a graph traced under the mode would be traced again without it
-            self._mode.__exit__(None, None, None)
+            exit_mode(self._mode)
 
     def _rehearse(self, network: torch.nn.Module, args: tuple) -> None:
         """Dynamo refuses a failing view as it traces, where no mode sees it: the compiled network's

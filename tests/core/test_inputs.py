@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader, Dataset
 from channels_last_algo import LayoutGuard
 from channels_last_algo.core import module_calls
 from channels_last_algo.core.inputs import InputSelection
-from channels_last_algo.core.layout import is_channels_last
+from channels_last_algo.core.layout import is_channels_last, to_channels_last
+from channels_last_algo.core.viewed_outputs import ViewedOutputs
 
 
 class MultiInput(nn.Module):
@@ -76,6 +77,16 @@ def test_only_images_go_nhwc_and_views_of_other_tensors_work(frames):
     assert model.seen[1:] == [{'image': True, 'frames': False, 'mask': False, 'target': False}] * 2
     described = guard.inputs.describe(batches[0])
     assert described.startswith("batch['image'] (fed to a convolution); left as they came: batch['frames']")
+
+
+def test_a_view_watch_under_way_does_not_hide_a_view_nhwc_makes_fail():
+    """Another guard's view watch (a mode below this search's) runs failing views on copies; the
+    search still asks torch itself whether the frame stack's view fails in NHWC."""
+    batch = multi_batch(0, frames=3)  # 3 channels: the guess takes the frame stack for an image
+    with ViewedOutputs(nn.Identity()):
+        selection = InputSelection('auto')
+        MultiInput(frames=3).double()(selection.start(batch, lambda t: True, to_channels_last))
+    assert "batch['frames'] (viewed in a shape NHWC cannot take)" in selection.describe(batch)
 
 
 def test_tuple_and_nested_batches_and_a_bare_tensor():

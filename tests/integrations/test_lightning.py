@@ -178,6 +178,7 @@ def test_sharding_strategies_keep_weights_contiguous_and_batches_nhwc():
     assert callback.guard.effective_mode == 'on' and 'ModelParallelStrategy' in callback.guard.weight_layout.reason
     assert all(p.is_contiguous() and not has_channels_last_strides(p) for p in weights_4d(module).values())
     assert is_channels_last(fit.strategy.batch_to_device(random_images(n=2, size=IMAGE))[0])
+    callback.guard.close()  # the batch's forward never runs: end its first-batch search and view watch
     # Lightning's FSDP needs a GPU to run; the plan for it, from the strategy alone:
     plan = _weight_layout(type('Trainer', (), {'strategy': FSDPStrategy()})(), Classifier())
     assert plan.contiguous and not plan.sharded and 'FSDPStrategy' in plan.reason
