@@ -8,10 +8,15 @@ round in one process (channels_last_algo.core.timing):
     ours              apply_channels_last(model) (repair and kernel safety on), NHWC input
     compiled_nchw     torch.compile(model) (inductor), NCHW input
     compiled_ours     apply_channels_last, then torch.compile, NHWC input
+    compiled_guarded  LayoutGuard().on_init, then torch.compile, each step in guard.step(): where
+                      this torch's inductor leaves backward graphs without layout optimisation,
+                      it is forced on while the steps compile (core/compiled_backward.py)
 
 A step is forward, a loss, backward and an SGD step (benchmarks/zoo.py's training_step).
 Compilation happens in the warm-up rounds and is reported, not timed. A compile failure is a
-row that says why (inductor build errors explained by core/inductor_errors.py).
+row that says why (inductor build errors explained by core/inductor_errors.py). Where a compiled
+variant compiles, the image-like buffers (C > 1, H*W > 1) of inductor's forward and backward code
+whose channels are not innermost are counted (core/compiled_backward.py's channels_first_buffers).
 
     python benchmarks/compile.py                              # resnet50 and two zoo models
     python benchmarks/compile.py --models resnet50 --rounds 6
@@ -20,30 +25,34 @@ row that says why (inductor build errors explained by core/inductor_errors.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
 from arguments import Option, benchmark_parser  # benchmarks/, next to this script
 from results_writer import RunStart, results_folder, run_record, write_results
 from zoo import training_step
-from zoo_models import TIMM_ZOO, TORCHVISION_ZOO, build
+from zoo_models import build, by_name
 from zoo_report import cell
 
+from channels_last_algo.core.compiled_backward import channels_first_buffers
 from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.inductor_errors import explain_compile_failures
 from channels_last_algo.core.machine_description import machine_label
 from channels_last_algo.core.runtime import torch_release
 from channels_last_algo.core.timing import time_interleaved
 
-VARIANTS = ('nchw', 'channels_last', 'ours', 'compiled_nchw', 'compiled_ours')
+VARIANTS = ('nchw', 'channels_last', 'ours', 'compiled_nchw', 'compiled_ours', 'compiled_guarded')
 MARGIN = 0.02
 
 
 def _steps(model_name: str, batch_size: int, size: int) -> dict:
-    entry = next(e for e in TORCHVISION_ZOO + TIMM_ZOO if e.name == model_name)
+    entry = by_name(model_name)
     torch.manual_seed(0)
     base = build(entry).train()
     images = torch.randn(batch_size, 3, size, size, generator=torch.Generator().manual_seed(1))
@@ -55,35 +64,55 @@ def _steps(model_name: str, batch_size: int, size: int) -> dict:
             model = model.to(memory_format=torch.channels_last)
         if name in ('ours', 'compiled_ours'):
             apply_channels_last(model)
+        guard = LayoutGuard() if name == 'compiled_guarded' else None
+        if guard is not None:
+            guard.on_init(model)
         if name.startswith('compiled'):
             model = torch.compile(model)
         step = training_step(model, images if name.endswith('nchw') else nhwc)
-        steps[name] = _explained(step) if name.startswith('compiled') else step
+        steps[name] = _explained(step, guard) if name.startswith('compiled') else step
     return steps
 
 
-def _explained(step):
+def _explained(step, guard: Optional[LayoutGuard] = None):
+    """``step`` with inductor's build failures explained, inside ``guard.step()`` where one is given."""
+
     def run() -> None:
-        with explain_compile_failures():
+        with explain_compile_failures(), guard.step() if guard is not None else contextlib.nullcontext():
             step()
 
     return run
+
+
+def _buffers_not_nhwc(step) -> Optional[dict[str, int]]:
+    """Run ``step`` once, where inductor compiles it, and count the image-like buffers of its
+    forward and backward code whose channels are not innermost; None where it fails (the timing
+    that follows records why)."""
+    from torch._inductor.utils import run_and_get_code
+
+    try:
+        found = [len(channels_first_buffers(code)) for code in run_and_get_code(step)[1]]
+    except Exception:  # any of dynamo's and inductor's errors
+        return None
+    return {'forward': found[0] if found else 0, 'backward': sum(found[1:])}
 
 
 def measure(model_name: str, args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     steps = _steps(model_name, args.batch_size, args.image_size)
     warm = time.perf_counter()
-    timings = time_interleaved(steps, rounds=1, warmup=1, catch=True)  # compiles; not counted
+    layouts = {name: _buffers_not_nhwc(step) for name, step in steps.items() if name.startswith('compiled')}
+    warmup = time_interleaved(steps, rounds=1, warmup=1, catch=True)  # compiled already; not counted
     compile_seconds = time.perf_counter() - warm
     timings = time_interleaved(
-        {k: v for k, v in steps.items() if k not in timings.errors}, rounds=args.rounds, warmup=0, catch=True
+        {k: v for k, v in steps.items() if k not in warmup.errors}, rounds=args.rounds, warmup=0, catch=True
     )
     row = {
         'model': model_name,
         'build_seconds': warm - started,
         'warmup_seconds': compile_seconds,
-        'errors': timings.errors,
+        'errors': warmup.errors | timings.errors,
+        'buffers_not_nhwc': layouts,
         'ms': {},
         'ratios': {},
     }
@@ -120,7 +149,25 @@ def markdown(result: dict) -> str:
         errors = '; '.join(f'{k}: {v}' for k, v in row['errors'].items())
         lines.append(f'| {row["model"]} | {nchw:.0f} | ' if nchw else f'| {row["model"]} | | ')
         lines[-1] += ' | '.join(cells) + f' | {row["fastest"]} | {row["warmup_seconds"]:.0f} | {errors} |'
-    return '\n'.join(lines) + '\n'
+    return '\n'.join(lines + _layout_table(result['rows'])) + '\n'
+
+
+def _layout_table(rows: list[dict]) -> list[str]:
+    """The compiled step's buffers whose channels are not innermost, forward / backward, per variant."""
+    compiled = [name for name in VARIANTS if name.startswith('compiled')]
+    lines = [
+        '',
+        "Image-like buffers (C > 1, H*W > 1) of inductor's compiled step whose channels are not innermost, "
+        "forward / backward (compiled_nchw's forward counts its NCHW input and weights, which the code checks):",
+        '',
+        '| model | ' + ' | '.join(compiled) + ' |',
+        '|---|' + '---:|' * len(compiled),
+    ]
+    for row in rows:
+        counts = [row.get('buffers_not_nhwc', {}).get(name) for name in compiled]
+        cells = [f'{c["forward"]} / {c["backward"]}' if c else '' for c in counts]
+        lines.append(f'| {row["model"]} | ' + ' | '.join(cells) + ' |')
+    return lines
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -141,6 +188,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     start = RunStart.now()
     args = parse_args(argv)
+    for name in args.models:
+        by_name(name)  # an unknown name: ValueError naming the zoo, before any compiling
     torch.set_num_threads(args.threads)
     rows = []
     for name in args.models:

@@ -28,6 +28,7 @@ the device's clocks and other load touch all alike.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import subprocess
@@ -35,7 +36,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torchvision
@@ -96,15 +97,23 @@ class Settings:
         return self.deadline - time.monotonic()
 
 
-def _training_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype) -> Callable:
-    """One AMP training step (forward, loss, backward, SGD step) of ``model`` on a fixed batch."""
+def _training_step(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    dtype: torch.dtype,
+    guard: Optional[LayoutGuard] = None,
+) -> Callable:
+    """One AMP training step (forward, loss, backward, SGD step) of ``model`` on a fixed batch; its
+    forward and backward inside ``guard.step()`` where a guard is given."""
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
     scaler = torch.amp.GradScaler(images.device.type, enabled=dtype == torch.float16)
 
     def step() -> None:
-        with torch.autocast(images.device.type, dtype=dtype):
-            loss = nn.functional.cross_entropy(model(images), labels)
-        scaler.scale(loss).backward()
+        with guard.step() if guard is not None else contextlib.nullcontext():
+            with torch.autocast(images.device.type, dtype=dtype):
+                loss = nn.functional.cross_entropy(model(images), labels)
+            scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
@@ -129,16 +138,25 @@ def _summary(timings: Timings, images: int, reference: str) -> dict[str, Any]:
     return {'rows': rows, 'errors': timings.errors, 'rounds': timings.rounds}
 
 
-def _variants(build: Callable[[], nn.Module], settings: Settings, compiled: bool) -> dict[str, tuple[nn.Module, bool]]:
-    """The models to time, each with whether its batch goes NHWC."""
+def _variants(
+    build: Callable[[], nn.Module], settings: Settings, compiled: bool
+) -> dict[str, tuple[nn.Module, bool, Optional[LayoutGuard]]]:
+    """The models to time, each with whether its batch goes NHWC and the guard whose steps it runs in
+    (the compiled channels_last_algo variant: inductor's layout setting, core/compiled_backward.py)."""
     base = build().to(settings.device)
     plain = copy.deepcopy(base).to(memory_format=torch.channels_last)
     ours = copy.deepcopy(base)
     LayoutGuard().on_init(ours)
-    variants = {'nchw': (base, False), 'to_channels_last': (plain, True), 'channels_last_algo': (ours, True)}
+    variants = {
+        'nchw': (base, False, None),
+        'to_channels_last': (plain, True, None),
+        'channels_last_algo': (ours, True, None),
+    }
     if compiled:
-        variants['compile_nchw'] = (torch.compile(copy.deepcopy(base), backend=settings.backend), False)
-        variants['compile_channels_last_algo'] = (torch.compile(copy.deepcopy(ours), backend=settings.backend), True)
+        variants['compile_nchw'] = (torch.compile(copy.deepcopy(base), backend=settings.backend), False, None)
+        guard, compiled_ours = LayoutGuard(), copy.deepcopy(base)
+        guard.on_init(compiled_ours)
+        variants['compile_channels_last_algo'] = (torch.compile(compiled_ours, backend=settings.backend), True, guard)
     return variants
 
 
@@ -148,9 +166,9 @@ def _time_training(
     images = torch.randn(batch, 3, size, size, device=settings.device)
     labels = torch.randint(0, 1000, (batch,), device=settings.device)
     steps = {}
-    for name, (model, nhwc) in _variants(build, settings, compiled).items():
+    for name, (model, nhwc, guard) in _variants(build, settings, compiled).items():
         inputs = images.contiguous(memory_format=torch.channels_last) if nhwc else images
-        steps[name] = _training_step(model, inputs, labels, dtype)
+        steps[name] = _training_step(model, inputs, labels, dtype, guard)
     timings = time_interleaved(
         steps,
         rounds=settings.rounds,

@@ -116,8 +116,10 @@ def start_block(
     mode: str = 'on',
     decision: Optional[LayoutDecision] = None,
     audit_steps: int = 0,
+    compile_note: Optional[str] = None,
 ) -> ConsoleBlock:
-    """What the run starts with: conversion, weight layout, repairs, safe paths, auto's decision.
+    """What the run starts with: conversion, weight layout, repairs, safe paths, auto's decision,
+    and what is done for compiled training (``compile_note``).
 
     Example:
         >>> from channels_last_algo.core.swap_records import SwapRecord
@@ -136,6 +138,7 @@ def start_block(
     lines = [
         f'{_TITLE}: {model}: {plan}',
         *_conversion_rows(summary, repaired),
+        *([_row('compile', compile_note)] if compile_note else []),
         *_run_rows(mode, decision, audit_steps),
     ]
     params = _start_hyperparameters(summary, plan, mode, audit_steps, repaired)

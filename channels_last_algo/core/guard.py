@@ -3,7 +3,9 @@
 :class:`LayoutGuard` holds the work of each training event, named ``on_<moment>``: convert the
 model once (``on_init``), restride a loaded checkpoint's optimizer state (``on_load``), show what
 the run starts with (``on_run_start``), put every batch in NHWC (``on_batch``), and audit the first
-training steps (``on_step_start``, ``on_step_end``, or the ``step()`` context manager). Auto mode is
+training steps (``on_step_start``, ``on_step_end``, or the ``step()`` context manager), inside which
+a converted model's graphs compile with inductor's layout optimisation where this torch needs it
+(:mod:`~channels_last_algo.core.compiled_backward`). Auto mode is
 its own object (:attr:`LayoutGuard.auto`, :mod:`~channels_last_algo.core.auto_mode`); the guard
 asks it which layout. The Composer algorithm and the Lightning callback map their trainer's events
 onto these calls; a plain PyTorch loop calls them directly.
@@ -35,6 +37,7 @@ from channels_last_algo.core.argument_checks import require_module, require_opti
 from channels_last_algo.core.audit import AuditReport
 from channels_last_algo.core.audited_steps import AuditedSteps
 from channels_last_algo.core.auto_mode import AutoMode, LossFn
+from channels_last_algo.core.compiled_backward import CompiledBackwardLayout
 from channels_last_algo.core.console import ConsoleBlock, start_block
 from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last, restride
 from channels_last_algo.core.inputs import Inputs, InputSelection
@@ -104,6 +107,7 @@ class LayoutGuard:
         self._start_shown = False
         self._viewed: Optional[ViewedOutputs] = None  # views NHWC makes fail: watched on the first step
         self._optimizer_watch: Optional[OptimizerWatch] = None  # optimizers made after on_init
+        self._compiled_backward = CompiledBackwardLayout()  # inductor's layout choice in training steps
 
     def __repr__(self) -> str:
         """The options as asked (``mode='auto'`` stays ``'auto'``); defaults after ``strict`` left out."""
@@ -149,6 +153,7 @@ class LayoutGuard:
             self.effective_mode,
             self.auto.decision,
             self.audit_steps,
+            self._compiled_backward.note if self.channels_last else None,
         )
 
     @property
@@ -313,6 +318,8 @@ class LayoutGuard:
     def on_step_start(self) -> None:
         """Show :attr:`start_block` before the first step; audit this step if audited steps remain."""
         self.on_run_start()
+        if self.channels_last:
+            self._compiled_backward.start()
         self._start_watch(whole_step=True)
         if self._audited is not None and self.channels_last:
             self._audited.start_step()
@@ -325,6 +332,7 @@ class LayoutGuard:
             LayoutBreakError: in strict mode, when the step had a layout break.
         """
         self.inputs.finish()
+        self._compiled_backward.stop()
         self._show_refused()
         self._end_watch(training=True)
         if self._repair_check is not None:
@@ -351,6 +359,7 @@ class LayoutGuard:
         """Stop an audit (and a search for the images) left running by a step that raised; safe
         to call at any time."""
         self.inputs.finish()
+        self._compiled_backward.stop()
         self._end_watch(training=False)
         if self._repair_check is not None:
             self._repair_check.close()

@@ -10,17 +10,21 @@ that always fails.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+from typing import Optional
 
 import pytest
 import torch
 from torch import nn
 
 from channels_last_algo import LayoutGuard, apply_channels_last, has_channels_last_strides, is_channels_last
+from channels_last_algo.core.compiled_backward import backward_layout_left_off, channels_first_buffers
 from channels_last_algo.core.inductor_errors import InductorBuildError, explain_compile_failures, inductor_build_failure
 from channels_last_algo.core.runtime import parse_version
 from conftest import random_images, tiny_loader
@@ -188,6 +192,88 @@ def test_composer_compile_config_stays_nhwc():
     assert layouts['forward'] and layouts['backward']
     assert all(layouts['forward']) and all(layouts['backward']), layouts
     assert all(has_channels_last_strides(p) for p in net.parameters() if p.dim() == 4)
+
+
+# --- inductor's own kernels: the buffers it lays out --------------------------------------------------
+
+
+def depthwise_net() -> nn.Module:
+    """A MobileNet-like block: convolution, a depthwise one, a pointwise one, BatchNorm, Hardswish."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.Hardswish(),
+        nn.Conv2d(16, 16, 3, padding=1, groups=16),
+        nn.BatchNorm2d(16),
+        nn.Hardswish(),
+        nn.Conv2d(16, 32, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+
+
+def _compiled_step_code(net: nn.Module, images: torch.Tensor, guard: Optional[LayoutGuard] = None) -> list[str]:
+    """Inductor's code for ``net``'s first compiled training step (forward, backward) on NHWC
+    ``images``, inside ``guard.step()`` where a guard is given."""
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = torch.compile(net)
+
+    def step():
+        with guard.step() if guard is not None else contextlib.nullcontext():
+            compiled(images.to(memory_format=torch.channels_last)).sum().backward()
+
+    _, codes = run_and_get_code(step)
+    assert len(codes) == 2, 'one forward and one backward graph'
+    return codes
+
+
+def _needs_device(device: str) -> None:
+    if device == 'cuda' and not torch.cuda.is_available():
+        pytest.skip('needs a CUDA device')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', id='cuda')])
+def test_inductor_lays_a_converted_models_compiled_step_out_nhwc(device):
+    """A converted model's traced graphs hold NHWC strides, which the compiled convolutions keep,
+    forward and backward, with no setting of inductor's changed."""
+    _needs_device(device)
+    torch.manual_seed(0)
+    net = conv_net().to(device)
+    apply_channels_last(net)
+    codes = _compiled_step_code(net, torch.randn(4, 3, 16, 16, device=device))
+    assert all('empty_strided' in code for code in codes)
+    assert [channels_first_buffers(code) for code in codes] == [[], []]
+    assert all(has_channels_last_strides(p.grad) for p in net.parameters() if p.dim() == 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', id='cuda')])
+def test_the_guards_training_step_keeps_compiled_backward_nhwc_around_depthwise_convolutions(device):
+    """Where inductor leaves backward graphs without layout optimisation (pytorch#189239), it lays
+    gradients around a depthwise convolution out with their channels not innermost; inside the
+    guard's training step it forces the optimisation on, and the compiled step matches eager NCHW."""
+    _needs_device(device)
+    torch.manual_seed(0)
+    reference = depthwise_net().to(device, torch.float64)
+    images = torch.randn(4, 3, 16, 16, device=device, dtype=torch.float64)
+    net = copy.deepcopy(reference)
+    guard = LayoutGuard()
+    guard.on_init(net)
+    codes = _compiled_step_code(net, images, guard)
+    assert [channels_first_buffers(code) for code in codes] == [[], []]
+    assert not torch._inductor.config.force_layout_optimization  # as it was, after the step
+    reference(images).sum().backward()
+    for (name, p), q in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    if backward_layout_left_off():
+        assert any(line.startswith('  compile ') for line in guard.start_block.lines)
+        torch._dynamo.reset()
+        plain = copy.deepcopy(reference)
+        apply_channels_last(plain)
+        assert channels_first_buffers(_compiled_step_code(plain, images)[1]), 'the net shows the regression'
 
 
 # --- inductor's C++ build failures ------------------------------------------------------------------
