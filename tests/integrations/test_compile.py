@@ -1,11 +1,12 @@
 """torch.compile with channels last: the compiled graphs stay NHWC in a plain loop, in Lightning
 and in Composer, and inductor's C++ build failures come out as one clear error.
 
-The layout tests compile with a recording backend: AOTAutograd's forward and backward ATen
-graphs (what inductor receives), run as they are (as ``backend='aot_eager'`` does), so they
-check layouts without inductor's C++ build, which takes minutes on a small CPU. The build
-failure test runs inductor for real on a tiny function, in a subprocess, with a C++ compiler
-that always fails.
+The trainer layout tests compile with a recording backend: AOTAutograd's forward and backward
+ATen graphs (what inductor receives), run as they are (as ``backend='aot_eager'`` does), so they
+check layouts without inductor's C++ build. Two small nets compile with inductor for real (slow):
+the buffers of its generated code are NHWC, in the guard's training steps also around depthwise
+convolutions (core/compiled_backward.py). The build failure test runs inductor on a tiny
+function, in a subprocess, with a C++ compiler that always fails.
 """
 
 from __future__ import annotations
