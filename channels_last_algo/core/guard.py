@@ -229,7 +229,7 @@ class LayoutGuard:
         self.weight_layout = plan
         self.auto.stand_down()
         if self._optimizer_watch is not None:
-            self._optimizer_watch.close()
+            self._optimizer_watch.stop()  # perhaps inside an optimizer's step hooks
         if not plan.sharded and model() is not None:
             apply_channels_first(model(), optimizers=optimizer)
         self._show(f'channels last: {self._model_name}: {plan}', warn=True)
@@ -360,6 +360,8 @@ class LayoutGuard:
         to call at any time."""
         self.inputs.finish()
         self._compiled_backward.stop()
+        if self._optimizer_watch is not None:
+            self._optimizer_watch.close()
         self._end_watch(training=False)
         if self._repair_check is not None:
             self._repair_check.close()

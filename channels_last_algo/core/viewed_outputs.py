@@ -78,6 +78,10 @@ def _on_top(mode: TorchFunctionMode) -> bool:
     return depth > 0 and torch._C._get_function_stack_at(depth - 1) is mode
 
 
+def _on_stack(mode: TorchFunctionMode) -> bool:
+    return any(torch._C._get_function_stack_at(i) is mode for i in range(torch._C._len_torch_function_stack()))
+
+
 def _where(frame: Any) -> str:
     return f'{frame.f_code.co_filename}:{frame.f_lineno}'
 
@@ -201,9 +205,8 @@ class ViewedOutputs:
 
     def begin(self, whole_step: bool) -> None:
         """At a batch (``whole_step=False``: its forward) or a training step's start: watch the first
-        forward and the first training step, and every one while a view could not be placed."""
+        forward that runs and the first training step, and every one while a view could not be placed."""
         if self.unplaced or not (self._step_watched or (self._forward_watched and not whole_step)):
-            self._forward_watched = True
             self.start(whole_step)
 
     def end(self, training: bool) -> list[str]:
@@ -212,14 +215,19 @@ class ViewedOutputs:
         return self.stop()
 
     def start(self, whole_step: bool = True) -> None:
-        """Watch until :meth:`stop` (``whole_step``), or until the next outermost module call returns;
-        a forward-only watch already under way becomes a whole-step one."""
-        self._whole_step = whole_step or self.watching
+        """Watch until :meth:`stop` (``whole_step``), or during the next outermost module call (its
+        mode entered with that call, so none outlives a batch whose forward never runs); a
+        forward-only watch already under way becomes a whole-step one."""
         if self.watching:
+            self._whole_step = True
+            if self._paused_for is None and not _on_stack(self._mode):  # its forward has not begun
+                self._mode.__enter__()
             return
+        self._whole_step = whole_step
         self._mode, self._depth = _Watch(self), 0
         subscribe(self)  # after any mode a module call enters, so that mode leaves first
-        self._mode.__enter__()
+        if whole_step:
+            self._mode.__enter__()
 
     def stop(self) -> list[str]:
         """Stop watching; return what was found since the last stop, one line each (paths and code places)."""
@@ -241,7 +249,11 @@ class ViewedOutputs:
 
     def entered(self, module: torch.nn.Module, args: tuple) -> None:
         self._depth += 1
-        if self._mode is None or not compiled_wrapper(module):
+        if self._mode is None:
+            return
+        if self._depth == 1 and not self._whole_step and self._paused_for is None and not _on_stack(self._mode):
+            self._mode.__enter__()  # a forward-only watch: the forward begins
+        if not compiled_wrapper(module):
             return
         if module not in self._rehearsed:
             self._rehearsed.add(module)
@@ -277,6 +289,7 @@ class ViewedOutputs:
                 if _nhwc(tensor) and tensor not in self._mode.made:
                     self._mode.made[tensor] = module
         if self._depth == 0 and not self._whole_step:
+            self._forward_watched = True  # a forward ran under the watch (a batch never run does not count)
             self._new = self.stop()
 
     def _found(self, origins: frozenset, where: str) -> None:

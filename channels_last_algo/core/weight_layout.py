@@ -139,10 +139,25 @@ def for_training(
     return plan
 
 
+_watches: weakref.WeakSet = weakref.WeakSet()  # the live OptimizerWatch objects
+_step_hook: list[Any] = []  # the handle of the one process-wide step pre-hook, while installed
+
+
+def _see_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    for watch in list(_watches):
+        watch._stepped(optimizer)
+
+
 class OptimizerWatch:
-    """Sees the first step of every optimizer while it lives (a process-wide step pre-hook), and calls
-    ``on_plan(optimizer, plan)`` once for the first that flattens ``model``'s parameters: optimizers
-    made after the conversion (Lightning's, a plain loop's) are found before they view anything.
+    """Sees the first step of every optimizer while it lives, and calls ``on_plan(optimizer, plan)``
+    once for the first that flattens ``model``'s parameters: optimizers made after the conversion
+    (Lightning's, a plain loop's) are found before they view anything.
+
+    All watches share one process-wide step pre-hook. A watch closed or collected leaves it: torch
+    walks its live table of those hooks at each step, so a hook removed while an optimizer steps
+    (a watch closing itself, or collected then) would fail that step with "OrderedDict mutated
+    during iteration". :meth:`stop` only leaves (safe anywhere); :meth:`close` also takes the hook
+    off once no watch is left, and is for outside an optimizer's step hooks.
 
     Example:
         >>> model, found = torch.nn.Conv2d(3, 8, 1), []
@@ -158,9 +173,9 @@ class OptimizerWatch:
         self._model = weakref.ref(model)
         self._on_plan = on_plan
         self._seen: set[int] = set()
-        watch = weakref.ref(self)
-        self._handle = register_optimizer_step_pre_hook(lambda optimizer, *_: watch() and watch()._stepped(optimizer))
-        weakref.finalize(self, self._handle.remove)
+        _watches.add(self)
+        if not _step_hook:
+            _step_hook.append(register_optimizer_step_pre_hook(_see_step))
 
     def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
         if id(optimizer) in self._seen:
@@ -171,12 +186,18 @@ class OptimizerWatch:
             return
         ours = {id(p) for p in model.parameters()}
         if any(id(p) in ours for group in optimizer.param_groups for p in group['params']):
-            self.close()
+            self.stop()
             self._on_plan(optimizer, plan)
 
+    def stop(self) -> None:
+        """Stop watching (the shared hook stays)."""
+        _watches.discard(self)
+
     def close(self) -> None:
-        """Stop watching."""
-        self._handle.remove()
+        """Stop watching; the shared hook comes off once no watch is left."""
+        self.stop()
+        if not _watches and _step_hook:
+            _step_hook.pop().remove()
 
 
 def optimizer_plan(optimizer: torch.optim.Optimizer) -> Optional[WeightLayoutPlan]:

@@ -84,3 +84,29 @@ def test_a_subclass_of_a_row_counts_and_other_optimizers_do_not():
     assert flattening(MyLBFGS(params)) == ('MyLBFGS gathers the gradients with p.grad.view(-1)', False)
     for optimizer in (torch.optim.SGD(params, lr=0.1), torch.optim.AdamW(params)):
         assert flattening(optimizer) is None
+
+
+@pytest.mark.parametrize('collected', [False, True])
+def test_the_optimizer_watch_leaves_a_steps_hook_table_alone_while_it_is_walked(collected):
+    """torch walks its live table of step pre-hooks: neither the watch that finds a flattening
+    optimizer nor one collected during the walk may take a hook off while others follow it."""
+    import gc
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from channels_last_algo.core.weight_layout import OptimizerWatch
+
+    held = []  # the other watch, let go during the walk where ``collected``
+    first = register_optimizer_step_pre_hook(lambda *args: (collected and held.clear(), gc.collect()) and None)
+    model, found = _net(), []
+    watch = OptimizerWatch(model, lambda optimizer, plan: found.append(plan.reason))
+    held.append(OptimizerWatch(nn.Conv2d(3, 3, 1), lambda optimizer, plan: None))
+    try:
+        images = torch.randn(1, 3, 8, 8, dtype=torch.float64)
+        torch.optim.LBFGS(model.parameters(), max_iter=1).step(lambda: model(images).sum())
+    finally:
+        first.remove()
+        watch.close()
+        for other in held:
+            other.close()
+    assert found == ['LBFGS gathers the gradients with p.grad.view(-1)']

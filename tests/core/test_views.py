@@ -330,3 +330,17 @@ def test_inference_without_training_leaves_no_mode_behind():
         for (images, _), reference in zip(_batches(), expected):
             torch.testing.assert_close(net(guard.on_batch(images)), reference, rtol=1e-10, atol=1e-10)
             assert torch._C._len_torch_function_stack() == 0
+
+
+def test_a_batch_whose_forward_never_runs_leaves_no_mode_on():
+    """The forward-only watch enters its mode with the forward's outermost module call: a batch
+    that is never run (skipped, or only inspected) leaves no mode that would run views on copies."""
+    net = LeNet().double()
+    guard = LayoutGuard()
+    guard.on_init(net)
+    images, _ = _batches()[0]
+    guard.on_batch(images)
+    assert torch._C._len_torch_function_stack() == 0
+    flat = net(guard.on_batch(images))  # the next batch runs as usual
+    assert flat.shape[0] == images.shape[0] and torch._C._len_torch_function_stack() == 0
+    guard.close()
