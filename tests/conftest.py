@@ -51,6 +51,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def channels_last_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of an NHWC tensor of ``shape``."""
+    return torch.empty(shape, memory_format=torch.channels_last, device='meta').stride()
+
+
+def nhwc_bucket_views(bucket) -> dict[tuple[int, ...], bool]:
+    """For each 4D parameter of a DDP gradient bucket: whether its gradient, read back from the
+    bucket's bytes with NHWC strides, equals the rank's gradient (DDP's bucket view for it is NHWC)."""
+    buffer, offset, seen = bucket.buffer(), 0, {}
+    for param in bucket.parameters():
+        if param.dim() == 4:
+            segment = buffer[offset : offset + param.numel()]
+            seen[tuple(param.shape)] = torch.equal(
+                segment.as_strided(param.shape, channels_last_strides(param.shape)), param.grad
+            )
+        offset += param.numel()
+    return seen
+
+
 class DropsNHWC(nn.Module):
     """A layer that hands its NHWC input on as NCHW: one break in forward."""
 

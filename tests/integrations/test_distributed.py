@@ -34,7 +34,7 @@ from torch import nn
 
 from channels_last_algo import ChannelsLast, LayoutGuard, apply_channels_last
 from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layout_for
-from conftest import STRIDE_WARNING, free_port, leave_rank, small_net
+from conftest import STRIDE_WARNING, channels_last_strides, free_port, leave_rank, nhwc_bucket_views, small_net
 
 pytestmark = pytest.mark.distributed
 
@@ -64,10 +64,6 @@ def parameters_of(net: nn.Module) -> dict[str, torch.Tensor]:
     return {
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for name, p in net.named_parameters()
     }
-
-
-def channels_last_strides(shape: torch.Size) -> tuple[int, ...]:
-    return torch.empty(shape, memory_format=torch.channels_last, device='meta').stride()
 
 
 # --- the rank's program (run by the launcher) -------------------------------------------------------
@@ -129,15 +125,7 @@ class _Recorder:
         rank's gradient only if DDP's bucket view for it is NHWC. Then the usual allreduce."""
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        buffer, offset, seen = bucket.buffer(), 0, {}
-        for param in bucket.parameters():
-            if param.dim() == 4:
-                segment = buffer[offset : offset + param.numel()]
-                seen[tuple(param.shape)] = torch.equal(
-                    segment.as_strided(param.shape, channels_last_strides(param.shape)), param.grad
-                )
-            offset += param.numel()
-        self.record['buckets'].append(seen)
+        self.record['buckets'].append(nhwc_bucket_views(bucket))
         return default_hooks.allreduce_hook(process_group, bucket)
 
 

@@ -32,7 +32,16 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import channels_last_algo.core.auto_mode as auto_mode_module
 from channels_last_algo import ChannelsLastCallback, LayoutBreakError, has_channels_last_strides, is_channels_last
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
-from conftest import STRIDE_WARNING, breaking_model, free_port, leave_rank, no_dispatch_mode, random_images, small_net
+from conftest import (
+    STRIDE_WARNING,
+    breaking_model,
+    free_port,
+    leave_rank,
+    nhwc_bucket_views,
+    no_dispatch_mode,
+    random_images,
+    small_net,
+)
 
 WORLD = 2
 RANK_BATCH = 4
@@ -466,10 +475,6 @@ def test_checkpoints_are_canonical_and_resume_into_channels_last(tmp_path):
 # --- 2 ranks, DDP on gloo -------------------------------------------------------------------------
 
 
-def channels_last_strides(shape: torch.Size) -> tuple[int, ...]:
-    return torch.empty(shape, memory_format=torch.channels_last, device='meta').stride()
-
-
 def global_dataset() -> TensorDataset:
     """STEPS global batches of WORLD * RANK_BATCH images, the same in every process."""
     images, labels = random_images(n=STEPS * WORLD * RANK_BATCH, size=IMAGE, seed=3)
@@ -494,15 +499,7 @@ class DDPRecorder(L.Callback):
     def comm_hook(self, state, bucket):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        buffer, offset, seen = bucket.buffer(), 0, {}
-        for param in bucket.parameters():
-            if param.dim() == 4:
-                segment = buffer[offset : offset + param.numel()]
-                seen[tuple(param.shape)] = torch.equal(
-                    segment.as_strided(param.shape, channels_last_strides(param.shape)), param.grad
-                )
-            offset += param.numel()
-        self.record['buckets'].append(seen)
+        self.record['buckets'].append(nhwc_bucket_views(bucket))
         return default_hooks.allreduce_hook(state, bucket)
 
 
