@@ -51,6 +51,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def lightning_trainer(callbacks=(), **options):
+    """A ``lightning.Trainer`` on one CPU that writes and prints nothing of its own (no logger,
+    checkpoints, progress bar, model summary or sanity validation); ``options`` add or override."""
+    import lightning as L
+
+    quiet = dict(
+        accelerator='cpu',
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    return L.Trainer(callbacks=list(callbacks), **{**quiet, **options})
+
+
 def channels_last_strides(shape: torch.Size) -> tuple[int, ...]:
     """The strides of an NHWC tensor of ``shape``."""
     return torch.empty(shape, memory_format=torch.channels_last, device='meta').stride()

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from channels_last_algo.core.guard import LayoutGuard
+from conftest import lightning_trainer
 
 TOLERANCE = dict(rtol=1e-10, atol=1e-10)  # float64: what a different summation order leaves
 INTEGRATIONS = ('guard', 'composer', 'lightning')
@@ -160,16 +161,9 @@ def _lightning(run: Run, net: nn.Module, options: dict) -> tuple[list, nn.Module
             return run.optimizer(self.net.parameters())
 
     module, callback = Module(), ChannelsLastCallback(**options)
-    trainer = L.Trainer(
+    trainer = lightning_trainer(
         callbacks=[callback],
-        accelerator='cpu',
-        devices=1,
         max_steps=len(run.batches),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
     )
     trainer.fit(module, train_dataloaders=_loader(run))
     return module.steps, net, callback

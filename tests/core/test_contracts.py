@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from channels_last_algo.core.guard import LayoutGuard
+from conftest import lightning_trainer
 
 STEPS = 3
 BATCH = 2
@@ -388,16 +389,9 @@ def test_lightning_callback_matches_nchw(name, audit_steps):
 
     module = Classifier(build(name))
     callback = ChannelsLastCallback(audit_steps=audit_steps)
-    trainer = L.Trainer(
+    trainer = lightning_trainer(
         callbacks=[callback],
-        accelerator='cpu',
-        devices=1,
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
     )
     trainer.fit(module, train_dataloaders=loader(name))
     assert module.converted_at_start

@@ -19,6 +19,7 @@ from channels_last_algo.core import module_calls
 from channels_last_algo.core.inputs import InputSelection
 from channels_last_algo.core.layout import is_channels_last, to_channels_last
 from channels_last_algo.core.viewed_outputs import ViewedOutputs
+from conftest import lightning_trainer
 
 
 class MultiInput(nn.Module):
@@ -220,14 +221,9 @@ def test_lightning_step_that_calls_a_submodule_finds_the_images():
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     module = Module()
-    trainer = L.Trainer(
+    trainer = lightning_trainer(
         max_steps=3,
         callbacks=[ChannelsLastCallback()],
-        accelerator='cpu',
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(module, DataLoader(Frames(), batch_size=2))
     assert len(module.net.seen) == 3 and all(seen['image'] for seen in module.net.seen)

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from channels_last_algo.core.guard import LayoutGuard
+from conftest import lightning_trainer
 
 EACH_INTEGRATION = pytest.mark.parametrize('integration', INTEGRATIONS)
 
@@ -304,14 +305,9 @@ def test_a_view_in_evaluation_before_training():
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*map(torch.cat, zip(*_batches()))), batch_size=2)
-    trainer = L.Trainer(
+    trainer = lightning_trainer(
         callbacks=[ChannelsLastCallback()],
-        accelerator='cpu',
         max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=2,
         limit_val_batches=2,
     )

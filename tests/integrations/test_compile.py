@@ -28,7 +28,7 @@ from channels_last_algo import LayoutGuard, apply_channels_last, has_channels_la
 from channels_last_algo.core.compiled_backward import backward_layout_left_off, channels_first_buffers
 from channels_last_algo.core.inductor_errors import InductorBuildError, explain_compile_failures, inductor_build_failure
 from channels_last_algo.core.runtime import parse_version
-from conftest import random_images, tiny_loader
+from conftest import lightning_trainer, random_images, tiny_loader
 
 
 def conv_net() -> nn.Module:
@@ -153,15 +153,9 @@ def test_lightning_compiled_in_configure_model_stays_nhwc():
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     module = Compiled()
-    trainer = L.Trainer(
+    trainer = lightning_trainer(
         max_steps=2,
-        accelerator='cpu',
-        devices=1,
         callbacks=[ChannelsLastCallback()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
     trainer.fit(module, tiny_loader(n=8, batch_size=4))
     layouts = recorder.conv_layouts()

@@ -37,6 +37,7 @@ from conftest import (
     breaking_model,
     free_port,
     leave_rank,
+    lightning_trainer,
     nhwc_bucket_views,
     no_dispatch_mode,
     random_images,
@@ -99,19 +100,6 @@ class Recording(Logger):
         self.hyperparameters.update(params if isinstance(params, dict) else vars(params))
 
 
-def trainer(callbacks=(), **options) -> L.Trainer:
-    settings = dict(
-        accelerator='cpu',
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    return L.Trainer(callbacks=list(callbacks), **{**settings, **options})
-
-
 def loader(n: int = 16, batch_size: int = RANK_BATCH, seed: int = 0) -> DataLoader:
     images, labels = random_images(n=n, size=IMAGE, seed=seed)
     return DataLoader(TensorDataset(images, labels % 4), batch_size=batch_size)
@@ -123,7 +111,7 @@ def weights_4d(net: nn.Module) -> dict[str, torch.Tensor]:
 
 def set_up(callback: ChannelsLastCallback, net: nn.Module | None = None, **options) -> tuple[L.Trainer, Classifier]:
     """A Trainer that never fits, its strategy holding a Classifier, and ``callback.setup`` called."""
-    fit, module = trainer(**options), Classifier(net)
+    fit, module = lightning_trainer(**options), Classifier(net)
     fit.strategy.connect(module)
     callback.setup(fit, module, 'fit')
     return fit, module
@@ -273,11 +261,11 @@ def test_trainer_trains_nhwc_in_fit_validate_test_predict_and_matches_nchw():
     initial = small_net().state_dict()
     reference = Classifier(small_net())
     reference.net.load_state_dict(initial)
-    trainer(max_steps=STEPS).fit(reference, loader())
+    lightning_trainer(max_steps=STEPS).fit(reference, loader())
 
     module = BuiltInConfigureModel(initial)
     recorder = LayoutRecorder()
-    fit = trainer(
+    fit = lightning_trainer(
         max_steps=STEPS, callbacks=[ChannelsLastCallback(), recorder], val_check_interval=2, limit_val_batches=2
     )
     fit.fit(module, loader(), loader())
@@ -295,7 +283,7 @@ def test_trainer_trains_nhwc_in_fit_validate_test_predict_and_matches_nchw():
 
 
 def test_strict_stops_fit_with_the_break_and_leaves_nothing_installed():
-    fit = trainer(max_steps=2, callbacks=[ChannelsLastCallback(audit_steps=1, strict=True)])
+    fit = lightning_trainer(max_steps=2, callbacks=[ChannelsLastCallback(audit_steps=1, strict=True)])
     with pytest.raises(LayoutBreakError, match="'net.1'"):
         fit.fit(Classifier(breaking_model()), loader())
     assert no_dispatch_mode() and 'batch_to_device' not in vars(fit.strategy)
@@ -316,7 +304,7 @@ def test_fuse_eval_validates_on_a_fused_copy_and_puts_the_network_back():
     module = NetworkNoted()
     network = module.net
     callback = ChannelsLastCallback(fuse_eval=True)
-    fit = trainer(callbacks=[callback])
+    fit = lightning_trainer(callbacks=[callback])
     fused = fit.validate(module, loader(n=8))[0]['val_loss']
     assert module.networks == ['InferenceModel'] * 2 and module.net is network
     callback.fuse_eval = False
@@ -329,15 +317,17 @@ def test_fuse_eval_names_the_network_to_fuse_when_there_is_no_single_one():
     module = Classifier()
     module.head = nn.Linear(4, 4)
     with pytest.raises(ValueError, match=r'2 such children \(net, head\).*network='):
-        trainer(callbacks=[ChannelsLastCallback(fuse_eval=True)]).validate(module, loader(n=4))
-    fused = trainer(callbacks=[ChannelsLastCallback(fuse_eval=True, network='net')]).validate(module, loader(n=4))
+        lightning_trainer(callbacks=[ChannelsLastCallback(fuse_eval=True)]).validate(module, loader(n=4))
+    fused = lightning_trainer(callbacks=[ChannelsLastCallback(fuse_eval=True, network='net')]).validate(
+        module, loader(n=4)
+    )
     assert 'val_loss' in fused[0]
 
 
 def test_fuse_eval_is_checked_before_training():
     module = Classifier()
     module.head = nn.Linear(4, 4)
-    fit = trainer(max_steps=2, callbacks=[ChannelsLastCallback(fuse_eval=True)])
+    fit = lightning_trainer(max_steps=2, callbacks=[ChannelsLastCallback(fuse_eval=True)])
     with pytest.raises(ValueError, match=r'2 such children'):
         fit.fit(module, loader())
     assert fit.global_step == 0
@@ -348,7 +338,7 @@ def test_repr_shows_the_mode_asked_for_after_the_decision(quick_decisions):
 
     asked = "ChannelsLastCallback(mode='auto', audit_steps=0, strict=False)"
     callback = ChannelsLastCallback(mode='auto')
-    trainer(max_steps=1, callbacks=[callback]).fit(Classifier(), loader(n=4))
+    lightning_trainer(max_steps=1, callbacks=[callback]).fit(Classifier(), loader(n=4))
     assert callback.decision is not None and callback.guard.effective_mode == 'auto'
     assert repr(callback) == asked
     sharded = ChannelsLastCallback(mode='auto')  # the weights must stay contiguous: it acts as 'on'
@@ -359,7 +349,7 @@ def test_repr_shows_the_mode_asked_for_after_the_decision(quick_decisions):
 def test_auto_decision_is_logged_checkpointed_and_resumed_without_measuring(quick_decisions, monkeypatch, tmp_path):
     recording = Recording()
     callback = ChannelsLastCallback(mode='auto')
-    fit = trainer(max_steps=2, callbacks=[callback], logger=recording)
+    fit = lightning_trainer(max_steps=2, callbacks=[callback], logger=recording)
     fit.fit(Classifier(), loader())
     decision = callback.decision
     assert decision is not None and decision.rounds == 2
@@ -373,14 +363,14 @@ def test_auto_decision_is_logged_checkpointed_and_resumed_without_measuring(quic
 
     monkeypatch.setattr(auto_mode_module, 'decide_layout', no_measuring)
     resumed = ChannelsLastCallback(mode='auto')
-    trainer(max_steps=4, callbacks=[resumed]).fit(Classifier(), loader(), ckpt_path=tmp_path / 'run.ckpt')
+    lightning_trainer(max_steps=4, callbacks=[resumed]).fit(Classifier(), loader(), ckpt_path=tmp_path / 'run.ckpt')
     assert resumed.decision == decision
 
     # A checkpoint that kept NCHW: the resumed run trains NCHW, weights, gradients and inputs.
     checkpoint['callbacks']['ChannelsLastCallback']['decision']['channels_last'] = False
     torch.save(checkpoint, tmp_path / 'nchw.ckpt')
     module, recorder = Classifier(), LayoutRecorder()
-    trainer(max_steps=4, callbacks=[ChannelsLastCallback(mode='auto'), recorder]).fit(
+    lightning_trainer(max_steps=4, callbacks=[ChannelsLastCallback(mode='auto'), recorder]).fit(
         module, loader(), ckpt_path=tmp_path / 'nchw.ckpt'
     )
     assert recorder.weights and not any(recorder.weights.values())
@@ -408,7 +398,7 @@ def console():
 
 def test_console_shows_the_start_block_and_the_breaks_left_once(console):
     recording = Recording()
-    fit = trainer(max_steps=2, callbacks=[ChannelsLastCallback(audit_steps=1)], logger=recording)
+    fit = lightning_trainer(max_steps=2, callbacks=[ChannelsLastCallback(audit_steps=1)], logger=recording)
     fit.fit(Classifier(breaking_model()), loader(n=8))  # a break at net.1, global pooling at net.3
     starts = [m for m in console if m.startswith('channels last: Classifier: weights channels last')]
     assert len(starts) == 1 and '\n  repaired    1 layer: global_avg_pool at net.3\n' in starts[0]
@@ -422,7 +412,7 @@ def test_console_shows_the_start_block_and_the_breaks_left_once(console):
 
 
 def test_the_breaks_left_are_printed_above_the_progress_bar(capfd, console):
-    fit = trainer(max_steps=1, callbacks=[ChannelsLastCallback(audit_steps=1)], enable_progress_bar=True)
+    fit = lightning_trainer(max_steps=1, callbacks=[ChannelsLastCallback(audit_steps=1)], enable_progress_bar=True)
     fit.fit(Classifier(breaking_model()), loader(n=4))
     printed = capfd.readouterr()
     lines = (printed.out + printed.err).splitlines()  # \r ends a line too: the bar's redraws
@@ -433,7 +423,7 @@ def test_the_breaks_left_are_printed_above_the_progress_bar(capfd, console):
 
 def test_auto_mode_says_what_it_times_then_what_it_kept(quick_decisions, console):
     callback = ChannelsLastCallback(mode='auto')
-    trainer(max_steps=1, callbacks=[callback]).fit(Classifier(), loader(n=4))
+    lightning_trainer(max_steps=1, callbacks=[callback]).fit(Classifier(), loader(n=4))
     timing = next(i for i, m in enumerate(console) if m.startswith('auto layout: timing channels first (NCHW)'))
     assert console[timing + 1] == str(callback.decision)
     assert (
@@ -451,7 +441,7 @@ class MomentumAtTrainStart(L.Callback):
 
 
 def test_checkpoints_are_canonical_and_resume_into_channels_last(tmp_path):
-    fit = trainer(max_steps=2, callbacks=[ChannelsLastCallback()])
+    fit = lightning_trainer(max_steps=2, callbacks=[ChannelsLastCallback()])
     fit.fit(Classifier(), loader())
     fit.save_checkpoint(tmp_path / 'run.ckpt')
     checkpoint = torch.load(tmp_path / 'run.ckpt', weights_only=False)
@@ -464,7 +454,7 @@ def test_checkpoints_are_canonical_and_resume_into_channels_last(tmp_path):
 
     watcher = MomentumAtTrainStart()
     module = Classifier()
-    trainer(max_steps=3, callbacks=[ChannelsLastCallback(), watcher]).fit(
+    lightning_trainer(max_steps=3, callbacks=[ChannelsLastCallback(), watcher]).fit(
         module, loader(), ckpt_path=tmp_path / 'run.ckpt'
     )
     assert watcher.channels_last and all(watcher.channels_last)
@@ -516,7 +506,7 @@ def _run_rank(out: Path) -> None:
         module, recorder = Classifier(net), DDPRecorder()
         ddp = DDPStrategy(process_group_backend='gloo')
         # Lightning's own distributed sampler shuffles: this one gives rank r the samples r, r + WORLD, ...
-        fit = trainer(
+        fit = lightning_trainer(
             devices=WORLD, strategy=ddp, max_steps=STEPS, callbacks=[callback, recorder], use_distributed_sampler=False
         )
         data = global_dataset()
