@@ -54,6 +54,7 @@ __all__ = [
     'compiled_wrapper',
     'exit_mode',
     'in_graph_capture',
+    'on_mode_stack',
     'paused',
     'settle_hooks',
     'subscribe',
@@ -162,12 +163,16 @@ def settle_hooks() -> None:
             _handles.pop().remove()
 
 
+def on_mode_stack(mode: torch.overrides.TorchFunctionMode) -> bool:
+    """Whether ``mode`` is on the torch function mode stack, at any depth."""
+    return any(torch._C._get_function_stack_at(i) is mode for i in range(torch._C._len_torch_function_stack()))
+
+
 def exit_mode(mode: torch.overrides.TorchFunctionMode) -> None:
     """Take ``mode`` off the torch function mode stack wherever it is, the modes above it kept in
     order; nothing if it is not there. A listener's mode entered in one module call and left in
     another may no longer be on top (``__exit__`` pops whatever is), or gone."""
-    stack = [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
-    if not any(entry is mode for entry in stack):
+    if not on_mode_stack(mode):
         return
     above = []
     while torch._C._get_function_stack_at(torch._C._len_torch_function_stack() - 1) is not mode:

@@ -49,6 +49,7 @@ from channels_last_algo.core.module_calls import (
     compiled_wrapper,
     exit_mode,
     in_graph_capture,
+    on_mode_stack,
     paused,
     subscribe,
     unsubscribe,
@@ -76,10 +77,6 @@ def _caller() -> Any:
 def _on_top(mode: TorchFunctionMode) -> bool:
     depth = torch._C._len_torch_function_stack()
     return depth > 0 and torch._C._get_function_stack_at(depth - 1) is mode
-
-
-def _on_stack(mode: TorchFunctionMode) -> bool:
-    return any(torch._C._get_function_stack_at(i) is mode for i in range(torch._C._len_torch_function_stack()))
 
 
 def _where(frame: Any) -> str:
@@ -220,7 +217,7 @@ class ViewedOutputs:
         forward-only watch already under way becomes a whole-step one."""
         if self.watching:
             self._whole_step = True
-            if self._paused_for is None and not _on_stack(self._mode):  # its forward has not begun
+            if self._paused_for is None and not on_mode_stack(self._mode):  # its forward has not begun
                 self._mode.__enter__()
             return
         self._whole_step = whole_step
@@ -251,7 +248,7 @@ class ViewedOutputs:
         self._depth += 1
         if self._mode is None:
             return
-        if self._depth == 1 and not self._whole_step and self._paused_for is None and not _on_stack(self._mode):
+        if self._depth == 1 and not self._whole_step and self._paused_for is None and not on_mode_stack(self._mode):
             self._mode.__enter__()  # a forward-only watch: the forward begins
         if not compiled_wrapper(module):
             return
