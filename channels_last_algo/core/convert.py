@@ -49,7 +49,7 @@ from channels_last_algo.core.safety.bugs import make_safe, unsafe_subclasses
 from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 from channels_last_algo.core.weight_layout import weight_layout_for
 
-__all__ = ['ConversionSummary', 'apply_channels_first', 'apply_channels_last', 'restride']
+__all__ = ['ConversionSummary', 'apply_channels_first', 'apply_channels_last', 'convert_quietly', 'restride']
 
 log = logging.getLogger(__name__)
 
@@ -223,11 +223,29 @@ def apply_channels_last(
     require_flags('apply_channels_last', repair=repair, kernel_safety=kernel_safety)
     require_optimizers(optimizers, 'apply_channels_last')
     weight_layout_for(model)  # raises on a model already wrapped in DistributedDataParallel
+    summary = convert_quietly(model, optimizers, repair, kernel_safety)
+    _report_conversion(model, summary)
+    return summary
+
+
+def convert_quietly(
+    model: torch.nn.Module,
+    optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]] = None,
+    repair: bool = True,
+    kernel_safety: bool = True,
+) -> ConversionSummary:
+    """:func:`apply_channels_last` without its argument checks and its warnings, for a model this
+    package built itself: a fused inference graph, whose oneDNN convolutions hold their weights
+    prepacked, has no 4D tensor left to warn about, yet its other layers still need the rules.
+
+    Example:
+        >>> convert_quietly(torch.nn.Sequential(torch.nn.Linear(2, 2))).tensors
+        0
+    """
     summary = _restride_model(model, MemoryFormat.CHANNELS_LAST, optimizers)
     summary.made_safe = make_safe(model) if kernel_safety else []
     summary.repaired = repair_model(model) if repair else []
     summary.not_covered = _not_covered(model, repair, kernel_safety)
-    _report_conversion(model, summary)
     return summary
 
 

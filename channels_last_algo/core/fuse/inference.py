@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from channels_last_algo.core.argument_checks import require_flags, require_module
-from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.convert import convert_quietly
 from channels_last_algo.core.fuse.conv import FusedConv2d
 from channels_last_algo.core.fuse.graph import fuse_graph, trace
 from channels_last_algo.core.fuse.modules import fuse_modules
@@ -171,7 +171,7 @@ class _ExampleCheck:
 def _finish(network: nn.Module, summary: FusionSummary, backend: str) -> InferenceModel:
     """``network`` restrided to NHWC and wrapped (compiled for inductor): eval mode, nothing requiring grad."""
     with torch.no_grad():
-        apply_channels_last(network)
+        convert_quietly(network)
     summary.backend = backend
     fused = InferenceModel(network if backend == 'eager' else torch.compile(network), summary).eval()
     fused.requires_grad_(False)
