@@ -3,7 +3,8 @@
 An integration module whose trainer is not installed here (Composer in the newest-torch
 environment, Lightning in the Composer one) is not collected: each is named for its trainer's
 package (``integrations/composer*.py``, ``integrations/lightning*.py``). The doctests of the
-application modules that build Composer objects are skipped where Composer is missing.
+application modules that build Composer objects are skipped where Composer is missing, and the
+tests marked ``cuda`` where no CUDA device is (``./run gpu`` runs them: ``pytest -m cuda``).
 
 A test that leaves a ``TorchFunctionMode`` on (a view watch or a first batch's input search that
 never saw its forward end) would change what every later test in the process sees: it fails
@@ -43,12 +44,13 @@ COMPOSER_DOCTESTS = (
 
 
 def pytest_collection_modifyitems(config, items):
-    if importlib.util.find_spec('composer') is not None:
-        return
-    skip = pytest.mark.skip(reason='builds Composer objects; Composer is not installed in this environment')
+    no_composer = importlib.util.find_spec('composer') is None
+    no_cuda = not torch.cuda.is_available()
     for item in items:
-        if isinstance(item, pytest.DoctestItem) and item.name.startswith(COMPOSER_DOCTESTS):
-            item.add_marker(skip)
+        if no_composer and isinstance(item, pytest.DoctestItem) and item.name.startswith(COMPOSER_DOCTESTS):
+            item.add_marker(pytest.mark.skip(reason='builds Composer objects; Composer is not installed here'))
+        if no_cuda and item.get_closest_marker('cuda') is not None:
+            item.add_marker(pytest.mark.skip(reason='needs a CUDA device'))
 
 
 @pytest.fixture(autouse=True)

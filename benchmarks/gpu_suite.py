@@ -10,7 +10,7 @@ It needs torch, torchvision and pytest only (timm where installed; no Composer).
 and a part that the time budget (``--budget``) no longer allows is recorded as skipped:
 
     machine     the GPU, driver, CUDA, cuDNN and torch versions
-    tests       pytest of the test files with a CUDA path (CUDA_TEST_FILES): summary line and exit code
+    tests       the tests with a CUDA path (marked ``cuda``: pytest -m cuda): summary line and exit code
     resnet50    ResNet-50 (the smoke run: ResNet-18) training steps in AMP (fp16, bf16), batch 256 at
                 224 px, interleaved: NCHW, model.to(channels_last) (Composer's one line), this project
                 (LayoutGuard), torch.compile NCHW, torch.compile + this project; median, 95% interval,
@@ -50,18 +50,6 @@ from channels_last_algo.core.runtime import torch_release
 from channels_last_algo.core.timing import Timings, synchronizer, time_interleaved
 
 ROOT = Path(__file__).resolve().parents[1]
-CUDA_TEST_FILES = (
-    'tests/core/test_repair.py',
-    'tests/app/test_repaired_zoo.py',
-    'tests/core/test_repair_layers.py',
-    'tests/core/test_repair_check.py',
-    'tests/core/test_safety.py',
-    'tests/app/test_data.py',
-    'tests/app/test_fuse.py',
-    'tests/integrations/test_compile.py',
-    'tests/core/test_contracts.py',
-    'tests/core/test_video.py',
-)
 
 
 def _group_norm_resnet18() -> nn.Module:
@@ -245,21 +233,28 @@ def part_inference(settings: Settings) -> dict[str, Any]:
 
 
 def part_tests(settings: Settings) -> dict[str, Any]:
-    command = [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *CUDA_TEST_FILES]
-    if settings.device.type == 'cpu':
-        command += ['-k', 'cuda']  # the smoke run: only the tests named for CUDA, which skip here
-    timeout = max(settings.left() / 3, 30.0)
+    """The tests marked ``cuda`` (``pytest -m cuda``), each with its outcome, also those done before a
+    timeout stops the run; the smoke run collects the same, which skip there."""
+    command = [sys.executable, '-m', 'pytest', '-v', '-p', 'no:cacheprovider', '-m', 'cuda', 'tests']
+    timeout = max(settings.left() / 2.5, 30.0)
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {'command': ' '.join(command), 'exit_code': None, 'summary': f'no result after {timeout:.0f} s'}
-    lines = done.stdout.strip().splitlines()
-    failed = [line for line in lines if line.startswith('FAILED')]
+        output, exit_code = done.stdout, done.returncode
+    except subprocess.TimeoutExpired as error:  # its output so far comes as bytes
+        output, exit_code = (error.stdout or b'').decode(errors='replace'), None
+    lines = output.strip().splitlines()
+    outcomes = {}
+    for line in lines:  # "tests/core/test_cuda.py::test_x PASSED  [ 12%]"
+        test, _, rest = line.partition(' ')
+        if '::' in test and rest.split(' ', 1)[0] in ('PASSED', 'FAILED', 'SKIPPED', 'ERROR', 'XFAIL', 'XPASS'):
+            outcomes[test] = rest.split(' ', 1)[0]
     return {
         'command': ' '.join(command),
-        'exit_code': done.returncode,
-        'summary': lines[-1] if lines else '',
-        'failed': failed,
+        'exit_code': exit_code,
+        'summary': lines[-1].strip('= ') if exit_code is not None and lines else f'stopped after {timeout:.0f} s',
+        'failed': [test for test, outcome in outcomes.items() if outcome in ('FAILED', 'ERROR')],
+        'outcomes': outcomes,
+        'failures': '\n'.join(lines[-60:]) if exit_code != 0 else '',
     }
 
 
@@ -315,14 +310,29 @@ def run_part(name: str, settings: Settings, out: Path) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.partition('\n\n')[0])
-    parser.add_argument('--out', type=Path, required=True, help="folder for the parts' .json and .md files")
+    parser.add_argument(
+        '--out', type=Path, default=None, help="folder for the parts' files (benchmarks/results/<gpu>-torch<version>/)"
+    )
     parser.add_argument('--smoke', action='store_true', help='the whole script on the CPU, small and short')
     parser.add_argument('--budget', type=float, default=None, help='seconds for all parts (480; smoke: 240)')
     parser.add_argument('--parts', nargs='+', choices=tuple(PARTS), default=list(PARTS))
     args = parser.parse_args(argv)
+    if args.smoke and args.out is None:
+        parser.error('--smoke needs --out DIR: its numbers are a check of the script, not results to keep')
     if not args.smoke and not torch.cuda.is_available():
-        parser.error('no CUDA device here; run with --smoke to check the script on the CPU')
+        parser.error('no CUDA device here; run with --smoke --out DIR to check the script on the CPU')
     return args
+
+
+def results_folder(gpu: str, release: str) -> Path:
+    """Where a GPU run's parts go by default: ``benchmarks/results/<gpu>-torch<release>/``.
+
+    Example:
+        >>> results_folder('NVIDIA H100 80GB HBM3', '2.11').name
+        'nvidia-h100-80gb-hbm3-torch2.11'
+    """
+    slug = '-'.join(''.join(c if c.isalnum() else ' ' for c in gpu.lower()).split())
+    return ROOT / 'benchmarks' / 'results' / f'{slug}-torch{release}'
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -331,9 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.device.type == 'cuda':
         torch.backends.cudnn.benchmark = True
     if args.out is None:
-        name = torch.cuda.get_device_name() if settings.device.type == 'cuda' else 'cpu-smoke'
-        slug = ''.join(c if c.isalnum() else '-' for c in name.lower()).strip('-')
-        args.out = ROOT / 'benchmarks' / 'results' / f'{slug}-torch{torch_release()}'
+        args.out = results_folder(torch.cuda.get_device_name(), torch_release())
     args.out.mkdir(parents=True, exist_ok=True)
     records = [run_part(name, settings, args.out) for name in args.parts]
     failed = [r['part'] for r in records if isinstance(r['result'], dict) and 'error' in r['result']]

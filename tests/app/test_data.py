@@ -203,7 +203,7 @@ def test_image_folder_trains_a_resnet_in_composer_with_only_nhwc_batches(image_r
     assert reaching_model == [(torch.float32, Layout.NHWC, True)] * 3
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA for pinned memory and device normalisation')
+@pytest.mark.cuda
 def test_pinned_batches_stay_nhwc_and_normalize_on_the_gpu(image_root):
     data = CheckedImageFolder(image_root / 'val', eval_transform(32))
     images, labels = next(iter(build_loader(data, batch_size=8, train=False, workers=1)))

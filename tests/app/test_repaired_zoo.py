@@ -194,7 +194,7 @@ def test_unet_with_cuda_rules_matches_and_keeps_nhwc_on_cpu():
     _assert_same_numbers(_step(model, to_channels_last(x)), _step(reference, x), rtol=1e-9, atol_scale=1e-10)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')
+@pytest.mark.cuda
 def test_unet_on_cuda_breaks_where_the_cuda_rules_say_and_not_after_repair():
     reference, shape = _build('unet')
     x = _nhwc(*shape).cuda()

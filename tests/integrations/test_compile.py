@@ -224,17 +224,11 @@ def _compiled_step_code(net: nn.Module, images: torch.Tensor, guard: Optional[La
     return codes
 
 
-def _needs_device(device: str) -> None:
-    if device == 'cuda' and not torch.cuda.is_available():
-        pytest.skip('needs a CUDA device')
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', id='cuda')])
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', id='cuda', marks=pytest.mark.cuda)])
 def test_inductor_lays_a_converted_models_compiled_step_out_nhwc(device):
     """A converted model's traced graphs hold NHWC strides, which the compiled convolutions keep,
     forward and backward, with no setting of inductor's changed."""
-    _needs_device(device)
     torch.manual_seed(0)
     net = conv_net().to(device)
     apply_channels_last(net)
@@ -245,12 +239,11 @@ def test_inductor_lays_a_converted_models_compiled_step_out_nhwc(device):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', id='cuda')])
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', id='cuda', marks=pytest.mark.cuda)])
 def test_the_guards_training_step_keeps_compiled_backward_nhwc_around_depthwise_convolutions(device):
     """Where inductor leaves backward graphs without layout optimisation (pytorch#189239), it lays
     gradients around a depthwise convolution out with their channels not innermost; inside the
     guard's training step it forces the optimisation on, and the compiled step matches eager NCHW."""
-    _needs_device(device)
     torch.manual_seed(0)
     reference = depthwise_net().to(device, torch.float64)
     images = torch.randn(4, 3, 16, 16, device=device, dtype=torch.float64)

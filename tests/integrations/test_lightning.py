@@ -282,6 +282,40 @@ def test_trainer_trains_nhwc_in_fit_validate_test_predict_and_matches_nchw():
         torch.testing.assert_close(trained[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.cuda
+def test_on_a_gpu_the_weights_go_nhwc_on_the_device_and_training_matches_nchw_at_every_step():
+    torch.manual_seed(0)
+    initial = small_net().state_dict()
+    runs = {}
+    for name, callbacks in (('nchw', []), ('channels_last', [ChannelsLastCallback(audit_steps=1)])):
+        module, recorder, losses = Classifier(small_net()), LayoutRecorder(), LossRecorder()
+        module.net.load_state_dict(initial)
+        fit = lightning_trainer(
+            max_steps=STEPS, callbacks=[*callbacks, recorder, losses], accelerator='gpu', precision='64-true'
+        )
+        fit.fit(module, loader())
+        runs[name] = module, recorder, losses.losses
+    module, recorder, losses = runs['channels_last']
+    assert recorder.weights and all(recorder.weights.values()), recorder.weights
+    assert len(recorder.grads) == 3 * STEPS and all(recorder.grads)
+    assert module.inputs_nhwc == [True] * STEPS and all(p.is_cuda for p in module.parameters())
+    reference, _, expected = runs['nchw']
+    torch.testing.assert_close(losses, expected, rtol=1e-9, atol=0)
+    trained = dict(reference.net.named_parameters())
+    for name, value in module.net.named_parameters():
+        torch.testing.assert_close(value, trained[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+class LossRecorder(L.Callback):
+    """Each training step's loss, as a float64 CPU tensor."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs['loss'].detach().cpu())
+
+
 def test_strict_stops_fit_with_the_break_and_leaves_nothing_installed():
     fit = lightning_trainer(max_steps=2, callbacks=[ChannelsLastCallback(audit_steps=1, strict=True)])
     with pytest.raises(LayoutBreakError, match="'net.1'"):
