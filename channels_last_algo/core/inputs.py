@@ -60,6 +60,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from channels_last_algo.core.aliased_copies import AliasedCopies
 from channels_last_algo.core.batch_tree import Path, leaves, map_leaves, path_name
 from channels_last_algo.core.layout import channels_last_format
 from channels_last_algo.core.module_calls import compiled_wrapper, exit_mode, settle_hooks, subscribe, unsubscribe
@@ -141,6 +142,7 @@ class _Flow(TorchFunctionMode):
         self.fed: set[Path] = set()
         self.viewed: set[Path] = set()
         self.convolutions = 0
+        self.copies = AliasedCopies()  # the copies failing views ran on, kept in step with the batch tensors
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -159,8 +161,13 @@ class _Flow(TorchFunctionMode):
         if func in _VIEWS and _view_fails_in_channels_last(args[0], args[1:], kwargs):
             self.viewed |= self.origins.get(args[0], frozenset())
             if not args[0].is_contiguous():  # NHWC by the first batch's guess: view a contiguous copy
-                args = (args[0].contiguous(), *args[1:])
+                return self._noted(self.copies.view(func, args[0], args[1:], kwargs), origins)
         result = func(*args, **kwargs)
+        self.copies.written(func, args, kwargs)
+        return self._noted(result, origins)
+
+    def _noted(self, result: Any, origins: frozenset[Path]) -> Any:
+        """``result``, its tensors noted as flowing from ``origins``."""
         for tensor in tree_leaves(result):
             if isinstance(tensor, torch.Tensor):
                 self.origins[tensor] = self.origins.get(tensor, frozenset()) | origins

@@ -4,7 +4,8 @@ step, made channels first where they are made.
 ``x.view(-1, 16 * 5 * 5)`` after a convolution and a pool (the LeNet flatten), a loss's
 ``logits.view(n * k, h * w)`` or a hook's ``output.view(n, -1)`` raise on an NHWC activation
 ("view size is not compatible with input tensor's size and stride"). While :class:`ViewedOutputs`
-watches a step, a view that fails so runs on a channels-first copy instead, and the module whose
+watches a step, a view that fails so runs on a channels-first copy instead, which in-place writes
+keep in step with the activation (:mod:`~channels_last_algo.core.aliased_copies`), and the module whose
 output the viewed tensor derives from (through any ops, but no other module) is noted. From then
 on that module's NHWC outputs are made channels first (one copy, which the layout audit counts
 as an exit) by a forward hook that runs before the module's own hooks, so the view aliases the
@@ -43,6 +44,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
+from channels_last_algo.core.aliased_copies import AliasedCopies
 from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.layout import channels_last_format
 from channels_last_algo.core.module_calls import (
@@ -111,6 +113,8 @@ class _Watch(TorchFunctionMode):
         self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the module that returned it
         self.derived: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> modules it derives from
         self.calls: dict[torch.nn.Module, int] = {}  # module -> its calls this step
+        self.copies = AliasedCopies()  # the copies failing views ran on, kept in step with their originals
+        self.flattened: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors of other ranks strided by NHWC ones
 
     def origins(self, tensor: torch.Tensor) -> frozenset:
         made = self.made.get(tensor)
@@ -128,11 +132,12 @@ class _Watch(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # a compiled graph: not followed
             return func(*args, **kwargs)
-        if func in _VIEWS and _nhwc(args[0]):
+        if func in _VIEWS and self.strided_by_nhwc(args[0]):
             return self._view(func, args, kwargs)
         if func is torch.Tensor.register_hook and channels_last_format(args[0]) is not None:
             args = (args[0], self._watched_hook(args[1]), *args[2:])
         result = func(*args, **kwargs)
+        self.copies.written(func, args, kwargs)
         self._follow(args, kwargs, result)
         return result
 
@@ -145,26 +150,36 @@ class _Watch(TorchFunctionMode):
 
         return watched
 
+    def strided_by_nhwc(self, tensor: Any) -> bool:
+        """An NHWC tensor, or one of another rank whose strides an NHWC one set (``z.flatten(2)``)."""
+        return _nhwc(tensor) or (isinstance(tensor, torch.Tensor) and tensor in self.flattened)
+
     def _follow(self, args: tuple, kwargs: dict, result: Any) -> None:
-        outputs = [t for t in tree_leaves(result) if _nhwc(t)]
+        outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and not t.is_contiguous()]
         if not outputs:
             return
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        from_nhwc = any(self.strided_by_nhwc(t) for t in inputs)
         origins = frozenset().union(*(self.origins(t) for t in inputs))
         for tensor in outputs:
-            if origins:
+            if from_nhwc and not _nhwc(tensor):
+                self.flattened[tensor] = True
+            if origins and (_nhwc(tensor) or from_nhwc):
                 self.derived[tensor] = origins
 
     def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
         try:
-            return func(*args, **kwargs)
+            result = func(*args, **kwargs)
         except RuntimeError as error:
             if 'view size is not compatible' not in str(error):
                 raise
+        else:  # a view NHWC strides can take, whose own views may not (``z.view(n, c, h * w).view(n, -1)``)
+            self._follow(args, kwargs, result)
+            return result
         if isinstance(args[0], torch.nn.Parameter) and self.owner._weights_viewed(_where(_caller())):
             return func(*args, **kwargs)  # the weights are contiguous now: a true view
         self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), _where(_caller()))
-        return func(args[0].contiguous(), *args[1:], **kwargs)
+        return self.copies.view(func, args[0], args[1:], kwargs)
 
 
 class ViewedOutputs:

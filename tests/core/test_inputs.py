@@ -90,6 +90,33 @@ def test_a_view_watch_under_way_does_not_hide_a_view_nhwc_makes_fail():
     assert "batch['frames'] (viewed in a shape NHWC cannot take)" in selection.describe(batch)
 
 
+class MasksItsInput(nn.Module):
+    """Zeroes the first pixels of its input through a flat view (which aliases the input in NCHW)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, 2)
+
+    def forward(self, x):
+        x.view(x.size(0), -1)[:, :7] = 0
+        return self.fc(self.conv(x).mean((2, 3)))
+
+
+def test_a_write_through_a_view_of_the_first_batch_lands_in_the_batch():
+    """The first batch's guess makes the images NHWC, whose flat view runs on a copy: the write
+    through it must still reach the images the convolution reads."""
+    torch.manual_seed(0)
+    reference = MasksItsInput().double()
+    model = copy.deepcopy(reference)
+    guard = LayoutGuard()
+    guard.on_init(model)
+    for seed in range(2):
+        images = torch.randn(2, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        expected = reference(images.clone())
+        with guard.step():
+            torch.testing.assert_close(model(guard.on_batch(images.clone())), expected, rtol=1e-12, atol=1e-14)
+
+
 def test_tuple_and_nested_batches_and_a_bare_tensor():
     conv = nn.Conv2d(3, 4, 1)
 

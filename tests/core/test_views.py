@@ -2,7 +2,8 @@
 
 Each model trains 3 float64 steps through LayoutGuard, the Composer algorithm and the Lightning callback,
 and every step's loss and parameters must equal the NCHW run's: a LeNet-style flatten, a loss that views
-a convolution's output, a forward hook and a tensor hook that view, LBFGS (``p.grad.view(-1)``),
+a convolution's output, a forward hook and a tensor hook that view, writes through views (of
+activations, of a gradient in a tensor hook, of ``weight.data``), LBFGS (``p.grad.view(-1)``),
 ``parameters_to_vector`` with ``weights='contiguous'``, a Muon-style optimizer, a weight bank that the model
 views and mixes, and a positional embedding added to an activation.
 """
@@ -143,6 +144,59 @@ def _compiled_forward(net: nn.Module, batch: tuple) -> torch.Tensor:
     return compiled(batch[0])
 
 
+class WrittenThroughViews(nn.Module):
+    """Writes through views of activations, which alias them in NCHW: a convolution's output scaled
+    through ``z.view(n, -1)``, and a slice of another zeroed through a chained view
+    (``y.view(n, c, h * w).view(n, -1)``, whose second view NHWC strides cannot take)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.mid = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+    def forward(self, x):
+        z = self.stem(x)
+        z.view(z.size(0), -1).mul_(1.5)
+        y = self.mid(F.relu(z))
+        flat = y.view(y.size(0), 4, -1).view(y.size(0), -1)
+        flat[:, :10] = 0
+        return self.head(y)
+
+
+class GradientScaledInPlace(nn.Module):
+    """A tensor hook that scales its gradient in place through a view and returns nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Sequential(nn.Conv2d(4, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+    def forward(self, x):
+        x = F.relu(self.stem(x))
+        if x.requires_grad:
+            x.register_hook(self._scale)
+        return self.head(x)
+
+    @staticmethod
+    def _scale(grad):
+        grad.view(grad.size(0), -1).mul_(2.0)
+
+
+class MaxNormed(nn.Module):
+    """A max-norm constraint written through ``weight.data.view(out_channels, -1)`` in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+    def forward(self, x):
+        with torch.no_grad():
+            rows = self.stem.weight.data.view(self.stem.weight.size(0), -1)
+            rows.mul_(0.5 / rows.norm(dim=1, keepdim=True).clamp(min=0.5))
+        return self.head(F.relu(self.stem(x)))
+
+
 def _flat_net() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Flatten(), nn.Linear(4 * 28 * 28, 10))
 
@@ -156,6 +210,9 @@ RUNS = {
     'embedding': Run(Embedded, _batches(), _cross_entropy),
     'lbfgs': Run(_flat_net, _batches(), _cross_entropy, lambda params: torch.optim.LBFGS(params, lr=0.1, max_iter=2)),
     'parameters-to-vector': Run(Penalised, _batches(), _penalised_loss),
+    'written-through-views': Run(WrittenThroughViews, _batches((2, 3, 8, 8)), _cross_entropy),
+    'gradient-scaled-in-place': Run(GradientScaledInPlace, _batches((2, 3, 8, 8)), _cross_entropy),
+    'max-normed-weights': Run(MaxNormed, _batches((2, 3, 8, 8)), _cross_entropy),
 }
 
 

@@ -1,0 +1,96 @@
+"""Views that NHWC strides cannot take, taken on a channels-first copy that still acts as an alias.
+
+Where a watch (the view watch, the first batch's input search) runs a failing ``.view()`` on a
+contiguous copy, the view no longer shares memory with the tensor the user holds. While that watch
+follows the ops, :class:`AliasedCopies` writes each in-place change through: a write to the copy
+(through the view: ``flat.mul_(2)``, ``flat[0] = 0``, ``torch.relu_(flat)``, ``out=flat``) is copied
+back into the original, and a write to the original reaches the copy, so what either reads is what
+NCHW would give, and autograd sees the write where NCHW has it.
+
+Example:
+    >>> import torch
+    >>> x = torch.arange(8.0).reshape(1, 2, 2, 2).to(memory_format=torch.channels_last)
+    >>> copies = AliasedCopies()
+    >>> flat = copies.view(torch.Tensor.view, x, (1, -1), {})
+    >>> _ = flat.mul_(10)
+    >>> copies.written(torch.Tensor.mul_, (flat, 10), {})
+    >>> x.flatten().tolist()
+    [0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0]
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+__all__ = ['AliasedCopies', 'written_tensors']
+
+_IN_PLACE_OPERATORS = frozenset(
+    {'__setitem__'}
+    | {
+        f'__i{name}__'
+        for name in ('add', 'sub', 'mul', 'truediv', 'floordiv', 'mod', 'pow', 'matmul', 'and', 'or', 'xor')
+    }
+    | {'__ilshift__', '__irshift__'}
+)
+
+
+def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func(*args, **kwargs)`` writes in place: the first argument of an in-place op
+    (a name ending in ``_``, ``x[i] = v``, ``x += y``, ``inplace=True``) and the ``out=`` tensors.
+
+    Example:
+        >>> x = torch.zeros(2)
+        >>> [t is x for t in written_tensors(torch.Tensor.add_, (x, 1), {})]
+        [True]
+        >>> written_tensors(torch.add, (x, 1), {})
+        []
+    """
+    name = getattr(func, '__name__', '')
+    in_place = (name.endswith('_') and not name.startswith('_')) or name in _IN_PLACE_OPERATORS
+    first = [args[0]] if args and isinstance(args[0], torch.Tensor) else []
+    written = first if in_place or kwargs.get('inplace') is True else []
+    return written + [t for t in tree_leaves(kwargs.get('out')) if isinstance(t, torch.Tensor)]
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device:
+        return False
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() != 0
+    except (RuntimeError, NotImplementedError):  # tensors with no storage of their own (sparse, fake)
+        return False
+
+
+class AliasedCopies:
+    """The channels-first copies a watch viewed instead of their originals, each kept in step with it."""
+
+    def __init__(self) -> None:
+        # (original, copy): the copy lives as long as its views do, and holds its original (``weight.data``
+        # is a new tensor at each reading, gone as soon as it is viewed)
+        self._pairs: list[tuple[torch.Tensor, weakref.ref]] = []
+
+    def view(self, func: Any, tensor: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """``func(tensor, *args, **kwargs)`` (a view) taken on a contiguous copy of ``tensor``."""
+        copy = tensor.contiguous()
+        self._pairs.append((tensor, weakref.ref(copy)))
+        return func(copy, *args, **kwargs)
+
+    def written(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """After ``func(*args, **kwargs)`` ran: where it wrote in place to a copy (or to an original),
+        the same values go to the original (or to the copy). Called with the watch's mode off."""
+        if not self._pairs:
+            return
+        self._pairs = [(original, copy) for original, copy in self._pairs if copy() is not None]
+        for target in written_tensors(func, args, kwargs):
+            for original, reference in self._pairs:
+                copy = reference()
+                if copy is None:
+                    continue
+                if _same_memory(target, copy):
+                    original.copy_(copy)
+                elif _same_memory(target, original):
+                    copy.copy_(original)
