@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -58,7 +59,7 @@ from channels_last_algo.core.module_calls import (
 )
 from channels_last_algo.core.saved_state import SavedState
 
-__all__ = ['ViewedOutputs', 'channels_first_outputs']
+__all__ = ['ViewedOutputs', 'channels_first_output', 'channels_first_outputs']
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,28 @@ def channels_first_outputs(module: torch.nn.Module, args: tuple, output: Any) ->
         return _channels_first(output)
     with exit_copies():
         return _channels_first(output)
+
+
+def channels_first_output(module: Any, args: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
+    """:func:`channels_first_outputs` for a module of one tensor in and one out, in a form
+    ``torch.jit.script`` compiles: a scripted model makes the output contiguous as eager does."""
+    if torch.jit.is_scripting():
+        return output.contiguous()
+    return _eager_channels_first(module, args, output)
+
+
+@torch.jit.unused
+def _eager_channels_first(module: Any, args: Any, output: Any) -> Any:
+    return channels_first_outputs(module, args, output)
+
+
+def _one_tensor_in(module: torch.nn.Module) -> bool:
+    """Whether ``module.forward`` takes one argument (the hook TorchScript types as ``Tuple[Tensor]``)."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return len(parameters) == 1 and next(iter(parameters)).kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
 
 
 class _Watch(TorchFunctionMode):
@@ -209,6 +232,7 @@ class ViewedOutputs:
         self._forward_watched = False  # a batch's forward was
         self._rehearsed: weakref.WeakSet = weakref.WeakSet()  # compiled wrappers run eagerly once
         self._paused_for: Optional[torch.nn.Module] = None  # the compiled wrapper running without the mode
+        self._one_tensor_out: weakref.WeakSet = weakref.WeakSet()  # modules seen returning one tensor
 
     @property
     def watching(self) -> bool:
@@ -297,6 +321,8 @@ class ViewedOutputs:
             self._mode.__enter__()
         if not failed:
             self._mode.calls[module] = self._mode.calls.get(module, 0) + 1
+            if isinstance(output, torch.Tensor):
+                self._one_tensor_out.add(module)
             for tensor in tree_leaves(output):
                 if _nhwc(tensor) and tensor not in self._mode.made:
                     self._mode.made[tensor] = module
@@ -317,6 +343,7 @@ class ViewedOutputs:
             path = self._paths.get(module)
             if path is None or path in self.placed:
                 continue
-            module.register_forward_hook(channels_first_outputs, prepend=True)
+            one_tensor = module in self._one_tensor_out and _one_tensor_in(module)
+            module.register_forward_hook(channels_first_output if one_tensor else channels_first_outputs, prepend=True)
             self.placed.append(path)
             self._new.append(f'{path or type(module).__name__} outputs made channels first (viewed at {where})')

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 import types
+import warnings
 
 import pytest
 import torch
@@ -256,6 +257,21 @@ def test_the_placed_view_is_an_exit_and_later_steps_alias(caplog):
     pooled = net.pool(F.relu(net.conv2(net.pool(F.relu(net.conv1(x))))))
     assert pooled.is_contiguous()
     assert guard.report.steps == 3 and not guard.report.breaks, guard.report.breaks
+
+
+def test_a_model_whose_view_placed_a_hook_scripts_traces_and_exports_as_it_runs(tmp_path):
+    """The hook that makes conv2's output channels first compiles under ``torch.jit.script`` (and saves
+    and loads), and tracing and ``torch.export`` keep it: each gives the eager model's output."""
+    _, net, _ = guarded(RUNS['lenet'], 'guard')
+    x = torch.randn(2, 3, 32, 32, dtype=torch.float64).to(memory_format=torch.channels_last)
+    expected = net(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FutureWarning)  # TorchScript is deprecated in the newest torch
+        torch.jit.save(torch.jit.script(net), tmp_path / 'lenet.pt')
+        copies = {'script': torch.jit.load(tmp_path / 'lenet.pt'), 'trace': torch.jit.trace(net, (x,))}
+    copies['export'] = torch.export.export(net, (x,)).module()
+    for name, copy in copies.items():
+        torch.testing.assert_close(copy(x), expected, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_parameters_to_vector_with_contiguous_weights():
