@@ -228,8 +228,9 @@ class ViewedOutputs:
         self._new: list[str] = []
         self._whole_step = True
         self._depth = 0  # module calls under way
+        self._model = weakref.ref(model)
         self._step_watched = False  # a whole training step was watched
-        self._forward_watched = False  # a batch's forward was
+        self._forwards_watched: set[bool] = set()  # the model.training values a batch's forward was watched in
         self._rehearsed: weakref.WeakSet = weakref.WeakSet()  # compiled wrappers run eagerly once
         self._paused_for: Optional[torch.nn.Module] = None  # the compiled wrapper running without the mode
         self._one_tensor_out: weakref.WeakSet = weakref.WeakSet()  # modules seen returning one tensor
@@ -241,9 +242,20 @@ class ViewedOutputs:
 
     def begin(self, whole_step: bool) -> None:
         """At a batch (``whole_step=False``: its forward) or a training step's start: watch the first
-        forward that runs and the first training step, and every one while a view could not be placed."""
-        if self.unplaced or not (self._step_watched or (self._forward_watched and not whole_step)):
+        training step, the first forward in each of the model's modes (an evaluation path may view
+        what training does not), and every one while a view could not be placed."""
+        training = self._training()
+        seen = (
+            self._step_watched
+            if whole_step
+            else training in self._forwards_watched or (training and self._step_watched)
+        )
+        if self.unplaced or not seen:
             self.start(whole_step)
+
+    def _training(self) -> bool:
+        model = self._model()
+        return True if model is None else model.training
 
     def end(self, training: bool) -> list[str]:
         """At a training step's end (``training``), or the next batch: stop; what was found."""
@@ -327,7 +339,7 @@ class ViewedOutputs:
                 if _nhwc(tensor) and tensor not in self._mode.made:
                     self._mode.made[tensor] = module
         if self._depth == 0 and not self._whole_step:
-            self._forward_watched = True  # a forward ran under the watch (a batch never run does not count)
+            self._forwards_watched.add(self._training())  # a forward ran watched (a batch never run does not)
             self._new = self.stop()
 
     def _found(self, origins: frozenset, where: str) -> None:

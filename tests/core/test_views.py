@@ -10,6 +10,8 @@ views and mixes, and a positional embedding added to an activation.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import sys
 import types
@@ -269,9 +271,9 @@ def test_a_model_whose_view_placed_a_hook_scripts_traces_and_exports_as_it_runs(
         warnings.simplefilter('ignore', FutureWarning)  # TorchScript is deprecated in the newest torch
         torch.jit.save(torch.jit.script(net), tmp_path / 'lenet.pt')
         copies = {'script': torch.jit.load(tmp_path / 'lenet.pt'), 'trace': torch.jit.trace(net, (x,))}
-    copies['export'] = torch.export.export(net, (x,)).module()
-    for name, copy in copies.items():
-        torch.testing.assert_close(copy(x), expected, rtol=1e-12, atol=1e-12, msg=name)
+    copies['export'] = torch.export.export(net, (x,), strict=False).module()
+    for name, saved in copies.items():
+        torch.testing.assert_close(saved(x), expected, rtol=1e-12, atol=1e-12, msg=name)
 
 
 def test_parameters_to_vector_with_contiguous_weights():
@@ -386,6 +388,40 @@ def test_a_view_in_evaluation_before_training():
     )
     trainer.fit(Module(), train_dataloaders=data, val_dataloaders=data)
     assert trainer.global_step == 3
+
+
+class ViewsInEvaluation(LeNet):
+    """Flattens with ``torch.flatten`` in training and with ``.view`` in evaluation only."""
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        return self.fc(torch.flatten(x, 1) if self.training else x.view(-1, 16 * 5 * 5))
+
+
+def test_a_view_only_evaluation_makes_is_found_at_the_first_evaluation_after_training():
+    torch.manual_seed(0)
+    reference = ViewsInEvaluation().double()
+    net = copy.deepcopy(reference)
+    guard = LayoutGuard()
+    guard.on_init(net)
+    batches = _batches()
+    for model, watched in ((reference, None), (net, guard)):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for batch in batches:
+            batch = watched.on_batch(batch) if watched is not None else batch
+            with watched.step() if watched is not None else contextlib.nullcontext():
+                _cross_entropy(model(batch[0]), batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    images = batches[0][0]
+    net.eval()
+    with torch.no_grad():
+        outputs = [net(guard.on_batch(images)) for _ in range(2)]  # found at the first, a true view after
+        expected = reference.eval()(images)
+    for output in outputs:
+        torch.testing.assert_close(output, expected, rtol=1e-10, atol=1e-10)
+    guard.close()
 
 
 def test_inference_without_training_leaves_no_mode_behind():
