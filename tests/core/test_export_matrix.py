@@ -33,7 +33,7 @@ from channels_last_algo.core.safety.bugs import KNOWN_BUGS, make_safe
 pytestmark = pytest.mark.slow  # every swapped layer through every exporter (deselect with -m 'not slow')
 
 SHAPE = (2, 3, 8, 8)
-SAFE_RUNTIMES = [Runtime((2, 7, 0), 'cpu', 'AVX512'), Runtime((2, 13, 0), 'cuda')]  # where both safe paths apply
+SAFE_RUNTIMES = [Runtime((2, 7, 0), 'cpu', 'AVX512'), Runtime((2, 13, 0), 'cuda')]  # where every safe path applies
 
 
 def _timm(module, name):
@@ -89,6 +89,7 @@ CASES = {
     'ChannelsLastScaledStdConv2dSame': (_std_conv('ScaledStdConv2dSame', stride=2), 'cpu'),
     'SubsampledConv2d': (lambda: nn.Sequential(nn.Conv2d(3, 8, 1, stride=2), nn.ReLU(), _conv(8, 4)), 'safe'),
     'NCHWAvgPool2d': (lambda: _between(nn.AvgPool2d(3, 2, padding=1)), 'safe'),
+    'NCHWMaskDropout': (lambda: _between(nn.Dropout(0.3)), 'safe'),
 }
 
 

@@ -6,6 +6,7 @@ layers are compared in float64 in this process, where no oneDNN kernel runs.
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import operator
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from channels_last_algo.core.convert import apply_channels_last, restride
-from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, SubsampledConv2d
+from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, NCHWMaskDropout, SubsampledConv2d
 from channels_last_algo.core.layout import to_channels_last
 from channels_last_algo.core.runtime import Runtime, parse_version
 from channels_last_algo.core.safety import (
@@ -208,6 +209,32 @@ def test_nchw_avg_pool_equals_avg_pool_in_float64(settings, double_precision):
     assert actual.is_contiguous(memory_format=torch.channels_last)
     grad = torch.randn(expected.shape)
     torch.testing.assert_close(torch.autograd.grad(actual, x, grad)[0], torch.autograd.grad(expected, x, grad)[0])
+
+
+DROPOUT = BUGS['dropout_mask_memory_order']
+
+
+@pytest.mark.parametrize('inplace', [False, True])
+def test_the_dropout_safe_path_drops_what_nchw_drops_and_keeps_the_layout(inplace):
+    """Same seed, same mask as NCHW dropout, output and input gradient (float64), the random state after it
+    as NCHW leaves it, NHWC kept; in evaluation, and with p = 0, nothing dropped."""
+    assert DROPOUT.condition(nn.Dropout(0.5), XEON) and not DROPOUT.condition(nn.Dropout(0.0), XEON)
+    layer = nn.Dropout(0.4, inplace=inplace)
+    safe = copy.deepcopy(layer)
+    safe.__class__ = NCHWMaskDropout
+    x = torch.randn(2, 6, 5, 3, dtype=torch.float64)
+    results = []
+    for module, images in ((layer, x), (safe, to_channels_last(x))):
+        leaf = images.clone().requires_grad_()
+        torch.manual_seed(0)
+        output = module(leaf * 1)  # a non-leaf, which an in-place dropout may write
+        output.backward(torch.arange(output.numel(), dtype=torch.float64).view(output.shape))
+        results.append((output.detach(), leaf.grad, torch.rand(1)))
+    (expected, expected_grad, expected_next), (output, grad, after) = results
+    assert torch.equal(output, expected) and torch.equal(grad, expected_grad) and torch.equal(after, expected_next)
+    assert output.is_contiguous(memory_format=torch.channels_last) and (output == 0).any()
+    safe.eval()
+    assert torch.equal(safe(to_channels_last(x)), x)
 
 
 @pytest.mark.filterwarnings('ignore:`torch.jit.script` is deprecated:FutureWarning')

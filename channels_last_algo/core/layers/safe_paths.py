@@ -17,6 +17,9 @@ with ``torch.fx.symbolic_trace``, ``torch.jit.script``, ``torch.export`` and ONN
   moves a quarter of the bytes a stride-2 round trip through NCHW would.
 - :class:`NCHWAvgPool2d`: average pooling computed on an NCHW copy, the output restrided to
   channels last: the NHWC backward kernel is never called.
+- :class:`NCHWMaskDropout`: dropout whose mask is drawn in NCHW order whatever the input's layout
+  (a contiguous noise tensor of the input's shape, as torch's CPU dropout draws it for an NCHW
+  input); the product keeps the input's layout, and the same seed drops the same elements as NCHW.
 
 Example:
     >>> import torch
@@ -36,7 +39,7 @@ from torch import nn
 
 from channels_last_algo.core.swap import Replacement
 
-__all__ = ['NCHWAvgPool2d', 'SubsampledConv2d']
+__all__ = ['NCHWAvgPool2d', 'NCHWMaskDropout', 'SubsampledConv2d']
 
 
 class SubsampledConv2d(Replacement, nn.Conv2d):
@@ -63,3 +66,17 @@ class NCHWAvgPool2d(Replacement, nn.AvgPool2d):
             self.divisor_override,
         )
         return output.contiguous(memory_format=torch.channels_last)
+
+
+class NCHWMaskDropout(Replacement, nn.Dropout):
+    """``nn.Dropout`` with its mask drawn in NCHW order: the noise is contiguous, as torch's CPU
+    dropout makes it for an NCHW input (``empty_like``, ``bernoulli_``, divided by the keep rate),
+    so the numbers and the random state after it are NCHW's; the product keeps the input's layout."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return input
+        keep = 1.0 - self.p
+        noise = torch.empty(input.shape, dtype=input.dtype, device=input.device).bernoulli_(keep)
+        noise = noise.div_(keep) if keep > 0.0 else noise
+        return input.mul_(noise) if self.inplace else input * noise

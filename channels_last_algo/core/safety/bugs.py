@@ -37,7 +37,7 @@ from typing import ClassVar, Optional
 import torch
 from torch import nn
 
-from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, SubsampledConv2d
+from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, NCHWMaskDropout, SubsampledConv2d
 from channels_last_algo.core.runtime import Runtime, model_device
 from channels_last_algo.core.swap import SwapRow, first_matches, swap_first_match, uncovered
 from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
@@ -126,6 +126,20 @@ def _padded(pool: nn.AvgPool2d, runtime: Runtime) -> bool:
     return any(p > 0 for p in padding)
 
 
+def _dropping(dropout: nn.Dropout, runtime: Runtime) -> bool:
+    return dropout.p > 0.0
+
+
+_DROPOUT_MASK_REPRO = """\
+import torch
+x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
+torch.manual_seed(0)
+reference = torch.nn.functional.dropout(x, 0.5, training=True)
+torch.manual_seed(0)
+nhwc = torch.nn.functional.dropout(x.contiguous(memory_format=torch.channels_last), 0.5, training=True)
+assert torch.equal(nhwc, reference), 'NHWC dropout drops other elements than NCHW for the same seed'
+"""
+
 _ONEDNN_1X1_REPRO = """\
 import torch
 torch.manual_seed(0)
@@ -193,6 +207,24 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
             'https://github.com/pytorch/pytorch/pull/188345 (the fix, in torch 2.14)',
         ),
         observed='not probed here (no GPU); from the tracker: wrong input gradients up to torch 2.13, right in 2.14',
+    ),
+    KernelBug(
+        name='dropout_mask_memory_order',
+        op='aten.dropout on the CPU: its noise is empty_like(input), which bernoulli_ fills in memory order, so '
+        'an NHWC input gets another mask than NCHW for the same seed (not a defect of the kernel: the same '
+        'distribution, other numbers)',
+        original=nn.Dropout,
+        condition=_dropping,
+        shape_condition='p > 0, training, a 4D or 5D input channels last',
+        devices=('cpu',),
+        torch_versions='',
+        cpu_isa=None,
+        failures=('wrong numbers',),
+        repro=_DROPOUT_MASK_REPRO,
+        replacement=NCHWMaskDropout,
+        references=('https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/native/Dropout.cpp (_dropout_impl)',),
+        observed='probed on an AMD EPYC with AVX-512, torch 2.7.0 and 2.14.1: another mask than NCHW for the '
+        'same seed, so other outputs and gradients from the first step; the safe path gives NCHW bit for bit',
     ),
 )
 
