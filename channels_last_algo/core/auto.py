@@ -32,19 +32,18 @@ import dataclasses
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from channels_last_algo.core.convert import restride
+from channels_last_algo.core.convert import Optimizers, restride
 from channels_last_algo.core.layout import MemoryFormat
 from channels_last_algo.core.timing import Timings, synchronizer, time_interleaved
 
 __all__ = ['LayoutDecision', 'decide_layout']
 
-Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
 _FIRST, _LAST = MemoryFormat.CHANNELS_FIRST, MemoryFormat.CHANNELS_LAST
 
 

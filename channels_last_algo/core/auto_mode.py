@@ -22,18 +22,17 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any, Optional, Union
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
 from channels_last_algo.core.console import timing_line
-from channels_last_algo.core.convert import restride
+from channels_last_algo.core.convert import Optimizers, restride
 
 __all__ = ['AutoMode', 'LayoutDecision', 'Trial']  # LayoutDecision: what AutoMode.decision holds
 
-Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 
 log = logging.getLogger(__name__)

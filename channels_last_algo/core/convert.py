@@ -53,6 +53,9 @@ __all__ = ['ConversionSummary', 'apply_channels_first', 'apply_channels_last', '
 
 log = logging.getLogger(__name__)
 
+Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
+"""An optimizer, several, or None: what every conversion takes alongside the model."""
+
 
 @dataclasses.dataclass
 class ConversionSummary:
@@ -163,7 +166,7 @@ def _tensors_by_use(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor,
 def _restride_model(
     model: torch.nn.Module,
     memory_format: MemoryFormat,
-    optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]],
+    optimizers: Optimizers,
 ) -> ConversionSummary:
     restride = _RESTRIDES[memory_format]
     summary = ConversionSummary(layout=str(memory_format))
@@ -191,7 +194,7 @@ def _restride_model(
 
 def apply_channels_last(
     model: torch.nn.Module,
-    optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]] = None,
+    optimizers: Optimizers = None,
     repair: bool = True,
     kernel_safety: bool = True,
 ) -> ConversionSummary:
@@ -230,7 +233,7 @@ def apply_channels_last(
 
 def convert_quietly(
     model: torch.nn.Module,
-    optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]] = None,
+    optimizers: Optimizers = None,
     repair: bool = True,
     kernel_safety: bool = True,
 ) -> ConversionSummary:
@@ -276,7 +279,7 @@ def _report_conversion(model: torch.nn.Module, summary: ConversionSummary) -> No
 
 def apply_channels_first(
     model: torch.nn.Module,
-    optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]] = None,
+    optimizers: Optimizers = None,
 ) -> ConversionSummary:
     """The inverse restride of :func:`apply_channels_last`: every 4D/5D parameter, buffer,
     gradient and optimizer state tensor back to the default contiguous (NCHW / NCDHW) strides,
@@ -289,7 +292,7 @@ def apply_channels_first(
 def restride(
     model: torch.nn.Module,
     channels_last: bool,
-    optimizers: Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]] = None,
+    optimizers: Optimizers = None,
 ) -> ConversionSummary:
     """Only restride (no repair, no warning): to channels last, or back to channels first.
     What auto mode does between its trial steps."""

@@ -28,8 +28,8 @@ import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional, Union
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import torch
 
@@ -39,7 +39,13 @@ from channels_last_algo.core.audited_steps import AuditedSteps
 from channels_last_algo.core.auto_mode import AutoMode, LossFn
 from channels_last_algo.core.compiled_backward import CompiledBackwardLayout
 from channels_last_algo.core.console import ConsoleBlock, start_block
-from channels_last_algo.core.convert import ConversionSummary, apply_channels_first, apply_channels_last, restride
+from channels_last_algo.core.convert import (
+    ConversionSummary,
+    Optimizers,
+    apply_channels_first,
+    apply_channels_last,
+    restride,
+)
 from channels_last_algo.core.inputs import Inputs, InputSelection
 from channels_last_algo.core.layout import to_channels_first, to_channels_last
 from channels_last_algo.core.options import check_options, options_repr
@@ -49,7 +55,6 @@ from channels_last_algo.core.weight_layout import OptimizerWatch, WeightLayoutPl
 
 __all__ = ['LayoutGuard']
 
-Optimizers = Optional[Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]]
 
 log = logging.getLogger(__name__)
 
