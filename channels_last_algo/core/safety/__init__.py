@@ -14,7 +14,7 @@ device and CPU instruction set a bug depends on are a
 Example:
     >>> from channels_last_algo.core.safety import KNOWN_BUGS
     >>> sorted(bug.name for bug in KNOWN_BUGS)
-    ['cuda_avg_pool2d_nhwc_backward_padding', 'onednn_1x1_strided_weight_grad']
+    ['cuda_avg_pool2d_nhwc_backward_padding', 'dropout_mask_memory_order', 'onednn_1x1_strided_weight_grad']
 """
 
 from channels_last_algo.core.safety.bugs import (
