@@ -20,11 +20,11 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import TensorWeakRef
 
 __all__ = ['AliasedCopies', 'written_tensors']
 
@@ -71,12 +71,12 @@ class AliasedCopies:
     def __init__(self) -> None:
         # (original, copy): the copy lives as long as its views do, and holds its original (``weight.data``
         # is a new tensor at each reading, gone as soon as it is viewed)
-        self._pairs: list[tuple[torch.Tensor, weakref.ref]] = []
+        self._pairs: list[tuple[torch.Tensor, TensorWeakRef]] = []
 
     def view(self, func: Any, tensor: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         """``func(tensor, *args, **kwargs)`` (a view) taken on a contiguous copy of ``tensor``."""
         copy = tensor.contiguous()
-        self._pairs.append((tensor, weakref.ref(copy)))
+        self._pairs.append((tensor, TensorWeakRef(copy)))
         return func(copy, *args, **kwargs)
 
     def written(self, func: Any, args: tuple, kwargs: dict) -> None:

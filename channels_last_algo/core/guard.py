@@ -50,7 +50,7 @@ from channels_last_algo.core.inputs import Inputs, InputSelection
 from channels_last_algo.core.layout import to_channels_first, to_channels_last
 from channels_last_algo.core.options import check_options, options_repr
 from channels_last_algo.core.repair_check import RefusedRepair, RepairCheck
-from channels_last_algo.core.viewed_outputs import ViewedOutputs
+from channels_last_algo.core.viewed_outputs import ViewedOutputs, explain_unwatched_view
 from channels_last_algo.core.weight_layout import OptimizerWatch, WeightLayoutPlan, for_training, weight_layout_for
 
 __all__ = ['LayoutGuard']
@@ -379,7 +379,9 @@ class LayoutGuard:
         self.on_step_start()
         try:
             yield
-        except BaseException:
+        except BaseException as error:
+            if self.channels_last:
+                explain_unwatched_view(error)
             self.close()
             raise
         self.on_step_end()

@@ -59,7 +59,13 @@ from channels_last_algo.core.module_calls import (
 )
 from channels_last_algo.core.saved_state import SavedState
 
-__all__ = ['ViewedOutputs', 'channels_first_output', 'channels_first_outputs']
+__all__ = [
+    'UNWATCHED_VIEW',
+    'ViewedOutputs',
+    'channels_first_output',
+    'channels_first_outputs',
+    'explain_unwatched_view',
+]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +130,34 @@ def _one_tensor_in(module: torch.nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     return len(parameters) == 1 and next(iter(parameters)).kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+
+
+UNWATCHED_VIEW = (
+    'channels last: this .view() of a channels-last tensor ran where no view watch was on (it follows the '
+    "first training step, the first forward in training and in evaluation, and a step's forward and "
+    "backward only). A view of a weight or of a gradient: weights='contiguous' keeps them viewable "
+    '(docs/conversion.md); of an activation: .reshape or .flatten instead of .view works in either layout.'
+)
+"""What :func:`explain_unwatched_view` adds to the error of a view that NHWC strides cannot take."""
+
+
+def explain_unwatched_view(error: BaseException) -> None:
+    """Add :data:`UNWATCHED_VIEW` to ``error`` where it is torch's "view size is not compatible" (once).
+
+    Example:
+        >>> error = RuntimeError("view size is not compatible with input tensor's size and stride")
+        >>> explain_unwatched_view(error)
+        >>> 'weights=' in str(error) or any('weights=' in note for note in getattr(error, '__notes__', []))
+        True
+    """
+    if not isinstance(error, RuntimeError) or 'view size is not compatible' not in str(error):
+        return
+    if UNWATCHED_VIEW in getattr(error, '__notes__', ()) or UNWATCHED_VIEW in str(error):
+        return
+    if hasattr(error, 'add_note'):  # Python 3.11+: shown under the traceback
+        error.add_note(UNWATCHED_VIEW)
+    else:
+        error.args = (f'{error.args[0] if error.args else ""}\n{UNWATCHED_VIEW}', *error.args[1:])
 
 
 class _Watch(TorchFunctionMode):

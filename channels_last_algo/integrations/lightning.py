@@ -52,6 +52,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from channels_last_algo.core.auto_mode import Trial
 from channels_last_algo.core.canonical_checkpoints import canonical_state
 from channels_last_algo.core.inputs import Inputs
+from channels_last_algo.core.viewed_outputs import explain_unwatched_view
 from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layout_for
 from channels_last_algo.integrations.guarded import GuardedIntegration
 from channels_last_algo.integrations.lightning_adapter import first_training_batch, follow_strategy, replace_on_instance
@@ -229,6 +230,8 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         self._restore(trainer, pl_module, stage)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self.guard.channels_last:
+            explain_unwatched_view(exception)
         self._restore(trainer, pl_module, 'exception')  # Lightning skips teardown hooks after an exception
 
     def _restore(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
