@@ -359,17 +359,14 @@ def test_an_optimizer_made_after_on_init_is_seen_at_its_first_step():
     assert net[0].weight.is_contiguous() and guard.weight_layout.contiguous
 
 
-def test_a_view_in_evaluation_before_training():
-    """Lightning's sanity check evaluates before the first training step: its forward's view runs too."""
-    pytest.importorskip('lightning')
+def _lightning_classifier(net: nn.Module):
+    """A LightningModule that trains and validates ``net`` with cross-entropy and SGD."""
     import lightning as L
 
-    from channels_last_algo.integrations.lightning import ChannelsLastCallback
-
-    class Module(L.LightningModule):
+    class Classifier(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = LeNet().double()
+            self.net = net
 
         def training_step(self, batch, batch_idx):
             return _cross_entropy(self.net(batch[0]), batch)
@@ -380,14 +377,26 @@ def test_a_view_in_evaluation_before_training():
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*map(torch.cat, zip(*_batches()))), batch_size=2)
+    return Classifier()
+
+
+def _loader(batches: list) -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*map(torch.cat, zip(*batches))), batch_size=2)
+
+
+def test_a_view_in_evaluation_before_training():
+    """Lightning's sanity check evaluates before the first training step: its forward's view runs too."""
+    pytest.importorskip('lightning')
+    from channels_last_algo.integrations.lightning import ChannelsLastCallback
+
+    data = _loader(_batches())
     trainer = lightning_trainer(
         callbacks=[ChannelsLastCallback()],
         max_steps=3,
         num_sanity_val_steps=2,
         limit_val_batches=2,
     )
-    trainer.fit(Module(), train_dataloaders=data, val_dataloaders=data)
+    trainer.fit(_lightning_classifier(LeNet().double()), train_dataloaders=data, val_dataloaders=data)
     assert trainer.global_step == 3
 
 
@@ -455,25 +464,11 @@ def test_a_view_first_reached_after_the_watched_steps_fails_saying_what_would_fi
 
 def test_lightning_says_what_would_fix_a_view_first_reached_after_the_watched_steps():
     pytest.importorskip('lightning')
-    import lightning as L
-
     from channels_last_algo.integrations.lightning import ChannelsLastCallback
 
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = ViewsFromTheSecondCall().double()
-
-        def training_step(self, batch, batch_idx):
-            return _cross_entropy(self.net(batch[0]), batch)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    batches = _batches((2, 3, 8, 8))
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*map(torch.cat, zip(*batches))), batch_size=2)
+    module, data = _lightning_classifier(ViewsFromTheSecondCall().double()), _loader(_batches((2, 3, 8, 8)))
     with pytest.raises(RuntimeError, match='view size is not compatible') as caught:
-        lightning_trainer(callbacks=[ChannelsLastCallback()], max_steps=3).fit(Module(), train_dataloaders=data)
+        lightning_trainer(callbacks=[ChannelsLastCallback()], max_steps=3).fit(module, train_dataloaders=data)
     assert UNWATCHED_VIEW in str(caught.value) + ''.join(getattr(caught.value, '__notes__', []))
 
 
