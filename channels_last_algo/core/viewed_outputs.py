@@ -216,12 +216,15 @@ class _Watch(TorchFunctionMode):
         if not outputs:
             return
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        from_nhwc = any(self.strided_by_nhwc(t) for t in inputs)
+        if not any(self.strided_by_nhwc(t) for t in inputs):  # only NHWC outputs start a strided line
+            outputs = [t for t in outputs if _nhwc(t)]
+            if not outputs:
+                return
         origins = frozenset().union(*(self.origins(t) for t in inputs))
         for tensor in outputs:
-            if from_nhwc and not _nhwc(tensor):
+            if not _nhwc(tensor):
                 self.flattened[tensor] = True
-            if origins and (_nhwc(tensor) or from_nhwc):
+            if origins:
                 self.derived[tensor] = origins
 
     def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
