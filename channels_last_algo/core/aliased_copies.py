@@ -82,10 +82,11 @@ class AliasedCopies:
     def written(self, func: Any, args: tuple, kwargs: dict) -> None:
         """After ``func(*args, **kwargs)`` ran: where it wrote in place to a copy (or to an original),
         the same values go to the original (or to the copy). Called with the watch's mode off."""
-        if not self._pairs:
+        targets = written_tensors(func, args, kwargs) if self._pairs else []
+        if not targets:
             return
         self._pairs = [(original, copy) for original, copy in self._pairs if copy() is not None]
-        for target in written_tensors(func, args, kwargs):
+        for target in targets:
             for original, reference in self._pairs:
                 copy = reference()
                 if copy is None:
