@@ -259,7 +259,10 @@ class LayoutAudit:
         """
         for tensors, path, is_exit in self._pending:
             for tensor in tensors:
-                node = tensor.grad_fn
+                try:
+                    node = tensor.grad_fn
+                except RuntimeError:  # a view made under no_grad whose base was written since: no node
+                    continue
                 if node is not None:
                     node.metadata[_NODE_KEY] = (path, is_exit)
         self._pending.clear()
