@@ -1,8 +1,10 @@
-"""Views that NHWC strides cannot take, taken on a channels-first copy that still acts as an alias.
+"""Copies that NCHW would have made aliases, kept in step with their originals while a watch follows the ops.
 
 Where a watch (the view watch, the first batch's input search) runs a failing ``.view()`` on a
-contiguous copy, the view no longer shares memory with the tensor the user holds. While that watch
-follows the ops, :class:`AliasedCopies` writes each in-place change through: a write to the copy
+contiguous copy, or an NHWC tensor's ``.reshape()``, ``.flatten()`` or ``.contiguous()`` copies where
+the NCHW tensor would have returned itself or a view, the result no longer shares memory with the
+tensor the user holds. While that watch follows the ops, :class:`AliasedCopies` writes each in-place
+change through: a write to the copy
 (through the view: ``flat.mul_(2)``, ``flat[0] = 0``, ``torch.relu_(flat)``, ``out=flat``) is copied
 back into the original, and a write to the original reaches the copy, so what either reads is what
 NCHW would give, and autograd sees the write where NCHW has it.
@@ -20,13 +22,14 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import TensorWeakRef
 
-__all__ = ['AliasedCopies', 'written_tensors']
+__all__ = ['AliasedCopies', 'same_memory', 'written_tensors']
 
 _IN_PLACE_OPERATORS = frozenset(
     {'__setitem__'}
@@ -56,7 +59,8 @@ def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return written + [t for t in tree_leaves(kwargs.get('out')) if isinstance(t, torch.Tensor)]
 
 
-def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` share one storage (one a view of the other, or both of a third)."""
     if a.device != b.device:
         return False
     try:
@@ -66,18 +70,23 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class AliasedCopies:
-    """The channels-first copies a watch viewed instead of their originals, each kept in step with it."""
+    """The copies a watch made of tensors NCHW would have aliased, each kept in step with its original."""
 
     def __init__(self) -> None:
-        # (original, copy): the copy lives as long as its views do, and holds its original (``weight.data``
-        # is a new tensor at each reading, gone as soon as it is viewed)
-        self._pairs: list[tuple[torch.Tensor, TensorWeakRef]] = []
+        # (original, copy, on_write): the copy lives as long as its views do, and holds its original
+        # (``weight.data`` is a new tensor at each reading, gone as soon as it is viewed)
+        self._pairs: list[tuple[torch.Tensor, TensorWeakRef, Optional[Callable[[], None]]]] = []
 
     def view(self, func: Any, tensor: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         """``func(tensor, *args, **kwargs)`` (a view) taken on a contiguous copy of ``tensor``."""
         copy = tensor.contiguous()
-        self._pairs.append((tensor, TensorWeakRef(copy)))
+        self.pair(tensor, copy)
         return func(copy, *args, **kwargs)
+
+    def pair(self, original: torch.Tensor, copy: torch.Tensor, on_write: Optional[Callable[[], None]] = None) -> None:
+        """Keep ``copy`` in step with ``original`` from now on; ``on_write()`` runs the first time a
+        write goes through from one to the other."""
+        self._pairs.append((original, TensorWeakRef(copy), on_write))
 
     def written(self, func: Any, args: tuple, kwargs: dict) -> None:
         """After ``func(*args, **kwargs)`` ran: where it wrote in place to a copy (or to an original),
@@ -85,13 +94,18 @@ class AliasedCopies:
         targets = written_tensors(func, args, kwargs) if self._pairs else []
         if not targets:
             return
-        self._pairs = [(original, copy) for original, copy in self._pairs if copy() is not None]
+        self._pairs = [pair for pair in self._pairs if pair[1]() is not None]
         for target in targets:
-            for original, reference in self._pairs:
+            for index, (original, reference, on_write) in enumerate(self._pairs):
                 copy = reference()
                 if copy is None:
                     continue
-                if _same_memory(target, copy):
-                    original.copy_(copy)
-                elif _same_memory(target, original):
-                    copy.copy_(original)
+                if same_memory(target, copy):
+                    original.copy_(copy.reshape(original.shape))
+                elif same_memory(target, original):
+                    copy.copy_(original.reshape(copy.shape))
+                else:
+                    continue
+                if on_write is not None:
+                    self._pairs[index] = (original, reference, None)
+                    on_write()

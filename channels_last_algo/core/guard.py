@@ -222,11 +222,12 @@ class LayoutGuard:
             self._conv_channels = {m.in_channels for m in model.modules() if isinstance(m, convolutions)}
         return self.summary
 
-    def _weights_viewed(self, model: weakref.ref, where: str) -> bool:
-        """Code at ``where`` views a channels-last weight (``parameters_to_vector``): weights contiguous."""
+    def _weights_viewed(self, model: weakref.ref, why: str) -> bool:
+        """Code views a channels-last weight (``parameters_to_vector``), or writes through a reshape of
+        one, as ``why`` says: weights contiguous."""
         if self.options['weights'] != 'auto' or self.weight_layout.contiguous:
             return False
-        self._weights_contiguous(model, None, WeightLayoutPlan(True, f'a weight is viewed at {where}'))
+        self._weights_contiguous(model, None, WeightLayoutPlan(True, why))
         return True
 
     def _weights_contiguous(self, model: weakref.ref, optimizer: Optimizers, plan: WeightLayoutPlan) -> None:

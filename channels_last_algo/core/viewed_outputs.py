@@ -4,16 +4,19 @@ step, made channels first where they are made.
 ``x.view(-1, 16 * 5 * 5)`` after a convolution and a pool (the LeNet flatten), a loss's
 ``logits.view(n * k, h * w)`` or a hook's ``output.view(n, -1)`` raise on an NHWC activation
 ("view size is not compatible with input tensor's size and stride"). While :class:`ViewedOutputs`
-watches a step, a view that fails so runs on a channels-first copy instead, which in-place writes
-keep in step with the activation (:mod:`~channels_last_algo.core.aliased_copies`), and the module whose
-output the viewed tensor derives from (through any ops, but no other module) is noted. From then
+watches a step (its mode: :mod:`~channels_last_algo.core.view_watch`), a view that fails so runs
+on a channels-first copy instead, which in-place writes keep in step with the activation
+(:mod:`~channels_last_algo.core.aliased_copies`), and the module whose output the viewed tensor
+derives from (through any ops, but no other module) is noted. From then
 on that module's NHWC outputs are made channels first (one copy, which the layout audit counts
 as an exit) by a forward hook that runs before the module's own hooks, so the view aliases the
-activation as in NCHW. A module called more than once a step (a pool shared by two stages)
-is passed over for the modules its viewed output came from. A view of a tensor that no module
-made (a batch tensor; a gradient in a tensor hook, whose layout its consumers decide) cannot be
-placed so: the watch then stays on
-for every step, at the cost of following each op.
+activation as in NCHW. The same holds where a ``.reshape()``, ``.flatten()``, ``.unflatten()`` or
+``.contiguous()`` copies an NHWC tensor that NCHW would have aliased (itself or a view) and an in-place
+write then goes through either of them: the write reaches the other, and the module is noted.
+A module called more than once a step (a pool shared by two stages) is passed over for the
+modules its viewed output came from. A view of a tensor that no module made (a batch tensor; a
+gradient in a tensor hook, whose layout its consumers decide) cannot be placed so: the watch then
+stays on for every step, at the cost of following each op.
 
 Example:
     >>> import torch
@@ -33,8 +36,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
-import sys
 import weakref
 from collections.abc import Callable
 from typing import Any, Optional
@@ -43,11 +44,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
-from torch.utils.weak import WeakIdKeyDictionary
 
-from channels_last_algo.core.aliased_copies import AliasedCopies
 from channels_last_algo.core.audit import exit_copies
-from channels_last_algo.core.layout import channels_last_format
 from channels_last_algo.core.module_calls import (
     compiled_wrapper,
     exit_mode,
@@ -58,6 +56,7 @@ from channels_last_algo.core.module_calls import (
     unsubscribe,
 )
 from channels_last_algo.core.saved_state import SavedState
+from channels_last_algo.core.view_watch import ViewWatch, nhwc
 
 __all__ = [
     'UNWATCHED_VIEW',
@@ -69,36 +68,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_VIEWS = (torch.Tensor.view, torch.Tensor.view_as)
-
-
-_INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(__file__))  # frames that are not the user's
-
-
-def _caller() -> Any:
-    """The frame of the code that called the view: the first one outside torch and this package's core."""
-    frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
-        frame = frame.f_back
-    return frame
-
 
 def _on_top(mode: TorchFunctionMode) -> bool:
     depth = torch._C._len_torch_function_stack()
     return depth > 0 and torch._C._get_function_stack_at(depth - 1) is mode
 
 
-def _where(frame: Any) -> str:
-    return f'{frame.f_code.co_filename}:{frame.f_lineno}'
-
-
-def _nhwc(tensor: Any) -> bool:
-    """A 4D/5D tensor in a channels-last layout that is not also contiguous."""
-    return isinstance(tensor, torch.Tensor) and channels_last_format(tensor) is not None and not tensor.is_contiguous()
-
-
 def _channels_first(output: Any) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: t.contiguous() if _nhwc(t) else t, output)
+    return tree_map_only(torch.Tensor, lambda t: t.contiguous() if nhwc(t) else t, output)
 
 
 def channels_first_outputs(module: torch.nn.Module, args: tuple, output: Any) -> Any:
@@ -160,88 +137,6 @@ def explain_unwatched_view(error: BaseException) -> None:
         error.args = (f'{error.args[0] if error.args else ""}\n{UNWATCHED_VIEW}', *error.args[1:])
 
 
-class _Watch(TorchFunctionMode):
-    """Follows which module's output each NHWC tensor derives from; runs failing views on copies."""
-
-    def __init__(self, owner: ViewedOutputs, in_hook: bool = False) -> None:
-        super().__init__()
-        self.owner = owner
-        self.in_hook = in_hook  # in a tensor hook: its gradient's layout is its consumers', no module's
-        self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the module that returned it
-        self.derived: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> modules it derives from
-        self.calls: dict[torch.nn.Module, int] = {}  # module -> its calls this step
-        self.copies = AliasedCopies()  # the copies failing views ran on, kept in step with their originals
-        self.flattened: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors of other ranks strided by NHWC ones
-
-    def origins(self, tensor: torch.Tensor) -> frozenset:
-        made = self.made.get(tensor)
-        return frozenset({made}) if made is not None else self.derived.get(tensor, frozenset())
-
-    def makers(self, tensor: torch.Tensor) -> frozenset:
-        """The modules to make ``tensor`` channels first at: the module that returned it, unless that
-        module runs more than once a step (a shared pool), then the modules its input came from."""
-        made = self.made.get(tensor)
-        if made is not None and (self.calls.get(made, 0) <= 1 or not self.derived.get(tensor)):
-            return frozenset({made})
-        return self.derived.get(tensor, frozenset())
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # a compiled graph: not followed
-            return func(*args, **kwargs)
-        if func in _VIEWS and self.strided_by_nhwc(args[0]):
-            return self._view(func, args, kwargs)
-        if func is torch.Tensor.register_hook and channels_last_format(args[0]) is not None:
-            args = (args[0], self._watched_hook(args[1]), *args[2:])
-        result = func(*args, **kwargs)
-        self.copies.written(func, args, kwargs)
-        self._follow(args, kwargs, result)
-        return result
-
-    def _watched_hook(self, hook: Any) -> Any:
-        """``hook`` run under a watch of its own: autograd calls tensor hooks outside this mode."""
-
-        def watched(grad: torch.Tensor) -> Any:
-            with _Watch(self.owner, in_hook=True):
-                return hook(grad)
-
-        return watched
-
-    def strided_by_nhwc(self, tensor: Any) -> bool:
-        """An NHWC tensor, or one of another rank whose strides an NHWC one set (``z.flatten(2)``)."""
-        return _nhwc(tensor) or (isinstance(tensor, torch.Tensor) and tensor in self.flattened)
-
-    def _follow(self, args: tuple, kwargs: dict, result: Any) -> None:
-        outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and not t.is_contiguous()]
-        if not outputs:
-            return
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if not any(self.strided_by_nhwc(t) for t in inputs):  # only NHWC outputs start a strided line
-            outputs = [t for t in outputs if _nhwc(t)]
-            if not outputs:
-                return
-        origins = frozenset().union(*(self.origins(t) for t in inputs))
-        for tensor in outputs:
-            if not _nhwc(tensor):
-                self.flattened[tensor] = True
-            if origins:
-                self.derived[tensor] = origins
-
-    def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
-        try:
-            result = func(*args, **kwargs)
-        except RuntimeError as error:
-            if 'view size is not compatible' not in str(error):
-                raise
-        else:  # a view NHWC strides can take, whose own views may not (``z.view(n, c, h * w).view(n, -1)``)
-            self._follow(args, kwargs, result)
-            return result
-        if isinstance(args[0], torch.nn.Parameter) and self.owner._weights_viewed(_where(_caller())):
-            return func(*args, **kwargs)  # the weights are contiguous now: a true view
-        self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), _where(_caller()))
-        return self.copies.view(func, args[0], args[1:], kwargs)
-
-
 class ViewedOutputs:
     """Watches steps (``with watch:`` or :meth:`start` / :meth:`stop`) for views NHWC makes fail, and
     makes the outputs they view channels first from then on. ``start(whole_step=False)`` watches one
@@ -256,12 +151,12 @@ class ViewedOutputs:
             stays on for every step while there is one.
     """
 
-    def __init__(self, model: torch.nn.Module, weights_viewed: Callable[[str], bool] = lambda where: False) -> None:
+    def __init__(self, model: torch.nn.Module, weights_viewed: Callable[[str], bool] = lambda why: False) -> None:
         self._paths = weakref.WeakKeyDictionary({m: name for name, m in model.named_modules()})
         self._weights_viewed = weights_viewed
         self.placed: list[str] = []
         self.unplaced: list[str] = []
-        self._mode: Optional[_Watch] = None
+        self._mode: Optional[ViewWatch] = None
         self._new: list[str] = []
         self._whole_step = True
         self._depth = 0  # module calls under way
@@ -309,7 +204,7 @@ class ViewedOutputs:
                 self._mode.__enter__()
             return
         self._whole_step = whole_step
-        self._mode, self._depth = _Watch(self), 0
+        self._mode, self._depth = ViewWatch(self), 0
         subscribe(self)  # after any mode a module call enters, so that mode leaves first
         if whole_step:
             self._mode.__enter__()
@@ -373,19 +268,22 @@ class ViewedOutputs:
             if isinstance(output, torch.Tensor):
                 self._one_tensor_out.add(module)
             for tensor in tree_leaves(output):
-                if _nhwc(tensor) and tensor not in self._mode.made:
+                if nhwc(tensor) and tensor not in self._mode.made:
                     self._mode.made[tensor] = module
         if self._depth == 0 and not self._whole_step:
             self._forwards_watched.add(self._training())  # a forward ran watched (a batch never run does not)
             self._new = self.stop()
 
-    def _found(self, origins: frozenset, where: str) -> None:
+    def _found(self, origins: frozenset, where: str, how: str) -> None:
+        """The tensor made by ``origins`` (none: no module made it) is used at ``where`` as ``how`` says,
+        which takes it channels first."""
         if not origins:
             if where not in self.unplaced:
                 self.unplaced.append(where)
                 self._new.append(
-                    f'a view at {where} runs on a channels-first copy: no module makes that tensor, so every '
-                    'step is watched (slower); .reshape there instead of .view keeps the speed'
+                    f"the tensor {how} is no module's output, so no module can make it channels first: every "
+                    'step is watched (slower)'
+                    + ('; .reshape there instead of .view keeps the speed' if how.startswith('viewed') else '')
                 )
             return
         for module in origins:
@@ -395,4 +293,4 @@ class ViewedOutputs:
             one_tensor = module in self._one_tensor_out and _one_tensor_in(module)
             module.register_forward_hook(channels_first_output if one_tensor else channels_first_outputs, prepend=True)
             self.placed.append(path)
-            self._new.append(f'{path or type(module).__name__} outputs made channels first (viewed at {where})')
+            self._new.append(f'{path or type(module).__name__} outputs made channels first ({how})')

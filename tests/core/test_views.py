@@ -5,7 +5,9 @@ and every step's loss and parameters must equal the NCHW run's: a LeNet-style fl
 a convolution's output, a forward hook and a tensor hook that view, writes through views (of
 activations, of a gradient in a tensor hook, of ``weight.data``), LBFGS (``p.grad.view(-1)``),
 ``parameters_to_vector`` with ``weights='contiguous'``, a Muon-style optimizer, a weight bank that the model
-views and mixes, and a positional embedding added to an activation.
+views and mixes, a positional embedding added to an activation, and writes through ``.reshape()``,
+``.flatten()`` and ``.contiguous()`` copies that NCHW has as aliases (of activations, a gradient, a
+weight, a batch tensor).
 """
 
 from __future__ import annotations
@@ -201,6 +203,55 @@ class MaxNormed(nn.Module):
         return self.head(F.relu(self.stem(x)))
 
 
+class WrittenThroughReshapes(nn.Module):
+    """Writes through copies that NCHW has as aliases: ``z.reshape(n, -1).mul_()``, ``y = z.contiguous();
+    y += 1`` and ``z.flatten(2).reshape(n, -1)[:, :10] = 0`` each change the activation in NCHW. A
+    channel shuffle's ``.contiguous()`` (a copy in NCHW too) is written without reaching the activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.mid, self.last = (nn.Conv2d(c, 4, 3, padding=1) for c in (3, 4, 4))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+    def forward(self, x):
+        z = self.stem(x)
+        z.reshape(z.size(0), -1).mul_(1.5)
+        y = self.mid(F.relu(z))
+        y.contiguous().add_(1.0)
+        w = self.last(F.relu(y))
+        w.flatten(2).reshape(w.size(0), -1)[:, :10] = 0
+        n, c, h, width = w.shape
+        shuffled = w.view(n, 2, c // 2, h, width).transpose(1, 2).contiguous()
+        shuffled.mul_(2.0)
+        return self.head(w + shuffled.view(n, c, h, width))
+
+
+class GradientReshapedInPlace(GradientScaledInPlace):
+    """A tensor hook that scales its gradient in place through ``grad.reshape(n, -1)``, a view in NCHW."""
+
+    @staticmethod
+    def _scale(grad):
+        grad.reshape(grad.size(0), -1).mul_(2.0)
+
+
+class MaxNormedThroughReshape(MaxNormed):
+    """A max-norm written through ``weight.reshape(out_channels, -1)`` under ``no_grad``, a view in NCHW."""
+
+    def forward(self, x):
+        with torch.no_grad():
+            rows = self.stem.weight.reshape(self.stem.weight.size(0), -1)
+            rows.mul_(0.5 / rows.norm(dim=1, keepdim=True).clamp(min=0.5))
+        return self.head(F.relu(self.stem(x)))
+
+
+class BatchReshapedInPlace(LeNet):
+    """Zeroes the first pixels of its input batch through ``x.reshape(n, -1)``, a view in NCHW."""
+
+    def forward(self, x):
+        x.reshape(x.size(0), -1)[:, :50] = 0
+        return super().forward(x)
+
+
 def _flat_net() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Flatten(), nn.Linear(4 * 28 * 28, 10))
 
@@ -217,7 +268,12 @@ RUNS = {
     'written-through-views': Run(WrittenThroughViews, _batches((2, 3, 8, 8)), _cross_entropy),
     'gradient-scaled-in-place': Run(GradientScaledInPlace, _batches((2, 3, 8, 8)), _cross_entropy),
     'max-normed-weights': Run(MaxNormed, _batches((2, 3, 8, 8)), _cross_entropy),
+    'written-through-reshapes': Run(WrittenThroughReshapes, _batches((2, 3, 8, 8)), _cross_entropy),
+    'gradient-reshaped-in-place': Run(GradientReshapedInPlace, _batches((2, 3, 8, 8)), _cross_entropy),
+    'max-normed-through-reshape': Run(MaxNormedThroughReshape, _batches((2, 3, 8, 8)), _cross_entropy),
+    'batch-reshaped-in-place': Run(BatchReshapedInPlace, _batches(), _cross_entropy),
 }
+WEIGHTS_FLATTENED = ('lbfgs', 'parameters-to-vector', 'max-normed-through-reshape')
 
 
 @EACH_INTEGRATION
@@ -231,7 +287,7 @@ def test_views_train_as_in_nchw(name, integration):
     assert_same_run(steps, nchw(run), f'{name} through {integration}')
     guard = owner if isinstance(owner, LayoutGuard) else owner.guard
     convolutions = [m.weight for m in net.modules() if isinstance(m, nn.Conv2d) and m.weight.shape[-1] > 1]
-    if name in ('lbfgs', 'parameters-to-vector'):
+    if name in WEIGHTS_FLATTENED:
         assert all(w.is_contiguous() for w in convolutions), 'the weights are viewed: they must stay contiguous'
         assert guard.weight_layout.contiguous
     else:
@@ -260,6 +316,38 @@ def test_the_placed_view_is_an_exit_and_later_steps_alias(caplog):
     pooled = net.pool(F.relu(net.conv2(net.pool(F.relu(net.conv1(x))))))
     assert pooled.is_contiguous()
     assert guard.report.steps == 3 and not guard.report.breaks, guard.report.breaks
+
+
+def test_writes_through_reshapes_place_their_modules_and_later_steps_alias(caplog):
+    """Each module whose output is written through a copy NCHW has as an alias is made channels first,
+    once, naming the place of the copy; the channel shuffle's copy is not. Afterwards each reshape
+    aliases the activation as in NCHW."""
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        _, net, _ = guarded(RUNS['written-through-reshapes'], 'guard')
+    placed = [r.getMessage() for r in caplog.records if 'channels first' in r.getMessage()]
+    assert [line.split(' outputs made channels first (written in place through the ')[1][:12] for line in placed] == [
+        '.reshape() a',
+        '.contiguous(',
+        '.reshape() a',
+    ]
+    assert [line.split(' ')[2] for line in placed] == ['stem', 'mid', 'last']
+    assert all(line.endswith('(a copy here, an alias in NCHW))') and 'test_views.py:' in line for line in placed)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
+    z, y = net.stem(x), net.mid(x.new_zeros(2, 4, 8, 8).to(memory_format=torch.channels_last))
+    assert z.reshape(2, -1).data_ptr() == z.data_ptr() and y.contiguous() is y
+
+
+def test_writes_no_module_can_place_keep_the_watch_on_saying_so(caplog):
+    """A gradient and a batch tensor are no module's output: the watch stays on, and says where and why."""
+    for name in ('gradient-reshaped-in-place', 'batch-reshaped-in-place'):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+            guarded(RUNS[name], 'guard')
+        lines = [r.getMessage() for r in caplog.records if 'every step' in r.getMessage()]
+        assert len(lines) == 1 and lines[0].endswith(
+            'so no module can make it channels first: every step is watched (slower)'
+        )
+        assert 'test_views.py:' in lines[0] and "(a copy here, an alias in NCHW) is no module's output" in lines[0]
 
 
 def test_a_model_whose_view_placed_a_hook_scripts_traces_and_exports_as_it_runs(tmp_path):
