@@ -7,7 +7,8 @@ tensor the user holds. While that watch follows the ops, :class:`AliasedCopies` 
 change through: a write to the copy
 (through the view: ``flat.mul_(2)``, ``flat[0] = 0``, ``torch.relu_(flat)``, ``out=flat``) is copied
 back into the original, and a write to the original reaches the copy, so what either reads is what
-NCHW would give, and autograd sees the write where NCHW has it.
+NCHW would give, and autograd sees the write where NCHW has it. A copy can also be kept apart: the
+watch returns a copy where NHWC has a view that NCHW would copy, and only hears of writes to it.
 
 Example:
     >>> import torch
@@ -73,9 +74,9 @@ class AliasedCopies:
     """The copies a watch made of tensors NCHW would have aliased, each kept in step with its original."""
 
     def __init__(self) -> None:
-        # (original, copy, on_write): the copy lives as long as its views do, and holds its original
-        # (``weight.data`` is a new tensor at each reading, gone as soon as it is viewed)
-        self._pairs: list[tuple[torch.Tensor, TensorWeakRef, Optional[Callable[[], None]]]] = []
+        # (original, copy, on_write, in_step): the copy lives as long as its views do, and holds its
+        # original (``weight.data`` is a new tensor at each reading, gone as soon as it is viewed)
+        self._pairs: list[tuple[torch.Tensor, TensorWeakRef, Optional[Callable[[], None]], bool]] = []
 
     def view(self, func: Any, tensor: torch.Tensor, args: tuple, kwargs: dict) -> Any:
         """``func(tensor, *args, **kwargs)`` (a view) taken on a contiguous copy of ``tensor``."""
@@ -83,10 +84,16 @@ class AliasedCopies:
         self.pair(tensor, copy)
         return func(copy, *args, **kwargs)
 
-    def pair(self, original: torch.Tensor, copy: torch.Tensor, on_write: Optional[Callable[[], None]] = None) -> None:
-        """Keep ``copy`` in step with ``original`` from now on; ``on_write()`` runs the first time a
-        write goes through from one to the other."""
-        self._pairs.append((original, TensorWeakRef(copy), on_write))
+    def pair(
+        self,
+        original: torch.Tensor,
+        copy: torch.Tensor,
+        on_write: Optional[Callable[[], None]] = None,
+        in_step: bool = True,
+    ) -> None:
+        """Keep ``copy`` in step with ``original`` from now on (``in_step``; else apart, as a copy NCHW
+        makes of what NHWC aliases); ``on_write()`` runs the first time either is written."""
+        self._pairs.append((original, TensorWeakRef(copy), on_write, in_step))
 
     def written(self, func: Any, args: tuple, kwargs: dict) -> None:
         """After ``func(*args, **kwargs)`` ran: where it wrote in place to a copy (or to an original),
@@ -96,16 +103,18 @@ class AliasedCopies:
             return
         self._pairs = [pair for pair in self._pairs if pair[1]() is not None]
         for target in targets:
-            for index, (original, reference, on_write) in enumerate(self._pairs):
+            for index, (original, reference, on_write, in_step) in enumerate(self._pairs):
                 copy = reference()
                 if copy is None:
                     continue
                 if same_memory(target, copy):
-                    original.copy_(copy.reshape(original.shape))
+                    if in_step:
+                        original.copy_(copy.reshape(original.shape))
                 elif same_memory(target, original):
-                    copy.copy_(original.reshape(copy.shape))
+                    if in_step:
+                        copy.copy_(original.reshape(copy.shape))
                 else:
                     continue
                 if on_write is not None:
-                    self._pairs[index] = (original, reference, None)
+                    self._pairs[index] = (original, reference, None, in_step)
                     on_write()

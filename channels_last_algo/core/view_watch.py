@@ -35,19 +35,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from channels_last_algo.core.aliased_copies import AliasedCopies, same_memory
 from channels_last_algo.core.layout import channels_last_format
+from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, NchwTwins, aliases
 
 __all__ = ['ViewWatch', 'nhwc']
 
 _VIEWS = (torch.Tensor.view, torch.Tensor.view_as)
-# ops that return a view of a contiguous tensor (or the tensor itself), and a copy where NHWC strides
-# cannot take the shape
-_COPY_OR_VIEW = frozenset(
-    {torch.Tensor.reshape, torch.Tensor.reshape_as, torch.Tensor.flatten, torch.Tensor.unflatten}
-    | {torch.reshape, torch.flatten, torch.unflatten, torch.Tensor.contiguous}
-)
-# ops whose result is contiguous where their input is: a view of a tensor contiguous in NCHW is too
-_SHAPE_ONLY = _COPY_OR_VIEW | {*_VIEWS, torch.Tensor.squeeze, torch.Tensor.unsqueeze, torch.squeeze, torch.unsqueeze}
-
 
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(__file__))  # frames that are not the user's
 
@@ -62,6 +54,11 @@ def _caller() -> Any:
 
 def _where(frame: Any) -> str:
     return f'{frame.f_code.co_filename}:{frame.f_lineno}'
+
+
+def _fresh_like(twin: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` with ``twin``'s strides (autograd sees a copy)."""
+    return torch.empty_strided(twin.shape, twin.stride(), dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
 def nhwc(tensor: Any) -> bool:
@@ -87,7 +84,7 @@ class ViewWatch(TorchFunctionMode):
         self.calls: dict[torch.nn.Module, int] = {}  # module -> its calls this step
         self.copies = AliasedCopies()  # copies of tensors NCHW aliases, kept in step with their originals
         self.flattened: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors of other ranks strided by NHWC ones
-        self.dense_in_nchw: WeakIdKeyDictionary = WeakIdKeyDictionary()  # views that NCHW has contiguous
+        self.twins = NchwTwins()  # what NCHW would have: a view or a copy
 
     def origins(self, tensor: torch.Tensor) -> frozenset:
         made = self.made.get(tensor)
@@ -109,40 +106,36 @@ class ViewWatch(TorchFunctionMode):
             return self._view(func, args, kwargs)
         if func is torch.Tensor.register_hook and channels_last_format(args[0]) is not None:
             args = (args[0], self._watched_hook(args[1]), *args[2:])
-        result = func(*args, **kwargs)
+        result = self._as_in_nchw(func, args, kwargs, func(*args, **kwargs))
         self.copies.written(func, args, kwargs)
-        if func in _SHAPE_ONLY and self.contiguous_in_nchw(args[0]):
-            self._reshaped(func, args[0], result)
         self._follow(args, kwargs, result)
         return result
 
-    def contiguous_in_nchw(self, tensor: Any) -> bool:
-        """A dense NHWC tensor (whose NCHW twin is contiguous), or a view of one that NCHW has contiguous."""
-        if not isinstance(tensor, torch.Tensor):
-            return False
-        fmt = channels_last_format(tensor)
-        dense_nhwc = fmt is not None and tensor.is_contiguous(memory_format=fmt) and not tensor.is_contiguous()
-        return dense_nhwc or tensor in self.dense_in_nchw
+    def _as_in_nchw(self, func: Any, args: tuple, kwargs: dict, result: Any) -> Any:
+        """``result`` of a shape op, aliasing ``args[0]`` where NCHW would: a copy NCHW would not make is
+        kept in step with ``args[0]`` while the watch lasts; a view NCHW would not make is returned as
+        a copy, kept apart. A write through either notes where the op ran."""
+        ran = self.twins.run(func, args, kwargs)
+        if ran is None:
+            return result
+        twin, twin_result = ran
+        if func in COPY_OR_VIEW or func is torch.Tensor.to:
+            in_nchw = aliases(twin, twin_result)
+            if in_nchw != (result is args[0] or same_memory(result, args[0])):
+                result = result if in_nchw else _fresh_like(twin_result, result)
+                self._pair(func, args[0], result, in_step=in_nchw)
+        self.twins.note(result, twin_result)
+        return result
 
-    def _reshaped(self, func: Any, tensor: torch.Tensor, result: Any) -> None:
-        """``result = func(tensor, ...)`` changed only the shape of a tensor NCHW has contiguous: NCHW
-        would return a view (or ``tensor`` itself). A view is followed; a copy is kept in step with
-        ``tensor`` while the watch lasts, and a write through either notes where it was made."""
-        if not isinstance(result, torch.Tensor):
-            return
-        if same_memory(result, tensor):
-            if not result.is_contiguous():
-                self.dense_in_nchw[result] = True
-            return
-        if func in _COPY_OR_VIEW:
-            where = _where(_caller())
-            name = getattr(func, '__name__', 'reshape')
-            self.copies.pair(tensor, result, lambda: self._written_through(tensor, name, where))
+    def _pair(self, func: Any, tensor: torch.Tensor, result: torch.Tensor, in_step: bool) -> None:
+        where, name = _where(_caller()), getattr(func, '__name__', 'reshape')
+        kind = '(a copy here, an alias in NCHW)' if in_step else '(an alias here, a copy in NCHW)'
+        how = f'written in place through the .{name}() at {where} {kind}'
+        self.copies.pair(tensor, result, lambda: self._written_through(tensor, where, how), in_step)
 
-    def _written_through(self, tensor: torch.Tensor, name: str, where: str) -> None:
-        """A write went through the copy ``.{name}()`` made of ``tensor`` at ``where``, or reached ``tensor``
-        while that copy lives: from now on the copy should be a view again."""
-        how = f'written in place through the .{name}() at {where} (a copy here, an alias in NCHW)'
+    def _written_through(self, tensor: torch.Tensor, where: str, how: str) -> None:
+        """A write went through what a shape op at ``where`` made of ``tensor``, or reached ``tensor``
+        while that lives: from now on ``tensor`` should be channels first, where NCHW's views are."""
         if isinstance(tensor, torch.nn.Parameter) and self.owner._weights_viewed(f'a weight is {how}'):
             return
         self.owner._found(frozenset() if self.in_hook else self.makers(tensor), where, how)
@@ -161,20 +154,24 @@ class ViewWatch(TorchFunctionMode):
         return nhwc(tensor) or (isinstance(tensor, torch.Tensor) and tensor in self.flattened)
 
     def _follow(self, args: tuple, kwargs: dict, result: Any) -> None:
-        outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and not t.is_contiguous()]
+        # strided outputs, and those a shape op made of an NHWC tensor (``z.permute(0, 2, 3, 1)``)
+        outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and self._strided_or_twin(t)]
         if not outputs:
             return
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if not any(self.strided_by_nhwc(t) for t in inputs):  # only NHWC outputs start a strided line
+        if not any(self.strided_by_nhwc(t) or t in self.twins for t in inputs):  # NHWC outputs start a line
             outputs = [t for t in outputs if nhwc(t)]
             if not outputs:
                 return
         origins = frozenset().union(*(self.origins(t) for t in inputs))
         for tensor in outputs:
-            if not nhwc(tensor):
+            if not nhwc(tensor) and not tensor.is_contiguous():
                 self.flattened[tensor] = True
             if origins:
                 self.derived[tensor] = origins
+
+    def _strided_or_twin(self, tensor: torch.Tensor) -> bool:
+        return not tensor.is_contiguous() or tensor in self.twins
 
     def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
         try:
@@ -183,12 +180,11 @@ class ViewWatch(TorchFunctionMode):
             if 'view size is not compatible' not in str(error):
                 raise
         else:  # a view NHWC strides can take, whose own views may not (``z.view(n, c, h * w).view(n, -1)``)
-            if self.contiguous_in_nchw(args[0]):
-                self._reshaped(func, args[0], result)
+            result = self._as_in_nchw(func, args, kwargs, result)
             self._follow(args, kwargs, result)
             return result
         where = _where(_caller())
         if isinstance(args[0], torch.nn.Parameter) and self.owner._weights_viewed(f'a weight is viewed at {where}'):
             return func(*args, **kwargs)  # the weights are contiguous now: a true view
         self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), where, f'viewed at {where}')
-        return self.copies.view(func, args[0], args[1:], kwargs)
+        return self._as_in_nchw(func, args, kwargs, self.copies.view(func, args[0], args[1:], kwargs))

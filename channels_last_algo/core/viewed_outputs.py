@@ -12,7 +12,9 @@ on that module's NHWC outputs are made channels first (one copy, which the layou
 as an exit) by a forward hook that runs before the module's own hooks, so the view aliases the
 activation as in NCHW. The same holds where a ``.reshape()``, ``.flatten()``, ``.unflatten()`` or
 ``.contiguous()`` copies an NHWC tensor that NCHW would have aliased (itself or a view) and an in-place
-write then goes through either of them: the write reaches the other, and the module is noted.
+write then goes through either of them: the write reaches the other, and the module is noted; and
+where NHWC returns a view NCHW would copy (``z.permute(0, 2, 3, 1).reshape(-1, c)``) and one of them
+is written (:mod:`~channels_last_algo.core.nchw_twins` tells which case is which).
 A module called more than once a step (a pool shared by two stages) is passed over for the
 modules its viewed output came from. A view of a tensor that no module made (a batch tensor; a
 gradient in a tensor hook, whose layout its consumers decide) cannot be placed so: the watch then

@@ -7,7 +7,8 @@ activations, of a gradient in a tensor hook, of ``weight.data``), LBFGS (``p.gra
 ``parameters_to_vector`` with ``weights='contiguous'``, a Muon-style optimizer, a weight bank that the model
 views and mixes, a positional embedding added to an activation, and writes through ``.reshape()``,
 ``.flatten()`` and ``.contiguous()`` copies that NCHW has as aliases (of activations, a gradient, a
-weight, a batch tensor).
+weight, a batch tensor), and through what NHWC views where NCHW copies (a permute's reshape, a
+channels-last ``.contiguous()``).
 """
 
 from __future__ import annotations
@@ -226,6 +227,28 @@ class WrittenThroughReshapes(nn.Module):
         return self.head(w + shuffled.view(n, c, h, width))
 
 
+class WrittenThroughNhwcViews(nn.Module):
+    """Writes through what NCHW copies and NHWC views: ``z.permute(0, 2, 3, 1).reshape(-1, c)``, and
+    ``y.contiguous(memory_format=torch.channels_last)`` (``y`` itself in NHWC); each write leaves the
+    activation as it was in NCHW. A detector head's ``permute(...).reshape(n, -1, k)`` that nothing
+    writes is left a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.mid, self.last = (nn.Conv2d(c, 4, 3, padding=1) for c in (3, 4, 4))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+    def forward(self, x):
+        z = self.stem(x)
+        z.permute(0, 2, 3, 1).reshape(-1, 4).mul_(3.0)
+        y = self.mid(F.relu(z))
+        y.contiguous(memory_format=torch.channels_last).add_(1.0)
+        w = self.last(F.relu(y))
+        n = w.size(0)
+        anchors = w.view(n, 2, 2, 8, 8).permute(0, 3, 4, 1, 2).reshape(n, -1, 2)
+        return self.head(w) + anchors.mean(1).sum(1, keepdim=True)
+
+
 class GradientReshapedInPlace(GradientScaledInPlace):
     """A tensor hook that scales its gradient in place through ``grad.reshape(n, -1)``, a view in NCHW."""
 
@@ -269,6 +292,7 @@ RUNS = {
     'gradient-scaled-in-place': Run(GradientScaledInPlace, _batches((2, 3, 8, 8)), _cross_entropy),
     'max-normed-weights': Run(MaxNormed, _batches((2, 3, 8, 8)), _cross_entropy),
     'written-through-reshapes': Run(WrittenThroughReshapes, _batches((2, 3, 8, 8)), _cross_entropy),
+    'written-through-nhwc-views': Run(WrittenThroughNhwcViews, _batches((2, 3, 8, 8)), _cross_entropy),
     'gradient-reshaped-in-place': Run(GradientReshapedInPlace, _batches((2, 3, 8, 8)), _cross_entropy),
     'max-normed-through-reshape': Run(MaxNormedThroughReshape, _batches((2, 3, 8, 8)), _cross_entropy),
     'batch-reshaped-in-place': Run(BatchReshapedInPlace, _batches(), _cross_entropy),
@@ -335,6 +359,19 @@ def test_writes_through_reshapes_place_their_modules_and_later_steps_alias(caplo
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
     z, y = net.stem(x), net.mid(x.new_zeros(2, 4, 8, 8).to(memory_format=torch.channels_last))
     assert z.reshape(2, -1).data_ptr() == z.data_ptr() and y.contiguous() is y
+
+
+def test_writes_through_nhwc_views_place_their_modules_and_later_steps_copy(caplog):
+    """The modules whose outputs are written through what NHWC views and NCHW copies are made channels
+    first, naming the place; the unwritten detector-head reshape is not. Afterwards each copies as in NCHW."""
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        _, net, _ = guarded(RUNS['written-through-nhwc-views'], 'guard')
+    placed = [r.getMessage() for r in caplog.records if 'channels first' in r.getMessage()]
+    assert [line.split(' ')[2] for line in placed] == ['stem', 'mid'], placed
+    assert all(line.endswith('(an alias here, a copy in NCHW))') and 'test_views.py:' in line for line in placed)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)
+    z = net.stem(x)
+    assert z.permute(0, 2, 3, 1).reshape(-1, 4).data_ptr() != z.data_ptr()
 
 
 def test_writes_no_module_can_place_keep_the_watch_on_saying_so(caplog):

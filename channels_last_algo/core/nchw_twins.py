@@ -1,0 +1,128 @@
+"""What NCHW would return for a shape op on an NHWC tensor: a view, or a copy.
+
+``.reshape()``, ``.flatten()``, ``.unflatten()`` and ``.contiguous()`` return a view where the strides
+allow one and a copy elsewhere, so NHWC and NCHW can differ: ``z.reshape(n, -1)`` copies an NHWC ``z``
+where NCHW has a view, and ``z.permute(0, 2, 3, 1).reshape(-1, c)`` is a view of an NHWC ``z`` where
+NCHW copies. An in-place write then reaches the other tensor in one layout only. :class:`NchwTwins`
+keeps, for each tensor a watch follows, its NCHW twin: a meta tensor (no memory) with the strides
+the tensor has in an NCHW run (contiguous for a dense NHWC tensor, and whatever the same view ops
+give from there), and runs each shape op on the twin too.
+
+Example:
+    >>> import torch
+    >>> z = torch.randn(2, 4, 3, 3).to(memory_format=torch.channels_last)
+    >>> twins = NchwTwins()
+    >>> rows = z.permute(0, 2, 3, 1)
+    >>> twins.note(rows, twins.run(torch.Tensor.permute, (z, 0, 2, 3, 1), {})[1])
+    >>> flat = rows.reshape(-1, 4)      # a view of z here
+    >>> twin, twin_flat = twins.run(torch.Tensor.reshape, (rows, -1, 4), {})
+    >>> flat._base is z, aliases(twin, twin_flat)     # NCHW copies
+    (True, False)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+from channels_last_algo.core.layout import channels_last_format
+
+__all__ = ['COPY_OR_VIEW', 'NchwTwins', 'aliases']
+
+
+def _ops(*names: str) -> frozenset:
+    """The Tensor methods and torch functions of these names."""
+    found = {getattr(torch.Tensor, name, None) for name in names} | {getattr(torch, name, None) for name in names}
+    return frozenset(found - {None})
+
+
+COPY_OR_VIEW = _ops('reshape', 'reshape_as', 'flatten', 'unflatten', 'contiguous')
+"""Ops that return a view (or the tensor itself) where the strides allow it, and a copy elsewhere."""
+
+_VIEW_OPS = _ops(
+    'view',
+    'view_as',
+    'permute',
+    'transpose',
+    'swapaxes',
+    'movedim',
+    'moveaxis',
+    'squeeze',
+    'unsqueeze',
+    'narrow',
+    'select',
+    '__getitem__',
+    'expand',
+    'expand_as',
+    'unfold',
+    'split',
+    'chunk',
+    'unbind',
+    'tensor_split',
+    'diagonal',
+)  # ops that view in either layout, whose twins the copy-or-view ops after them need
+_SHAPE_OPS = COPY_OR_VIEW | _VIEW_OPS | {torch.Tensor.to}
+
+
+def _dense_nhwc(tensor: torch.Tensor) -> bool:
+    fmt = channels_last_format(tensor)
+    return fmt is not None and tensor.is_contiguous(memory_format=fmt) and not tensor.is_contiguous()
+
+
+def _base(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor._base is None else tensor._base
+
+
+def _on_meta(value: Any) -> Any:
+    return tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device='meta'), value)
+
+
+class NchwTwins:
+    """The NCHW twins of the tensors a watch follows, made by the shape ops that made them."""
+
+    def __init__(self) -> None:
+        self._twins: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> its NCHW twin (meta)
+
+    def __contains__(self, tensor: torch.Tensor) -> bool:
+        """Whether a shape op made ``tensor``, and its twin is known."""
+        return tensor in self._twins
+
+    def twin(self, tensor: Any) -> Optional[torch.Tensor]:
+        """``tensor``'s NCHW twin: known from the ops that made it, or contiguous for a dense NHWC tensor."""
+        if not isinstance(tensor, torch.Tensor):
+            return None
+        known = self._twins.get(tensor)
+        if known is None and _dense_nhwc(tensor):
+            known = torch.empty(tensor.shape, dtype=tensor.dtype, device='meta')
+        return known
+
+    def run(self, func: Any, args: tuple, kwargs: dict) -> Optional[tuple[torch.Tensor, Any]]:
+        """``(twin, func(twin, ...))`` for ``twin`` the NCHW twin of ``args[0]``; None where the op is no
+        shape op, ``args[0]`` has no twin, or the op does not run on meta tensors (a boolean mask index)."""
+        if func not in _SHAPE_OPS or not args:
+            return None
+        if func is torch.Tensor.to and (len(args) > 1 or set(kwargs) != {'memory_format'}):
+            return None  # a device or dtype move: the same in either layout
+        twin = self.twin(args[0])
+        if twin is None:
+            return None
+        try:
+            return twin, func(twin, *_on_meta(args[1:]), **_on_meta(kwargs))
+        except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
+            return None
+
+    def note(self, result: Any, twin_result: Any) -> None:
+        """``twin_result`` (what :meth:`run` gave) holds the twins of ``result``'s tensors."""
+        tensors, twins = tree_leaves(result), tree_leaves(twin_result)
+        if len(tensors) == len(twins):
+            for tensor, twin in zip(tensors, twins):
+                if isinstance(tensor, torch.Tensor) and isinstance(twin, torch.Tensor):
+                    self._twins[tensor] = twin
+
+
+def aliases(twin: torch.Tensor, twin_result: Any) -> bool:
+    """Whether ``twin_result`` is ``twin`` itself or a view of the same memory: NCHW aliases there."""
+    return isinstance(twin_result, torch.Tensor) and (twin_result is twin or _base(twin_result) is _base(twin))
