@@ -204,15 +204,19 @@ class MaxNormed(nn.Module):
         return self.head(F.relu(self.stem(x)))
 
 
-class WrittenThroughReshapes(nn.Module):
-    """Writes through copies that NCHW has as aliases: ``z.reshape(n, -1).mul_()``, ``y = z.contiguous();
-    y += 1`` and ``z.flatten(2).reshape(n, -1)[:, :10] = 0`` each change the activation in NCHW. A
-    channel shuffle's ``.contiguous()`` (a copy in NCHW too) is written without reaching the activation."""
+class _ThreeConvolutions(nn.Module):
+    """``stem``, ``mid`` and ``last`` convolutions of 4 channels, and a pooled linear ``head``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stem, self.mid, self.last = (nn.Conv2d(c, 4, 3, padding=1) for c in (3, 4, 4))
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
+
+
+class WrittenThroughReshapes(_ThreeConvolutions):
+    """Writes through copies that NCHW has as aliases: ``z.reshape(n, -1).mul_()``, ``y = z.contiguous();
+    y += 1`` and ``z.flatten(2).reshape(n, -1)[:, :10] = 0`` each change the activation in NCHW. A
+    channel shuffle's ``.contiguous()`` (a copy in NCHW too) is written without reaching the activation."""
 
     def forward(self, x):
         z = self.stem(x)
@@ -227,16 +231,11 @@ class WrittenThroughReshapes(nn.Module):
         return self.head(w + shuffled.view(n, c, h, width))
 
 
-class WrittenThroughNhwcViews(nn.Module):
+class WrittenThroughNhwcViews(_ThreeConvolutions):
     """Writes through what NCHW copies and NHWC views: ``z.permute(0, 2, 3, 1).reshape(-1, c)``, and
     ``y.contiguous(memory_format=torch.channels_last)`` (``y`` itself in NHWC); each write leaves the
     activation as it was in NCHW. A detector head's ``permute(...).reshape(n, -1, k)`` that nothing
     writes is left a view."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem, self.mid, self.last = (nn.Conv2d(c, 4, 3, padding=1) for c in (3, 4, 4))
-        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 10))
 
     def forward(self, x):
         z = self.stem(x)
