@@ -39,8 +39,9 @@ def _ops(*names: str) -> frozenset:
     return frozenset(found - {None})
 
 
-COPY_OR_VIEW = _ops('reshape', 'reshape_as', 'flatten', 'unflatten', 'contiguous')
-"""Ops that return a view (or the tensor itself) where the strides allow it, and a copy elsewhere."""
+COPY_OR_VIEW = _ops('reshape', 'reshape_as', 'flatten', 'unflatten', 'contiguous') | {torch.Tensor.to}
+"""Ops that return a view (or the tensor itself) where the strides allow it, and a copy elsewhere
+(``.to`` with a memory format only: :meth:`NchwTwins.run` passes over device and dtype moves)."""
 
 _VIEW_OPS = _ops(
     'view',
@@ -64,7 +65,7 @@ _VIEW_OPS = _ops(
     'tensor_split',
     'diagonal',
 )  # ops that view in either layout, whose twins the copy-or-view ops after them need
-_SHAPE_OPS = COPY_OR_VIEW | _VIEW_OPS | {torch.Tensor.to}
+_SHAPE_OPS = COPY_OR_VIEW | _VIEW_OPS
 
 
 def _dense_nhwc(tensor: torch.Tensor) -> bool:

@@ -119,7 +119,7 @@ class ViewWatch(TorchFunctionMode):
         if ran is None:
             return result
         twin, twin_result = ran
-        if func in COPY_OR_VIEW or func is torch.Tensor.to:
+        if func in COPY_OR_VIEW:
             in_nchw = aliases(twin, twin_result)
             if in_nchw != (result is args[0] or same_memory(result, args[0])):
                 result = result if in_nchw else _fresh_like(twin_result, result)
