@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -34,6 +34,8 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from channels_last_algo.core.aliased_copies import AliasedCopies, same_memory
+from channels_last_algo.core.audit import exit_copies
+from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on_contiguous
 from channels_last_algo.core.layout import channels_last_format
 from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, NchwTwins, aliases
 
@@ -61,6 +63,20 @@ def _fresh_like(twin: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(twin.shape, twin.stride(), dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
+def _takes_images(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``op`` (an extension op, or None) takes a 4D or 5D tensor."""
+    leaves = tree_leaves((args, kwargs)) if op is not None else ()
+    return any(isinstance(t, torch.Tensor) and channels_last_format(t) is not None for t in leaves)
+
+
+def _contiguous_gradient(grad: torch.Tensor) -> Optional[torch.Tensor]:
+    """A gradient as NCHW has it, for an extension op's backward."""
+    if grad.is_contiguous():
+        return None
+    with exit_copies():
+        return grad.contiguous()
+
+
 def nhwc(tensor: Any) -> bool:
     """A 4D/5D tensor that is not contiguous: NHWC, or a slice or other view of an NHWC tensor."""
     return isinstance(tensor, torch.Tensor) and channels_last_format(tensor) is not None and not tensor.is_contiguous()
@@ -70,8 +86,9 @@ class ViewWatch(TorchFunctionMode):
     """Follows which module's output each NHWC tensor derives from; runs failing views on copies.
 
     ``owner`` hears what is found: ``owner._found(modules, where, how)`` for a tensor the code at
-    ``where`` uses in a way (``how``) that needs it channels first, and ``owner._weights_viewed(why)``
-    for such a use of a weight (True where the weights are contiguous now). ``in_hook``: the watch runs
+    ``where`` uses in a way (``how``) that needs it channels first, ``owner._weights_viewed(why)``
+    for such a use of a weight (True where the weights are contiguous now), and
+    ``owner.extension_found(name, where)`` for an extension op given 4D/5D tensors. ``in_hook``: the watch runs
     a tensor hook, whose gradient no module made.
     """
 
@@ -104,6 +121,8 @@ class ViewWatch(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in _VIEWS and self.strided_by_nhwc(args[0]):
             return self._view(func, args, kwargs)
+        if isinstance(func, OP_TYPES) and _takes_images(extension_op(func), args, kwargs):
+            return self._extension(extension_op(func), args, kwargs)
         if func is torch.Tensor.register_hook and channels_last_format(args[0]) is not None:
             args = (args[0], self._watched_hook(args[1]), *args[2:])
         result = self._as_in_nchw(func, args, kwargs, func(*args, **kwargs))
@@ -139,6 +158,19 @@ class ViewWatch(TorchFunctionMode):
         if isinstance(tensor, torch.nn.Parameter) and self.owner._weights_viewed(f'a weight is {how}'):
             return
         self.owner._found(frozenset() if self.in_hook else self.makers(tensor), where, how)
+
+    def _extension(self, op: Any, args: tuple, kwargs: dict) -> Any:
+        """An extension op runs as in NCHW: on contiguous copies of the NHWC tensors it is given, and its
+        backward on contiguous gradients. Autograd hands the op's backward whatever layout the layers
+        after it give, so the watch stays on for every step (:meth:`ViewedOutputs.extension_found`)."""
+        self.owner.extension_found(op.name(), _where(_caller()))
+        strided = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and self.strided_by_nhwc(t)]
+        with exit_copies():  # copies made on purpose: exits in the audit, not breaks
+            result = run_on_contiguous(op, args, kwargs, strided)
+        for tensor in tree_leaves(result):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad and channels_last_format(tensor) is not None:
+                tensor.register_hook(_contiguous_gradient)
+        return result
 
     def _watched_hook(self, hook: Any) -> Any:
         """``hook`` run under a watch of its own: autograd calls tensor hooks outside this mode."""

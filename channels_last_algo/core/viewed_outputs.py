@@ -276,6 +276,16 @@ class ViewedOutputs:
             self._forwards_watched.add(self._training())  # a forward ran watched (a batch never run does not)
             self._new = self.stop()
 
+    def extension_found(self, name: str, where: str) -> None:
+        """The extension op ``name`` runs at ``where`` on 4D/5D tensors: every step is watched, so that it
+        always runs as in NCHW (:mod:`~channels_last_algo.core.extension_ops`)."""
+        if where not in self.unplaced:
+            self.unplaced.append(where)
+            self._new.append(
+                f'the extension op {name} at {where} takes 4D/5D tensors: it is given them contiguous, and '
+                'contiguous gradients, as in NCHW; every step is watched (slower)'
+            )
+
     def _found(self, origins: frozenset, where: str, how: str) -> None:
         """The tensor made by ``origins`` (none: no module made it) is used at ``where`` as ``how`` says,
         which takes it channels first."""

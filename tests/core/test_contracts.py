@@ -3,7 +3,8 @@
 Each model drops NHWC in its own forward (a break: a channels-first copy, or ``contiguous()``) and then
 relies on a contract of PyTorch's: a write into a tensor it allocated lands in that tensor (by index, by
 channel slice, by mask), ``contiguous()`` returns a contiguous tensor whose memory an extension kernel may
-read in order, and ``view`` works on it. A (2+1)D video block (5D, ``channels_last_3d``) runs alike.
+read in order, and ``view`` works on it. A ``torch.library`` extension op reads its input's raw memory
+(and its backward op its gradient's) without ``contiguous()``, as NCHW never made it need one. A (2+1)D video block (5D, ``channels_last_3d``) runs alike.
 Each model trains 3 SGD steps (momentum, float64, fixed data) through :class:`LayoutGuard` in a plain loop,
 the Composer algorithm and the Lightning callback, with 1 and 2 audited steps, and every step's loss and
 every parameter and BatchNorm statistic after it must equal those of the same model trained in NCHW without
@@ -18,6 +19,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from extension_kernels import ramp_over_memory, registered_ramp
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -102,14 +104,6 @@ class FreshWrites(nn.Module):
         return per_region[order].view(x.shape[0], -1, CLASSES).sum(1)
 
 
-def ramp_over_memory(t: torch.Tensor) -> torch.Tensor:
-    """Each element times 1 + its position in ``t``'s memory / numel, read from raw memory as an
-    extension kernel reads a contiguous tensor: other numbers for an NHWC tensor."""
-    flat = torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())
-    ramp = 1 + torch.arange(t.numel(), dtype=t.dtype, device=t.device) / t.numel()
-    return (flat * ramp).view(t.shape)
-
-
 class RampOp(torch.autograd.Function):
     """An extension-style op: makes its input contiguous, checks it is, and reads raw memory
     (:func:`ramp_over_memory`, its own adjoint), in forward and backward."""
@@ -137,6 +131,18 @@ class ExtensionStyle(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(RampOp.apply(self.stem(x)))
+
+
+class RegisteredExtension(nn.Module):
+    """A convolution, then :func:`registered_ramp`, then the head: the op must see NCHW memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = _head(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(registered_ramp(self.stem(x)))
 
 
 class ContiguousView(nn.Module):
@@ -194,6 +200,7 @@ MODELS = {
         for alloc in ('new_zeros', 'zeros')
     },
     'extension': ExtensionStyle,
+    'registered-extension': RegisteredExtension,
     'contiguous-view': ContiguousView,
     'video': Video2Plus1D,
 }
