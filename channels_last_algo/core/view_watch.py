@@ -89,13 +89,14 @@ class ViewWatch(TorchFunctionMode):
     ``where`` uses in a way (``how``) that needs it channels first, ``owner._weights_viewed(why)``
     for such a use of a weight (True where the weights are contiguous now), and
     ``owner.extension_found(name, where)`` for an extension op given 4D/5D tensors. ``in_hook``: the watch runs
-    a tensor hook, whose gradient no module made.
+    a tensor hook, whose gradient no module made. ``light``: only extension ops are watched.
     """
 
-    def __init__(self, owner: Any, in_hook: bool = False) -> None:
+    def __init__(self, owner: Any, in_hook: bool = False, light: bool = False) -> None:
         super().__init__()
         self.owner = owner
         self.in_hook = in_hook  # in a tensor hook: its gradient's layout is its consumers', no module's
+        self.light = light  # extension ops only: once the views and reshapes are placed
         self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the module that returned it
         self.derived: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> modules it derives from
         self.calls: dict[torch.nn.Module, int] = {}  # module -> its calls this step
@@ -119,10 +120,12 @@ class ViewWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # a compiled graph: not followed
             return func(*args, **kwargs)
-        if func in _VIEWS and self.strided_by_nhwc(args[0]):
-            return self._view(func, args, kwargs)
         if isinstance(func, OP_TYPES) and _takes_images(extension_op(func), args, kwargs):
             return self._extension(extension_op(func), args, kwargs)
+        if self.light:
+            return func(*args, **kwargs)
+        if func in _VIEWS and self.strided_by_nhwc(args[0]):
+            return self._view(func, args, kwargs)
         if func is torch.Tensor.register_hook and channels_last_format(args[0]) is not None:
             args = (args[0], self._watched_hook(args[1]), *args[2:])
         result = self._as_in_nchw(func, args, kwargs, func(*args, **kwargs))
@@ -162,7 +165,7 @@ class ViewWatch(TorchFunctionMode):
     def _extension(self, op: Any, args: tuple, kwargs: dict) -> Any:
         """An extension op runs as in NCHW: on contiguous copies of the NHWC tensors it is given, and its
         backward on contiguous gradients. Autograd hands the op's backward whatever layout the layers
-        after it give, so the watch stays on for every step (:meth:`ViewedOutputs.extension_found`)."""
+        after it give, so a light watch stays on for every step (``ViewedOutputs.extension_found``)."""
         self.owner.extension_found(op.name(), _where(_caller()))
         strided = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and self.strided_by_nhwc(t)]
         with exit_copies():  # copies made on purpose: exits in the audit, not breaks

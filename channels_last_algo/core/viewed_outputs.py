@@ -151,6 +151,8 @@ class ViewedOutputs:
         placed: paths of the modules whose outputs are now made channels first.
         unplaced: where a view of a tensor no module made ran on a copy (``file:line``); the watch
             stays on for every step while there is one.
+        extensions: where an extension op takes 4D/5D tensors; a light watch of such ops stays on
+            for every step while there is one.
     """
 
     def __init__(self, model: torch.nn.Module, weights_viewed: Callable[[str], bool] = lambda why: False) -> None:
@@ -158,6 +160,7 @@ class ViewedOutputs:
         self._weights_viewed = weights_viewed
         self.placed: list[str] = []
         self.unplaced: list[str] = []
+        self.extensions: list[str] = []
         self._mode: Optional[ViewWatch] = None
         self._new: list[str] = []
         self._whole_step = True
@@ -177,15 +180,16 @@ class ViewedOutputs:
     def begin(self, whole_step: bool) -> None:
         """At a batch (``whole_step=False``: its forward) or a training step's start: watch the first
         training step, the first forward in each of the model's modes (an evaluation path may view
-        what training does not), and every one while a view could not be placed."""
+        what training does not), and every one while a view could not be placed; the extension ops
+        of every other one."""
         training = self._training()
         seen = (
             self._step_watched
             if whole_step
             else training in self._forwards_watched or (training and self._step_watched)
         )
-        if self.unplaced or not seen:
-            self.start(whole_step)
+        if self.unplaced or not seen or self.extensions:
+            self.start(whole_step, light=seen and not self.unplaced)
 
     def _training(self) -> bool:
         model = self._model()
@@ -196,17 +200,17 @@ class ViewedOutputs:
         self._step_watched = self._step_watched or (training and self.watching)
         return self.stop()
 
-    def start(self, whole_step: bool = True) -> None:
+    def start(self, whole_step: bool = True, light: bool = False) -> None:
         """Watch until :meth:`stop` (``whole_step``), or during the next outermost module call (its
         mode entered with that call, so none outlives a batch whose forward never runs); a
-        forward-only watch already under way becomes a whole-step one."""
+        forward-only watch already under way becomes a whole-step one. ``light``: extension ops only."""
         if self.watching:
             self._whole_step = True
             if self._paused_for is None and not on_mode_stack(self._mode):  # its forward has not begun
                 self._mode.__enter__()
             return
         self._whole_step = whole_step
-        self._mode, self._depth = ViewWatch(self), 0
+        self._mode, self._depth = ViewWatch(self, light=light), 0
         subscribe(self)  # after any mode a module call enters, so that mode leaves first
         if whole_step:
             self._mode.__enter__()
@@ -265,7 +269,7 @@ class ViewedOutputs:
         if module is self._paused_for:
             self._paused_for = None
             self._mode.__enter__()
-        if not failed:
+        if not failed and not self._mode.light:
             self._mode.calls[module] = self._mode.calls.get(module, 0) + 1
             if isinstance(output, torch.Tensor):
                 self._one_tensor_out.add(module)
@@ -277,13 +281,13 @@ class ViewedOutputs:
             self._new = self.stop()
 
     def extension_found(self, name: str, where: str) -> None:
-        """The extension op ``name`` runs at ``where`` on 4D/5D tensors: every step is watched, so that it
-        always runs as in NCHW (:mod:`~channels_last_algo.core.extension_ops`)."""
-        if where not in self.unplaced:
-            self.unplaced.append(where)
+        """The extension op ``name`` runs at ``where`` on 4D/5D tensors: every step's extension ops are
+        watched, so that it always runs as in NCHW (:mod:`~channels_last_algo.core.extension_ops`)."""
+        if where not in self.extensions:
+            self.extensions.append(where)
             self._new.append(
-                f'the extension op {name} at {where} takes 4D/5D tensors: it is given them contiguous, and '
-                'contiguous gradients, as in NCHW; every step is watched (slower)'
+                f'the extension op {name} at {where} takes 4D/5D tensors: on every step it is given them '
+                'contiguous, and contiguous gradients, as in NCHW'
             )
 
     def _found(self, origins: frozenset, where: str, how: str) -> None:
