@@ -4,7 +4,8 @@ Each model drops NHWC in its own forward (a break: a channels-first copy, or ``c
 relies on a contract of PyTorch's: a write into a tensor it allocated lands in that tensor (by index, by
 channel slice, by mask), ``contiguous()`` returns a contiguous tensor whose memory an extension kernel may
 read in order, and ``view`` works on it. A ``torch.library`` extension op reads its input's raw memory
-(and its backward op its gradient's) without ``contiguous()``, as NCHW never made it need one. A (2+1)D video block (5D, ``channels_last_3d``) runs alike.
+(and its backward op its gradient's) without ``contiguous()``, as NCHW never made it need one. A (2+1)D
+video block (5D, ``channels_last_3d``) runs alike.
 Each model trains 3 SGD steps (momentum, float64, fixed data) through :class:`LayoutGuard` in a plain loop,
 the Composer algorithm and the Lightning callback, with 1 and 2 audited steps, and every step's loss and
 every parameter and BatchNorm statistic after it must equal those of the same model trained in NCHW without
@@ -121,28 +122,17 @@ class RampOp(torch.autograd.Function):
         return ramp_over_memory(grad)
 
 
-class ExtensionStyle(nn.Module):
-    """A convolution, the extension-style :class:`RampOp` (whose ``contiguous()`` is the break), the head."""
+class AroundAnOp(nn.Module):
+    """A convolution, ``op`` (an extension kernel), the head: the op must see NCHW memory."""
 
-    def __init__(self) -> None:
+    def __init__(self, op: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
+        self.op = op
         self.stem = nn.Conv2d(3, 4, 3, padding=1)
         self.head = _head(4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(RampOp.apply(self.stem(x)))
-
-
-class RegisteredExtension(nn.Module):
-    """A convolution, then :func:`registered_ramp`, then the head: the op must see NCHW memory."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, 4, 3, padding=1)
-        self.head = _head(4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(registered_ramp(self.stem(x)))
+        return self.head(self.op(self.stem(x)))
 
 
 class ContiguousView(nn.Module):
@@ -199,8 +189,8 @@ MODELS = {
         for write in ('index', 'slice', 'mask')
         for alloc in ('new_zeros', 'zeros')
     },
-    'extension': ExtensionStyle,
-    'registered-extension': RegisteredExtension,
+    'extension': functools.partial(AroundAnOp, RampOp.apply),  # makes its input contiguous: the break
+    'registered-extension': functools.partial(AroundAnOp, registered_ramp),  # a torch.library op that does not
     'contiguous-view': ContiguousView,
     'video': Video2Plus1D,
 }
