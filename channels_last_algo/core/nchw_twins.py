@@ -70,7 +70,9 @@ _SHAPE_OPS = COPY_OR_VIEW | _VIEW_OPS
 
 def _dense_nhwc(tensor: torch.Tensor) -> bool:
     fmt = channels_last_format(tensor)
-    return fmt is not None and tensor.is_contiguous(memory_format=fmt) and not tensor.is_contiguous()
+    if fmt is None or tensor.layout != torch.strided:  # sparse and nested tensors have no NCHW twin
+        return False
+    return tensor.is_contiguous(memory_format=fmt) and not tensor.is_contiguous()
 
 
 def _base(tensor: torch.Tensor) -> torch.Tensor:
@@ -112,7 +114,7 @@ class NchwTwins:
             return None
         try:
             return twin, func(twin, *_on_meta(args[1:]), **_on_meta(kwargs))
-        except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
+        except Exception:  # an op meta tensors cannot take (a boolean mask, a tensor subclass): unknown
             return None
 
     def note(self, result: Any, twin_result: Any) -> None:
