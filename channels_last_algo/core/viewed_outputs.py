@@ -18,7 +18,9 @@ is written (:mod:`~channels_last_algo.core.nchw_twins` tells which case is which
 A module called more than once a step (a pool shared by two stages) is passed over for the
 modules its viewed output came from. A view of a tensor that no module made (a batch tensor; a
 gradient in a tensor hook, whose layout its consumers decide) cannot be placed so: the watch then
-stays on for every step, at the cost of following each op.
+stays on for every step, at the cost of following each op. An extension op given 4D/5D tensors runs
+as in NCHW (:mod:`~channels_last_algo.core.extension_ops`); a light watch, of extension ops only,
+then stays on for every step.
 
 Example:
     >>> import torch
