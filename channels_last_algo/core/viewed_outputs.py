@@ -173,6 +173,7 @@ class ViewedOutputs:
         self._rehearsed: weakref.WeakSet = weakref.WeakSet()  # compiled wrappers run eagerly once
         self._paused_for: Optional[torch.nn.Module] = None  # the compiled wrapper running without the mode
         self._one_tensor_out: weakref.WeakSet = weakref.WeakSet()  # modules seen returning one tensor
+        self._rehearsing = False  # a compiled network's eager rehearsal runs
 
     @property
     def watching(self) -> bool:
@@ -253,7 +254,7 @@ class ViewedOutputs:
     def _rehearse(self, network: torch.nn.Module, args: tuple) -> None:
         """Dynamo refuses a failing view as it traces, where no mode sees it: the compiled network's
         eager forward runs first, once, without gradients, on copies of its buffers and random state."""
-        state = SavedState(network)
+        state, self._rehearsing = SavedState(network), True
         try:
             with torch.no_grad(), _disable_current_modes(), paused(only=self), state.buffer_copies(network):
                 network(*args)
@@ -261,6 +262,7 @@ class ViewedOutputs:
             log.debug('channels last: the eager rehearsal of a compiled forward stopped: %s', error)
         finally:
             state.restore_random_state()
+            self._rehearsing = False
 
     def left(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, failed: bool) -> None:
         """Note ``module`` as the maker of its NHWC outputs, unless an inner module returned them; a
@@ -285,8 +287,16 @@ class ViewedOutputs:
     def extension_found(self, name: str, where: str) -> None:
         """The extension op ``name`` runs at ``where`` on 4D/5D tensors: every step's extension ops are
         watched, so that it always runs as in NCHW (:mod:`~channels_last_algo.core.extension_ops`)."""
-        if where not in self.extensions:
-            self.extensions.append(where)
+        if where in self.extensions:
+            return
+        self.extensions.append(where)
+        if self._rehearsing:  # inside a compiled graph the op gets what the graph gives it
+            self._new.append(
+                f'the extension op {name} at {where} takes 4D/5D tensors inside a torch.compile graph, which '
+                'no watch reaches: it gets NHWC memory there, so its results equal NCHW only if its kernel '
+                "follows strides; where it does not, run that model uncompiled, or with mode='off'"
+            )
+        else:
             self._new.append(
                 f'the extension op {name} at {where} takes 4D/5D tensors: on every step it is given them '
                 'contiguous, and contiguous gradients, as in NCHW'

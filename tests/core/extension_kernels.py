@@ -36,6 +36,11 @@ def registered_ramp_backward(grad: torch.Tensor) -> torch.Tensor:
     return ramp_over_memory(grad)
 
 
+@registered_ramp_backward.register_fake
+def _(grad: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
 registered_ramp.register_autograd(lambda ctx, grad: registered_ramp_backward(grad))
 
 

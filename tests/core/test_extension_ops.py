@@ -78,3 +78,16 @@ def test_the_console_names_the_extension_op_once_and_every_step_and_evaluation_r
         got = net(guard.on_batch(_images(9)))
         guard.on_forward_end()
         torch.testing.assert_close(got, nchw(_images(9)), rtol=1e-10, atol=1e-10)
+
+
+def test_an_extension_op_inside_a_compiled_model_is_said_to_get_nhwc_memory(caplog):
+    """No watch reaches into a torch.compile graph: the console says what the op gets there, and what to do."""
+    net = RampNet().double()
+    guard = LayoutGuard()
+    guard.on_init(net)
+    compiled = torch.compile(net, backend='eager')
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        with guard.step():
+            compiled(guard.on_batch(_images(0))).sum().backward()
+    lines = [r.getMessage() for r in caplog.records if 'extension op' in r.getMessage()]
+    assert len(lines) == 1 and 'inside a torch.compile graph' in lines[0] and "mode='off'" in lines[0]
