@@ -63,10 +63,9 @@ def _fresh_like(twin: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(twin.shape, twin.stride(), dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
-def _takes_images(op: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether ``op`` (an extension op, or None) takes a 4D or 5D tensor."""
-    leaves = tree_leaves((args, kwargs)) if op is not None else ()
-    return any(isinstance(t, torch.Tensor) and channels_last_format(t) is not None for t in leaves)
+def _takes_images(args: tuple, kwargs: dict) -> bool:
+    """Whether the arguments hold a 4D or 5D tensor."""
+    return any(isinstance(t, torch.Tensor) and channels_last_format(t) is not None for t in tree_leaves((args, kwargs)))
 
 
 def _contiguous_gradient(grad: torch.Tensor) -> Optional[torch.Tensor]:
@@ -120,8 +119,9 @@ class ViewWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # a compiled graph: not followed
             return func(*args, **kwargs)
-        if isinstance(func, OP_TYPES) and _takes_images(extension_op(func), args, kwargs):
-            return self._extension(extension_op(func), args, kwargs)
+        op = extension_op(func) if isinstance(func, OP_TYPES) else None
+        if op is not None and _takes_images(args, kwargs):
+            return self._extension(op, args, kwargs)
         if self.light:
             return func(*args, **kwargs)
         if func in _VIEWS and self.strided_by_nhwc(args[0]):
