@@ -62,7 +62,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from channels_last_algo.core.aliased_copies import AliasedCopies
 from channels_last_algo.core.batch_tree import Path, leaves, map_leaves, path_name
-from channels_last_algo.core.layout import channels_last_format
+from channels_last_algo.core.layout import channels_last_format, is_4d_or_5d
 from channels_last_algo.core.module_calls import compiled_wrapper, exit_mode, settle_hooks, subscribe, unsubscribe
 
 __all__ = ['Inputs', 'InputSelection', 'check_inputs']
@@ -99,11 +99,6 @@ def _takes_path_and_tensor(predicate: Callable[..., Any]) -> bool:
     except ValueError:  # a builtin without a signature: its first call will tell
         pass
     return True
-
-
-def _is_candidate(leaf: Any) -> bool:
-    """A 4D or 5D tensor: one that could go NHWC."""
-    return isinstance(leaf, torch.Tensor) and channels_last_format(leaf) is not None
 
 
 def _is_convolution(func: Any) -> bool:
@@ -208,7 +203,7 @@ class InputSelection:
         """What the choice is kept for: the paths of the batch's leaves and of its 4D/5D tensors
         (one walk of the batch)."""
         pairs = leaves(batch)
-        return tuple(path for path, _ in pairs), tuple(path for path, leaf in pairs if _is_candidate(leaf))
+        return tuple(path for path, _ in pairs), tuple(path for path, leaf in pairs if is_4d_or_5d(leaf))
 
     def known(self, batch: Any) -> bool:
         """True when the tensors to convert in ``batch`` are known (always, except in ``'auto'``
@@ -236,7 +231,7 @@ class InputSelection:
             self._named_checked.add(structure)
 
         def restride_selected(path: Path, leaf: Any) -> Any:
-            return restride(leaf) if _is_candidate(leaf) and self.selected(path, leaf, structure) else leaf
+            return restride(leaf) if is_4d_or_5d(leaf) and self.selected(path, leaf, structure) else leaf
 
         return map_leaves(batch, restride_selected)
 
@@ -262,14 +257,14 @@ class InputSelection:
         guessed: set[Path] = set()
 
         def restride_guessed(path: Path, leaf: Any) -> Any:
-            if not (_is_candidate(leaf) and guess(leaf)):
+            if not (is_4d_or_5d(leaf) and guess(leaf)):
                 return leaf
             guessed.add(path)
             return restride(leaf)
 
         first = map_leaves(batch, restride_guessed)
         given = dict(leaves(batch))
-        followed = [(path, leaf) for path, leaf in leaves(first) if _is_candidate(leaf)]
+        followed = [(path, leaf) for path, leaf in leaves(first) if is_4d_or_5d(leaf)]
         if not followed:
             self.chosen[self._structure] = frozenset()
             return batch

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch
 
@@ -41,6 +41,7 @@ __all__ = [
     'batch_to_channels_last',
     'channels_last_format',
     'has_channels_last_strides',
+    'is_4d_or_5d',
     'is_channels_last',
     'layout_of',
     'to_channels_first',
@@ -98,6 +99,16 @@ _NAMES = {4: (Layout.NCHW, Layout.NHWC), 5: (Layout.NCDHW, Layout.NDHWC)}
 def channels_last_format(tensor: torch.Tensor) -> Optional[torch.memory_format]:
     """``torch.channels_last`` for a 4D tensor, ``torch.channels_last_3d`` for 5D, else None."""
     return _FORMATS.get(tensor.dim())
+
+
+def is_4d_or_5d(value: Any) -> bool:
+    """Whether ``value`` is a 4D or 5D tensor: one that could go NHWC (NDHWC).
+
+    Example:
+        >>> is_4d_or_5d(torch.empty(2, 3, 4, 4)), is_4d_or_5d(torch.empty(2, 3)), is_4d_or_5d(None)
+        (True, False, False)
+    """
+    return isinstance(value, torch.Tensor) and channels_last_format(value) is not None
 
 
 def layout_of(tensor: torch.Tensor) -> Layout:

@@ -28,9 +28,9 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from channels_last_algo.core.layout import channels_last_format
+from channels_last_algo.core.layout import layout_of
 
-__all__ = ['COPY_OR_VIEW', 'NchwTwins', 'aliases']
+__all__ = ['COPY_OR_VIEW', 'SHAPE_OPS', 'NchwTwins', 'aliases']
 
 
 def _ops(*names: str) -> frozenset:
@@ -65,14 +65,13 @@ _VIEW_OPS = _ops(
     'tensor_split',
     'diagonal',
 )  # ops that view in either layout, whose twins the copy-or-view ops after them need
-_SHAPE_OPS = COPY_OR_VIEW | _VIEW_OPS
+SHAPE_OPS = COPY_OR_VIEW | _VIEW_OPS
+"""The ops whose results :class:`NchwTwins` gives twins."""
 
 
 def _dense_nhwc(tensor: torch.Tensor) -> bool:
-    fmt = channels_last_format(tensor)
-    if fmt is None or tensor.layout != torch.strided:  # sparse and nested tensors have no NCHW twin
-        return False
-    return tensor.is_contiguous(memory_format=fmt) and not tensor.is_contiguous()
+    # sparse and nested tensors have no NCHW twin
+    return tensor.layout == torch.strided and layout_of(tensor).is_channels_last
 
 
 def _base(tensor: torch.Tensor) -> torch.Tensor:
@@ -105,7 +104,7 @@ class NchwTwins:
     def run(self, func: Any, args: tuple, kwargs: dict) -> Optional[tuple[torch.Tensor, Any]]:
         """``(twin, func(twin, ...))`` for ``twin`` the NCHW twin of ``args[0]``; None where the op is no
         shape op, ``args[0]`` has no twin, or the op does not run on meta tensors (a boolean mask index)."""
-        if func not in _SHAPE_OPS or not args:
+        if func not in SHAPE_OPS or not args:
             return None
         if func is torch.Tensor.to and (len(args) > 1 or set(kwargs) != {'memory_format'}):
             return None  # a device or dtype move: the same in either layout

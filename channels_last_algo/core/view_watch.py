@@ -36,8 +36,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from channels_last_algo.core.aliased_copies import AliasedCopies, same_memory
 from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on_contiguous
-from channels_last_algo.core.layout import channels_last_format
-from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, NchwTwins, aliases
+from channels_last_algo.core.layout import is_4d_or_5d
+from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, SHAPE_OPS, NchwTwins, aliases
 
 __all__ = ['ViewWatch', 'nhwc']
 
@@ -63,11 +63,6 @@ def _fresh_like(twin: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(twin.shape, twin.stride(), dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
-def _takes_images(args: tuple, kwargs: dict) -> bool:
-    """Whether the arguments hold a 4D or 5D tensor."""
-    return any(isinstance(t, torch.Tensor) and channels_last_format(t) is not None for t in tree_leaves((args, kwargs)))
-
-
 def _contiguous_gradient(grad: torch.Tensor) -> Optional[torch.Tensor]:
     """A gradient as NCHW has it, for an extension op's backward."""
     if grad.is_contiguous():
@@ -76,9 +71,13 @@ def _contiguous_gradient(grad: torch.Tensor) -> Optional[torch.Tensor]:
         return grad.contiguous()
 
 
+def _no_twin(tensor: torch.Tensor) -> bool:
+    return False
+
+
 def nhwc(tensor: Any) -> bool:
     """A 4D/5D tensor that is not contiguous: NHWC, or a slice or other view of an NHWC tensor."""
-    return isinstance(tensor, torch.Tensor) and channels_last_format(tensor) is not None and not tensor.is_contiguous()
+    return is_4d_or_5d(tensor) and not tensor.is_contiguous()
 
 
 class ViewWatch(TorchFunctionMode):
@@ -120,17 +119,17 @@ class ViewWatch(TorchFunctionMode):
         if torch.compiler.is_compiling():  # a compiled graph: not followed
             return func(*args, **kwargs)
         op = extension_op(func) if isinstance(func, OP_TYPES) else None
-        if op is not None and _takes_images(args, kwargs):
+        if op is not None and any(is_4d_or_5d(t) for t in tree_leaves((args, kwargs))):
             return self._extension(op, args, kwargs)
         if self.light:
             return func(*args, **kwargs)
         if func in _VIEWS and self.strided_by_nhwc(args[0]):
             return self._view(func, args, kwargs)
-        if func is torch.Tensor.register_hook and channels_last_format(args[0]) is not None:
+        if func is torch.Tensor.register_hook and is_4d_or_5d(args[0]):
             args = (args[0], self._watched_hook(args[1]), *args[2:])
         result = self._as_in_nchw(func, args, kwargs, func(*args, **kwargs))
         self.copies.written(func, args, kwargs)
-        self._follow(args, kwargs, result)
+        self._follow(args, kwargs, result, func in SHAPE_OPS)
         return result
 
     def _as_in_nchw(self, func: Any, args: tuple, kwargs: dict, result: Any) -> Any:
@@ -171,7 +170,7 @@ class ViewWatch(TorchFunctionMode):
         with exit_copies():  # copies made on purpose: exits in the audit, not breaks
             result = run_on_contiguous(op, args, kwargs, strided)
         for tensor in tree_leaves(result):
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad and channels_last_format(tensor) is not None:
+            if is_4d_or_5d(tensor) and tensor.requires_grad:
                 tensor.register_hook(_contiguous_gradient)
         return result
 
@@ -188,13 +187,17 @@ class ViewWatch(TorchFunctionMode):
         """An NHWC tensor, or one of another rank whose strides an NHWC one set (``z.flatten(2)``)."""
         return nhwc(tensor) or (isinstance(tensor, torch.Tensor) and tensor in self.flattened)
 
-    def _follow(self, args: tuple, kwargs: dict, result: Any) -> None:
-        # strided outputs, and those a shape op made of an NHWC tensor (``z.permute(0, 2, 3, 1)``)
-        outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and self._strided_or_twin(t)]
+    def _follow(self, args: tuple, kwargs: dict, result: Any, shape_op: bool) -> None:
+        """Note where ``result``'s strided tensors came from, and, after a shape op, those it made of
+        an NHWC tensor (``z.permute(0, 2, 3, 1)``, contiguous)."""
+        twinned = self.twins.__contains__ if shape_op else _no_twin
+        outputs = [
+            t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and (not t.is_contiguous() or twinned(t))
+        ]
         if not outputs:
             return
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if not any(self.strided_by_nhwc(t) or t in self.twins for t in inputs):  # NHWC outputs start a line
+        if not any(self.strided_by_nhwc(t) or twinned(t) for t in inputs):  # NHWC outputs start a line
             outputs = [t for t in outputs if nhwc(t)]
             if not outputs:
                 return
@@ -205,9 +208,6 @@ class ViewWatch(TorchFunctionMode):
             if origins:
                 self.derived[tensor] = origins
 
-    def _strided_or_twin(self, tensor: torch.Tensor) -> bool:
-        return not tensor.is_contiguous() or tensor in self.twins
-
     def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
         try:
             result = func(*args, **kwargs)
@@ -216,7 +216,7 @@ class ViewWatch(TorchFunctionMode):
                 raise
         else:  # a view NHWC strides can take, whose own views may not (``z.view(n, c, h * w).view(n, -1)``)
             result = self._as_in_nchw(func, args, kwargs, result)
-            self._follow(args, kwargs, result)
+            self._follow(args, kwargs, result, shape_op=True)
             return result
         where = _where(_caller())
         if isinstance(args[0], torch.nn.Parameter) and self.owner._weights_viewed(f'a weight is viewed at {where}'):
