@@ -1,7 +1,8 @@
 """The mode a :class:`~channels_last_algo.core.viewed_outputs.ViewedOutputs` watch runs while it
 watches: it follows which module's output each NHWC tensor derives from, runs the views NHWC strides
-cannot take on channels-first copies, and keeps in step the copies a ``.reshape()`` makes where NCHW
-has a view, telling its owner where each was used.
+cannot take, and the ``.as_strided()`` reads that assume NCHW's memory, on channels-first copies,
+and keeps in step the copies a ``.reshape()`` makes where NCHW has a view, telling its owner where
+each was used.
 
 Example:
     >>> import torch
@@ -42,6 +43,7 @@ from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, SHAPE_OPS, NchwTwin
 __all__ = ['ViewWatch', 'nhwc']
 
 _VIEWS = (torch.Tensor.view, torch.Tensor.view_as)
+_AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)  # strides given outright: they index NCHW's memory
 
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(__file__))  # frames that are not the user's
 
@@ -52,6 +54,30 @@ def _caller() -> Any:
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         frame = frame.f_back
     return frame
+
+
+def _called_internally() -> bool:
+    """Whether the op was called by torch's or this package's own code (past the modes that pass it on),
+    not by the user's."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_name in ('__torch_function__', '_as_strided'):
+        frame = frame.f_back
+    return frame.f_code.co_filename.startswith(_INTERNAL)
+
+
+def _written_for(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> bool:
+    """Whether ``strides`` (given to ``tensor.as_strided()``) were written for the NCHW memory of
+    ``twin``: they hold a stride only NCHW has, and none only ``tensor`` has (code that builds them from
+    ``tensor.stride()`` holds this tensor's own).
+
+    Example:
+        >>> z = torch.empty(2, 4, 6, 6).to(memory_format=torch.channels_last)
+        >>> twin = torch.empty(2, 4, 6, 6, device='meta')
+        >>> _written_for(twin, z, (144, 36, 6, 1)), _written_for(twin, z, z.stride())
+        (True, False)
+    """
+    given, own, nchw = set(strides) - {0}, set(tensor.stride()), set(twin.stride())
+    return bool(given & (nchw - own)) and not given & (own - nchw)
 
 
 def _where(frame: Any) -> str:
@@ -125,6 +151,8 @@ class ViewWatch(TorchFunctionMode):
             return func(*args, **kwargs)
         if func in _VIEWS and self.strided_by_nhwc(args[0]):
             return self._view(func, args, kwargs)
+        if func in _AS_STRIDED and self.strided_by_nhwc(args[0]):
+            return self._as_strided(func, args, kwargs)
         if func is torch.Tensor.register_hook and is_4d_or_5d(args[0]):
             args = (args[0], self._watched_hook(args[1]), *args[2:])
         result = self._as_in_nchw(func, args, kwargs, func(*args, **kwargs))
@@ -207,6 +235,24 @@ class ViewWatch(TorchFunctionMode):
                 self.flattened[tensor] = True
             if origins:
                 self.derived[tensor] = origins
+
+    def _as_strided(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """``z.as_strided(size, stride)``: strides written for NCHW memory read other elements of NHWC
+        memory, so it runs on a copy laid out as NCHW has it (writes through it land in ``z``), and
+        ``z``'s module makes it channels first from the next step on. Strides built from ``z.stride()``
+        read the same elements in either layout: they run as they are."""
+        tensor, given = args[0], dict(zip(('size', 'stride', 'storage_offset'), args[1:]), **kwargs)
+        offset, twin = given.get('storage_offset'), self.twins.twin(tensor)
+        known = twin is not None and twin.is_contiguous() and (offset is None or offset >= twin.storage_offset())
+        if not known or _called_internally() or not _written_for(twin, tensor, given['stride']):
+            return func(*args, **kwargs)  # NCHW's memory is unknown, or the strides are this tensor's own
+        where = _where(_caller())
+        how = f'read through the .as_strided() at {where}'
+        if isinstance(tensor, torch.nn.Parameter) and self.owner._weights_viewed(f'a weight is {how}'):
+            return func(*args, **kwargs)  # the weights are contiguous now: their own memory is NCHW's
+        self.owner._found(frozenset() if self.in_hook else self.makers(tensor), where, how)
+        shift = [] if offset is None else [offset - twin.storage_offset()]  # into a copy that starts at the tensor
+        return self.copies.view(torch.Tensor.as_strided, tensor, (given['size'], given['stride'], *shift), {})
 
     def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
         try:

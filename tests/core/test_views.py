@@ -8,7 +8,7 @@ activations, of a gradient in a tensor hook, of ``weight.data``), LBFGS (``p.gra
 views and mixes, a positional embedding added to an activation, and writes through ``.reshape()``,
 ``.flatten()`` and ``.contiguous()`` copies that NCHW has as aliases (of activations, a gradient, a
 weight, a batch tensor), and through what NHWC views where NCHW copies (a permute's reshape, a
-channels-last ``.contiguous()``).
+channels-last ``.contiguous()``), and reads and writes through ``.as_strided()`` with NCHW's strides.
 """
 
 from __future__ import annotations
@@ -266,6 +266,21 @@ class MaxNormedThroughReshape(MaxNormed):
         return self.head(F.relu(self.stem(x)))
 
 
+class ReadThroughAsStrided(_ThreeConvolutions):
+    """Sliding 2 x 2 windows through ``z.as_strided()`` with strides written for NCHW memory (from the
+    shape), a write through another such view, and windows whose strides come from ``y.stride()``."""
+
+    def forward(self, x):
+        z = self.stem(x)
+        n, c, h, w = z.shape
+        windows = z.as_strided((n, c, h - 1, w - 1, 2, 2), (c * h * w, h * w, w, 1, w, 1))
+        y = self.mid(F.relu(z) + F.pad(windows.amax((-1, -2)), (0, 1, 0, 1)))
+        torch.as_strided(y, (n, c, w), (c * h * w, h * w, 1), storage_offset=y.storage_offset())[:, :, :3] = 0
+        sn, sc, sh, sw = y.stride()
+        pooled = y.as_strided((n, c, h // 2, w // 2, 2, 2), (sn, sc, 2 * sh, 2 * sw, sh, sw)).mean((-1, -2))
+        return self.head(self.last(y + F.interpolate(pooled, scale_factor=2.0)))
+
+
 class BatchReshapedInPlace(LeNet):
     """Zeroes the first pixels of its input batch through ``x.reshape(n, -1)``, a view in NCHW."""
 
@@ -295,6 +310,7 @@ RUNS = {
     'gradient-reshaped-in-place': Run(GradientReshapedInPlace, _batches((2, 3, 8, 8)), _cross_entropy),
     'max-normed-through-reshape': Run(MaxNormedThroughReshape, _batches((2, 3, 8, 8)), _cross_entropy),
     'batch-reshaped-in-place': Run(BatchReshapedInPlace, _batches(), _cross_entropy),
+    'read-through-as-strided': Run(ReadThroughAsStrided, _batches((2, 3, 8, 8)), _cross_entropy),
 }
 WEIGHTS_FLATTENED = ('lbfgs', 'parameters-to-vector', 'max-normed-through-reshape')
 
