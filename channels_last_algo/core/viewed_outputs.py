@@ -63,6 +63,7 @@ from channels_last_algo.core.saved_state import SavedState
 from channels_last_algo.core.view_watch import ViewWatch, nhwc
 
 __all__ = [
+    'SCRIPTED_VIEW',
     'UNWATCHED_VIEW',
     'ViewedOutputs',
     'channels_first_output',
@@ -121,9 +122,18 @@ UNWATCHED_VIEW = (
 )
 """What :func:`explain_unwatched_view` adds to the error of a view that NHWC strides cannot take."""
 
+SCRIPTED_VIEW = (
+    'channels last: this .view() of a channels-last tensor ran inside TorchScript (torch.jit.script), '
+    'which no view watch sees into. There, .reshape or .flatten instead of .view works in either layout; '
+    "a view of a weight: weights='contiguous' keeps them viewable (docs/conversion.md); else mode='off' "
+    'for this model.'
+)
+"""What :func:`explain_unwatched_view` adds instead where the view ran in TorchScript."""
+
 
 def explain_unwatched_view(error: BaseException) -> None:
-    """Add :data:`UNWATCHED_VIEW` to ``error`` where it is torch's "view size is not compatible" (once).
+    """Add :data:`UNWATCHED_VIEW` (or :data:`SCRIPTED_VIEW`) to ``error`` where it is torch's "view size
+    is not compatible" (once).
 
     Example:
         >>> error = RuntimeError("view size is not compatible with input tensor's size and stride")
@@ -133,12 +143,13 @@ def explain_unwatched_view(error: BaseException) -> None:
     """
     if not isinstance(error, RuntimeError) or 'view size is not compatible' not in str(error):
         return
-    if UNWATCHED_VIEW in getattr(error, '__notes__', ()) or UNWATCHED_VIEW in str(error):
+    note = SCRIPTED_VIEW if 'TorchScript' in str(error) else UNWATCHED_VIEW
+    if note in getattr(error, '__notes__', ()) or note in str(error):
         return
     if hasattr(error, 'add_note'):  # Python 3.11+: shown under the traceback
-        error.add_note(UNWATCHED_VIEW)
+        error.add_note(note)
     else:
-        error.args = (f'{error.args[0] if error.args else ""}\n{UNWATCHED_VIEW}', *error.args[1:])
+        error.args = (f'{error.args[0] if error.args else ""}\n{note}', *error.args[1:])
 
 
 class ViewedOutputs:

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from channels_last_algo.core.guard import LayoutGuard
-from channels_last_algo.core.viewed_outputs import UNWATCHED_VIEW
+from channels_last_algo.core.viewed_outputs import SCRIPTED_VIEW, UNWATCHED_VIEW
 from conftest import lightning_trainer
 
 EACH_INTEGRATION = pytest.mark.parametrize('integration', INTEGRATIONS)
@@ -600,6 +600,27 @@ def test_a_view_first_reached_after_the_watched_steps_fails_saying_what_would_fi
             _cross_entropy(net(second[0]), second).backward()
     said = str(caught.value) + ''.join(getattr(caught.value, '__notes__', []))
     assert UNWATCHED_VIEW in said and said.count(UNWATCHED_VIEW) == 1
+
+
+def test_a_view_inside_torchscript_fails_saying_no_watch_sees_into_it():
+    """A scripted function's ``.view()`` runs in the TorchScript interpreter, past every watch: torch's
+    error carries the note that says so, and what works in either layout."""
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', FutureWarning)  # torch.jit.script is deprecated from torch 2.10
+
+        @torch.jit.script
+        def flatten(z: torch.Tensor) -> torch.Tensor:
+            return z.view(z.size(0), -1)
+
+    conv = nn.Conv2d(3, 4, 3).double()
+    guard = LayoutGuard()
+    guard.on_init(conv)
+    (images, _), *_ = _batches((2, 3, 8, 8))
+    with pytest.raises(RuntimeError, match='view size is not compatible') as caught:
+        with guard.step():
+            flatten(conv(guard.on_batch(images))).sum().backward()
+    said = str(caught.value) + ''.join(getattr(caught.value, '__notes__', []))
+    assert SCRIPTED_VIEW in said and UNWATCHED_VIEW not in said
 
 
 def test_lightning_says_what_would_fix_a_view_first_reached_after_the_watched_steps():
