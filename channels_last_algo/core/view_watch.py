@@ -57,10 +57,13 @@ def _caller() -> Any:
 
 
 def _called_internally() -> bool:
-    """Whether the op was called by torch's or this package's own code (past the modes that pass it on),
-    not by the user's."""
+    """Whether the op this watch is handling was called by torch's or this package's own code (past the
+    modes that passed it on), not by the user's: a copy an outer mode makes, a stride torch chose."""
     frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_code.co_name in ('__torch_function__', '_as_strided'):
+    while frame.f_back is not None and frame.f_code is not ViewWatch.__torch_function__.__code__:
+        frame = frame.f_back
+    frame = frame.f_back
+    while frame.f_back is not None and frame.f_code.co_name == '__torch_function__':
         frame = frame.f_back
     return frame.f_code.co_filename.startswith(_INTERNAL)
 
@@ -165,7 +168,7 @@ class ViewWatch(TorchFunctionMode):
         kept in step with ``args[0]`` while the watch lasts; a view NCHW would not make is returned as
         a copy, kept apart. A write through either notes where the op ran."""
         ran = self.twins.run(func, args, kwargs)
-        if ran is None:
+        if ran is None or _called_internally():
             return result
         twin, twin_result = ran
         if func in COPY_OR_VIEW:

@@ -161,7 +161,8 @@ class ViewedOutputs:
         model: the model whose module paths name the placed hooks.
 
     Attributes:
-        placed: paths of the modules whose outputs are now made channels first.
+        placed: paths of the modules whose outputs are now made channels first (a module the forward
+            calls from outside the model, a teacher's, by its class).
         unplaced: where a view of a tensor no module made ran on a copy (``file:line``); the watch
             stays on for every step while there is one.
         extensions: where an extension op takes 4D/5D tensors; a light watch of such ops stays on
@@ -172,6 +173,7 @@ class ViewedOutputs:
         self._paths = weakref.WeakKeyDictionary({m: name for name, m in model.named_modules()})
         self._weights_viewed = weights_viewed
         self.placed: list[str] = []
+        self._hooked: weakref.WeakSet = weakref.WeakSet()  # the modules placed
         self.unplaced: list[str] = []
         self.extensions: list[str] = []
         self._mode: Optional[ViewWatch] = None
@@ -326,10 +328,12 @@ class ViewedOutputs:
                 )
             return
         for module in origins:
-            path = self._paths.get(module)
-            if path is None or path in self.placed:
+            if module in self._hooked:
                 continue
+            path = self._paths.get(module)  # None: a module outside the model (a teacher the forward calls)
+            name = f'a {type(module).__name__} outside the model' if path is None else path or type(module).__name__
             one_tensor = module in self._one_tensor_out and _one_tensor_in(module)
             module.register_forward_hook(channels_first_output if one_tensor else channels_first_outputs, prepend=True)
-            self.placed.append(path)
-            self._new.append(f'{path or type(module).__name__} outputs made channels first ({how})')
+            self._hooked.add(module)
+            self.placed.append(name)
+            self._new.append(f'{name} outputs made channels first ({how})')

@@ -8,6 +8,7 @@ and a snapshot of the parameters after it, for :func:`assert_same_run`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -69,12 +70,18 @@ class _nothing:
         return None
 
 
+def _fresh(batches: list) -> list:
+    """Copies of the batches, so that a model writing its batch in place (CutMix) finds each run's
+    batches as made, as the trainers' loaders give them."""
+    return copy.deepcopy(batches)
+
+
 def nchw(run: Run) -> list[tuple[torch.Tensor, dict]]:
     """The model trained without the package."""
     torch.manual_seed(0)
     net = run.build().double()
     opt = run.optimizer(net.parameters())
-    return [(_step(run, net, opt, batch, None), _snapshot(net)) for batch in run.batches]
+    return [(_step(run, net, opt, batch, None), _snapshot(net)) for batch in _fresh(run.batches)]
 
 
 def guarded(run: Run, integration: str, **options: Any) -> tuple[list[tuple[torch.Tensor, dict]], nn.Module, Any]:
@@ -87,7 +94,7 @@ def guarded(run: Run, integration: str, **options: Any) -> tuple[list[tuple[torc
         opt = run.optimizer(net.parameters())
         guard.on_init(net, opt)
         steps = []
-        for batch in run.batches:
+        for batch in _fresh(run.batches):
             steps.append((_step(run, net, opt, guard.on_batch(batch), guard), _snapshot(net)))
         guard.close()
         return steps, net, guard

@@ -8,7 +8,8 @@ activations, of a gradient in a tensor hook, of ``weight.data``), LBFGS (``p.gra
 views and mixes, a positional embedding added to an activation, and writes through ``.reshape()``,
 ``.flatten()`` and ``.contiguous()`` copies that NCHW has as aliases (of activations, a gradient, a
 weight, a batch tensor), and through what NHWC views where NCHW copies (a permute's reshape, a
-channels-last ``.contiguous()``), and reads and writes through ``.as_strided()`` with NCHW's strides.
+channels-last ``.contiguous()``), reads and writes through ``.as_strided()`` with NCHW's strides, and a
+teacher outside the model that views its activations.
 """
 
 from __future__ import annotations
@@ -281,6 +282,33 @@ class ReadThroughAsStrided(_ThreeConvolutions):
         return self.head(self.last(y + F.interpolate(pooled, scale_factor=2.0)))
 
 
+class BatchMixedInPlace(LeNet):
+    """CutMix written into its input batch in place, then the batch's first pixels zeroed through
+    ``x.view(n, -1)``; neither is idempotent, so a write lost or doubled shows."""
+
+    def forward(self, x):
+        x[:, :, 4:12, 4:12] = x.flip(0)[:, :, 4:12, 4:12] * 0.5
+        x.view(x.size(0), -1)[:, :50] = 0
+        return super().forward(x)
+
+
+class DistilledFromATeacher(nn.Module):
+    """A student trained on a frozen LeNet teacher that is no submodule (kept outside the model, as
+    distillation code keeps it out of the optimizer and the checkpoint); the teacher views its activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = _flat_net()
+        torch.manual_seed(1)
+        self._teacher = (LeNet().double().requires_grad_(False),)  # a tuple: not registered
+
+    def forward(self, x):
+        with torch.no_grad():
+            taught = self._teacher[0](x).softmax(-1)
+        logits = self.student(x)
+        return logits - (logits.log_softmax(-1) * taught).sum(-1, keepdim=True)
+
+
 class BatchReshapedInPlace(LeNet):
     """Zeroes the first pixels of its input batch through ``x.reshape(n, -1)``, a view in NCHW."""
 
@@ -311,6 +339,8 @@ RUNS = {
     'max-normed-through-reshape': Run(MaxNormedThroughReshape, _batches((2, 3, 8, 8)), _cross_entropy),
     'batch-reshaped-in-place': Run(BatchReshapedInPlace, _batches(), _cross_entropy),
     'read-through-as-strided': Run(ReadThroughAsStrided, _batches((2, 3, 8, 8)), _cross_entropy),
+    'distilled-from-a-teacher': Run(DistilledFromATeacher, _batches(), _cross_entropy),
+    'batch-mixed-in-place': Run(BatchMixedInPlace, _batches(), _cross_entropy),
 }
 WEIGHTS_FLATTENED = ('lbfgs', 'parameters-to-vector', 'max-normed-through-reshape')
 
@@ -400,6 +430,15 @@ def test_writes_no_module_can_place_keep_the_watch_on_saying_so(caplog):
             'so no module can make it channels first: every step is watched (slower)'
         )
         assert 'test_views.py:' in lines[0] and "(a copy here, an alias in NCHW) is no module's output" in lines[0]
+
+
+def test_the_copies_the_package_makes_are_not_taken_for_the_users(caplog):
+    """The batch's failing ``.view()`` runs on a copy the first batch's input search makes with
+    ``.contiguous()``: the console says nothing of a ``.contiguous()`` the user did not write."""
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        guarded(RUNS['batch-mixed-in-place'], 'guard')
+    said = [r.getMessage() for r in caplog.records]
+    assert not any('.contiguous()' in line for line in said), said
 
 
 def test_a_model_whose_view_placed_a_hook_scripts_traces_and_exports_as_it_runs(tmp_path):
