@@ -126,12 +126,9 @@ def _restride_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], param
         for param, state in optimizer.state.items():
             if id(param) not in params:
                 continue
-            for key, value in state.items():
+            for value in state.values():  # in place: code in the step may hold the state tensors
                 if isinstance(value, torch.Tensor) and value.shape == param.shape:
-                    restrided = restride(value)
-                    if restrided is not value:
-                        state[key] = restrided
-                        count += 1
+                    count += _restride_in_place(value, restride)
     return count
 
 

@@ -56,16 +56,22 @@ def _caller() -> Any:
     return frame
 
 
-def _called_internally() -> bool:
-    """Whether the op this watch is handling was called by torch's or this package's own code (past the
-    modes that passed it on), not by the user's: a copy an outer mode makes, a stride torch chose."""
+def _op_caller() -> tuple[Any, bool]:
+    """The frame of the code that called the op this watch handles, past the modes that passed it on,
+    and whether another view watch was among them (one entered above this one)."""
     frame = sys._getframe(1)
-    while frame.f_back is not None and frame.f_code is not ViewWatch.__torch_function__.__code__:
+    while frame.f_back is not None and frame.f_code is not _HANDLER:
         frame = frame.f_back
-    frame = frame.f_back
+    frame, above = frame.f_back, False
     while frame.f_back is not None and frame.f_code.co_name == '__torch_function__':
+        above = above or frame.f_code is _HANDLER
         frame = frame.f_back
-    return frame.f_code.co_filename.startswith(_INTERNAL)
+    return frame, above
+
+
+def _called_internally() -> bool:
+    """Whether the op this watch handles was called by torch's or this package's own code, not the user's."""
+    return _op_caller()[0].f_code.co_filename.startswith(_INTERNAL)
 
 
 def _written_for(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> bool:
@@ -147,6 +153,9 @@ class ViewWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # a compiled graph: not followed
             return func(*args, **kwargs)
+        caller, above = _op_caller()
+        if above or caller.f_code.co_filename.startswith(_INTERNAL[1]):
+            return func(*args, **kwargs)  # a watch above this one follows it, or this package's own code runs it
         op = extension_op(func) if isinstance(func, OP_TYPES) else None
         if op is not None and any(is_4d_or_5d(t) for t in tree_leaves((args, kwargs))):
             return self._extension(op, args, kwargs)
@@ -272,3 +281,6 @@ class ViewWatch(TorchFunctionMode):
             return func(*args, **kwargs)  # the weights are contiguous now: a true view
         self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), where, f'viewed at {where}')
         return self._as_in_nchw(func, args, kwargs, self.copies.view(func, args[0], args[1:], kwargs))
+
+
+_HANDLER = ViewWatch.__torch_function__.__code__  # where a view watch takes an op

@@ -38,8 +38,9 @@ from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from channels_last_algo.core.first_optimizer_step import FirstStep, torch_step
 from channels_last_algo.core.flattening_optimizers import flattening
 from channels_last_algo.core.layout import MemoryFormat
 
@@ -140,23 +141,40 @@ def for_training(
 
 
 _watches: weakref.WeakSet = weakref.WeakSet()  # the live OptimizerWatch objects
-_step_hook: list[Any] = []  # the handle of the one process-wide step pre-hook, while installed
+_step_hooks: list[Any] = []  # the handles of the process-wide step pre- and post-hook, while installed
+_first_steps: dict[int, FirstStep] = {}  # optimizer id -> the watch over its first step, while it runs
 
 
-def _see_step(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+def _see_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    _stop_first_steps()  # one a step that raised left on
     for watch in list(_watches):
         watch._stepped(optimizer)
+    first = _first_steps.get(id(optimizer))
+    return None if first is None else first.start(args, kwargs)
+
+
+def _see_step_end(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    first = _first_steps.pop(id(optimizer), None)
+    if first is not None:
+        first.stop()
+
+
+def _stop_first_steps() -> None:
+    while _first_steps:
+        _first_steps.popitem()[1].stop()
 
 
 class OptimizerWatch:
     """Sees the first step of every optimizer while it lives, and calls ``on_plan(optimizer, plan)``
     once for the first that flattens ``model``'s parameters: optimizers made after the conversion
-    (Lightning's, a plain loop's) are found before they view anything.
+    (Lightning's, a plain loop's) are found before they view anything where a known row names them
+    (:mod:`~channels_last_algo.core.flattening_optimizers`), and on the spot where a step that is
+    not torch's own views them in its first run (:mod:`~channels_last_algo.core.first_optimizer_step`).
 
-    All watches share one process-wide step pre-hook. A watch closed or collected leaves it: torch
+    All watches share one process-wide step pre-hook and post-hook. A watch closed or collected leaves them: torch
     walks its live table of those hooks at each step, so a hook removed while an optimizer steps
     (a watch closing itself, or collected then) would fail that step with "OrderedDict mutated
-    during iteration". :meth:`stop` only leaves (safe anywhere); :meth:`close` also takes the hook
+    during iteration". :meth:`stop` only leaves (safe anywhere); :meth:`close` also takes the hooks
     off once no watch is left, and is for outside an optimizer's step hooks.
 
     Example:
@@ -174,20 +192,31 @@ class OptimizerWatch:
         self._on_plan = on_plan
         self._seen: set[int] = set()
         _watches.add(self)
-        if not _step_hook:
-            _step_hook.append(register_optimizer_step_pre_hook(_see_step))
+        if not _step_hooks:
+            _step_hooks.extend(
+                (register_optimizer_step_pre_hook(_see_step), register_optimizer_step_post_hook(_see_step_end))
+            )
 
     def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
         if id(optimizer) in self._seen:
             return
         self._seen.add(id(optimizer))
         model, plan = self._model(), optimizer_plan(optimizer)
-        if model is None or plan is None:
+        if model is None or (plan is None and torch_step(optimizer)):
             return
         ours = {id(p) for p in model.parameters()}
-        if any(id(p) in ours for group in optimizer.param_groups for p in group['params']):
+        if not any(id(p) in ours for group in optimizer.param_groups for p in group['params']):
+            return
+        if plan is not None:
             self.stop()
             self._on_plan(optimizer, plan)
+        else:  # a step of the user's or a third party's: watched, once
+            _first_steps[id(optimizer)] = FirstStep(optimizer, lambda why: self._viewed(optimizer, why))
+
+    def _viewed(self, optimizer: torch.optim.Optimizer, why: str) -> None:
+        """``optimizer``'s first step flattens the weights, their gradients or its state, as ``why`` says."""
+        self.stop()
+        self._on_plan(optimizer, WeightLayoutPlan(True, why))
 
     def stop(self) -> None:
         """Stop watching (the shared hook stays)."""
@@ -196,8 +225,10 @@ class OptimizerWatch:
     def close(self) -> None:
         """Stop watching; the shared hook comes off once no watch is left."""
         self.stop()
-        if not _watches and _step_hook:
-            _step_hook.pop().remove()
+        _stop_first_steps()  # one a step that raised left on: no step runs now
+        if not _watches:
+            while _step_hooks:
+                _step_hooks.pop().remove()
 
 
 def optimizer_plan(optimizer: torch.optim.Optimizer) -> Optional[WeightLayoutPlan]:

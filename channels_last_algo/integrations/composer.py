@@ -43,9 +43,9 @@ log = logging.getLogger(__name__)
 
 _BATCH_EVENTS = (Event.BEFORE_FORWARD, Event.EVAL_BEFORE_FORWARD, Event.PREDICT_BEFORE_FORWARD)
 _FORWARD_ENDS = (Event.EVAL_AFTER_FORWARD, Event.PREDICT_AFTER_FORWARD)
-_AUDIT_EVENTS = (Event.AFTER_BACKWARD, Event.FIT_END)
+_STEP_ENDS = (Event.AFTER_BACKWARD, Event.FIT_END)  # a training step's watch, audit and inductor setting end
 _START_EVENTS = (Event.AFTER_LOAD, Event.FIT_START)  # FIT_START also shows the start block
-_ALWAYS = (Event.INIT, *_START_EVENTS, *_BATCH_EVENTS, *_FORWARD_ENDS)  # the events matched in every mode but off
+_ALWAYS = (Event.INIT, *_START_EVENTS, *_BATCH_EVENTS, *_FORWARD_ENDS, *_STEP_ENDS)  # matched in every mode but off
 
 
 def _total_loss(loss: Any) -> torch.Tensor:
@@ -183,11 +183,7 @@ class ChannelsLast(GuardedIntegration, Algorithm):
     def match(self, event: Event, state: State) -> bool:
         if self.guard.mode == 'off':
             return False
-        return (
-            event in _ALWAYS
-            or (self.guard.audit_steps > 0 and event in _AUDIT_EVENTS)
-            or (self.fuse_eval and self._fused_eval.match(event, state))
-        )
+        return event in _ALWAYS or (self.fuse_eval and self._fused_eval.match(event, state))
 
     def apply(self, event: Event, state: State, logger: Logger) -> Optional[int]:
         if event == Event.INIT:
