@@ -148,6 +148,7 @@ def _tensors_by_use(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor,
     None for a convolution's tensors, which go channels last; a reason for any other (a positional
     embedding, a weight bank that the model views and mixes), which is left as it is."""
     seen: set[int] = set()
+    sharing = _memory_shared(model)
     for path, module in model.named_modules():
         if isinstance(module, torch.nn.utils.parametrize.ParametrizationList):
             continue  # listed with the module it parametrizes
@@ -157,7 +158,31 @@ def _tensors_by_use(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor,
                 continue
             seen.add(id(tensor))
             reason = None if convolution else f'a {type(module).__name__} tensor, not a convolution weight'
-            yield (f'{path}.{name}' if path else name), tensor, reason
+            yield (f'{path}.{name}' if path else name), tensor, sharing.get(id(tensor), reason)
+
+
+def _memory_shared(model: torch.nn.Module) -> dict[int, str]:
+    """Why each parameter or buffer whose memory is not its own alone keeps its layout: a restrided
+    copy would no longer share it (``b.weight.data = a.weight.data``; a view into a larger buffer)."""
+    by_storage: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in (*model.named_parameters(remove_duplicate=True), *model.named_buffers()):
+        if is_lazy(tensor):
+            continue
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a tensor subclass, sparse)
+            continue
+        if storage.data_ptr() != 0:  # not lazy, not meta
+            by_storage.setdefault((tensor.device, storage.data_ptr()), []).append((name, tensor))
+    reasons = {}
+    for group in by_storage.values():
+        for _, tensor in group:
+            others = [other for other, t in group if t is not tensor]
+            if others:
+                reasons[id(tensor)] = f'shares its memory with {others[0]}: a restrided copy would not'
+            elif tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+                reasons[id(tensor)] = 'a view into a larger buffer: a restrided copy would leave it'
+    return reasons
 
 
 def _restride_model(
@@ -262,6 +287,13 @@ def _report_conversion(model: torch.nn.Module, summary: ConversionSummary) -> No
             f'{type(model).__name__} has uninitialized lazy parameters {summary.uninitialized}, '
             'which were left as they are; run one forward pass to initialize them, then call '
             'apply_channels_last again.',
+            stacklevel=3,
+        )
+    elif summary.tensors == 0 and summary.left:
+        reasons = '; '.join(f'{name}: {why}' for name, why in list(summary.left.items())[:3])
+        warnings.warn(
+            f'{type(model).__name__} has no 4D or 5D tensor channels last may restride ({reasons}'
+            f'{"; ..." if len(summary.left) > 3 else ""}); the model was left as it is.',
             stacklevel=3,
         )
     elif summary.tensors == 0:

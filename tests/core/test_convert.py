@@ -130,3 +130,31 @@ def test_apply_channels_first_undoes_the_conversion_with_optimizer_state():
             contiguous = torch.empty(p.shape).stride()
             assert p.stride() == contiguous and p.grad.stride() == contiguous
             assert optimizer.state[p]['momentum_buffer'].stride() == contiguous
+
+
+def test_weights_that_share_memory_keep_it_and_their_layout():
+    """Two convolutions given one memory (``b.weight.data = a.weight.data``), and a convolution whose
+    weight is a view into a larger buffer, keep their layout: a restrided copy would split what the
+    model writes through one from what it reads through the other. The others go channels last."""
+    first, second, third = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3), nn.Conv2d(4, 4, 3)
+    third.weight.data = second.weight.data
+    bank = torch.randn(3 * 4 * 4 * 3 * 3)
+    viewed = nn.Conv2d(4, 4, 3)
+    viewed.weight.data = bank[144:288].view(4, 4, 3, 3)
+    model = nn.Sequential(first, second, third, viewed)
+    summary = apply_channels_last(model)
+    assert summary.converted == ['0.weight']
+    assert summary.left['1.weight'] == 'shares its memory with 2.weight: a restrided copy would not'
+    assert summary.left['3.weight'].startswith('a view into a larger buffer')
+    assert second.weight.data_ptr() == third.weight.data_ptr() and viewed.weight.data_ptr() == bank[144:].data_ptr()
+    with torch.no_grad():
+        second.weight.mul_(2.0)
+    assert torch.equal(second.weight, third.weight)
+
+
+def test_a_model_whose_only_weights_share_memory_is_left_alone_saying_why():
+    first, second = nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3)
+    second.weight.data = first.weight.data
+    with pytest.warns(UserWarning, match='0.weight: shares its memory with 1.weight'):
+        summary = apply_channels_last(nn.Sequential(first, second))
+    assert summary.tensors == 0
