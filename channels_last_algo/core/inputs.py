@@ -141,8 +141,8 @@ class _Flow(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # a compiled forward: nothing to follow inside its graph
-            return func(*args, **kwargs)
+        if torch.compiler.is_compiling() or func is torch.autograd.grad:  # a compiled forward; gradients
+            return func(*args, **kwargs)  # (whatever the inputs, no batch tensor flows into them)
         origins = frozenset().union(
             *(self.origins.get(t, frozenset()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         )

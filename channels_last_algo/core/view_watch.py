@@ -169,7 +169,8 @@ class ViewWatch(TorchFunctionMode):
             args = (args[0], self._watched_hook(args[1]), *args[2:])
         result = self._as_in_nchw(func, args, kwargs, func(*args, **kwargs))
         self.copies.written(func, args, kwargs)
-        self._follow(args, kwargs, result, func in SHAPE_OPS)
+        if func is not torch.autograd.grad:  # gradients: no module makes them, whatever their inputs' makers
+            self._follow(args, kwargs, result, func in SHAPE_OPS)
         return result
 
     def _as_in_nchw(self, func: Any, args: tuple, kwargs: dict, result: Any) -> Any:

@@ -9,7 +9,7 @@ views and mixes, a positional embedding added to an activation, and writes throu
 ``.flatten()`` and ``.contiguous()`` copies that NCHW has as aliases (of activations, a gradient, a
 weight, a batch tensor), and through what NHWC views where NCHW copies (a permute's reshape, a
 channels-last ``.contiguous()``), reads and writes through ``.as_strided()`` with NCHW's strides, and a
-teacher outside the model that views its activations.
+teacher outside the model that views its activations, and a WGAN-GP penalty that views an input gradient.
 """
 
 from __future__ import annotations
@@ -292,6 +292,33 @@ class BatchMixedInPlace(LeNet):
         return super().forward(x)
 
 
+class GradientPenalised(nn.Module):
+    """A WGAN-GP critic: a penalty on the gradient with respect to interpolates of the batch and its
+    mirror image, flattened with ``gradients.view(n, -1)``. No module makes a gradient, whatever
+    module made what it is taken with respect to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.critic = _flat_net()
+
+    def forward(self, x):
+        alpha = torch.linspace(0.2, 0.8, x.size(0), dtype=x.dtype).view(-1, 1, 1, 1)
+        interpolates = (alpha * x + (1 - alpha) * x.flip(-1)).requires_grad_(True)
+        (gradients,) = torch.autograd.grad(self.critic(interpolates).sum(), interpolates, create_graph=True)
+        penalty = ((gradients.view(gradients.size(0), -1).norm(2, dim=1) - 1) ** 2).mean()
+        return self.critic(x) + penalty
+
+
+class ActivationGradientPenalised(_ThreeConvolutions):
+    """A penalty on the gradient with respect to an activation, flattened with ``g.view(n, -1)``: making
+    the activation's module channels first would not make its gradient contiguous."""
+
+    def forward(self, x):
+        z = F.relu(self.stem(x))
+        (g,) = torch.autograd.grad(self.mid(z).pow(2).sum(), z, create_graph=True)
+        return self.head(self.last(F.relu(self.mid(z)))) + g.view(g.size(0), -1).norm(dim=1, keepdim=True).mean()
+
+
 class DistilledFromATeacher(nn.Module):
     """A student trained on a frozen LeNet teacher that is no submodule (kept outside the model, as
     distillation code keeps it out of the optimizer and the checkpoint); the teacher views its activations."""
@@ -341,6 +368,8 @@ RUNS = {
     'read-through-as-strided': Run(ReadThroughAsStrided, _batches((2, 3, 8, 8)), _cross_entropy),
     'distilled-from-a-teacher': Run(DistilledFromATeacher, _batches(), _cross_entropy),
     'batch-mixed-in-place': Run(BatchMixedInPlace, _batches(), _cross_entropy),
+    'gradient-penalty': Run(GradientPenalised, _batches(), _cross_entropy),
+    'activation-gradient-penalty': Run(ActivationGradientPenalised, _batches((2, 3, 8, 8)), _cross_entropy),
 }
 WEIGHTS_FLATTENED = ('lbfgs', 'parameters-to-vector', 'max-normed-through-reshape')
 
