@@ -24,7 +24,7 @@ Example:
     >>> with step:
     ...     optimizer.step()
     >>> said
-    ['PerFilter.step: a gradient or state tensor is viewed at <doctest ...>:4']
+    ["PerFilter.step: a weight's gradient is viewed at <doctest ...>:4"]
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class FirstStep:
 
     def __init__(self, optimizer: torch.optim.Optimizer, on_view: Callable[[str], None]) -> None:
         self._name = type(optimizer).__name__
+        self._params = [p for group in optimizer.param_groups for p in group['params']]
         self._on_view = on_view
         self._heard = False
         self._mode = ViewWatch(self)
@@ -97,6 +98,9 @@ class FirstStep:
     def _weights_viewed(self, why: str) -> bool:
         self._contiguous(why)
         return True
+
+    def weight_gradient(self, tensor: torch.Tensor) -> bool:
+        return any(tensor is p.grad for p in self._params)
 
     def _found(self, origins: frozenset, where: str, how: str) -> None:
         self._contiguous(f'a gradient or state tensor is {how}')

@@ -35,6 +35,7 @@ import torch
 
 from channels_last_algo.core.argument_checks import require_module, require_optimizers
 from channels_last_algo.core.audit import AuditReport
+from channels_last_algo.core.audit_report import LayoutBreakError
 from channels_last_algo.core.audited_steps import AuditedSteps
 from channels_last_algo.core.auto_mode import AutoMode, LossFn
 from channels_last_algo.core.compiled_backward import CompiledBackwardLayout
@@ -208,7 +209,7 @@ class LayoutGuard:
         self._viewed = ViewedOutputs(model, functools.partial(self._weights_viewed, weakref.ref(model)))
         if not self.weight_layout.contiguous and self.options['weights'] == 'auto':
             self._optimizer_watch = OptimizerWatch(
-                model, functools.partial(self._weights_contiguous, weakref.ref(model))
+                model, functools.partial(self._weights_contiguous, weakref.ref(model)), self._optimizer_stepped
             )
         if not self.weight_layout.contiguous:
             self.summary = apply_channels_last(model, optimizers=optimizers, repair=self.options['repair'])
@@ -330,9 +331,12 @@ class LayoutGuard:
         if self._audited is not None and self.channels_last:
             self._audited.start_step()
 
-    def on_step_end(self) -> Optional[AuditReport]:
+    def on_step_end(self, until_optimizer_step: bool = False) -> Optional[AuditReport]:
         """Stop auditing; return this step's report, or None when it was not audited. After the last
         audited step (or a strict failure) the breaks left are shown (:attr:`audit_block`).
+        ``until_optimizer_step``: an optimizer step follows (a trainer's), and the first training step's
+        watch lasts until it ends, over the code between that reads the gradients
+        (``torch.cat([p.grad.view(-1) ...])``); :meth:`step` in a plain loop watches its own block only.
 
         Raises:
             LayoutBreakError: in strict mode, when the step had a layout break.
@@ -340,7 +344,8 @@ class LayoutGuard:
         self.inputs.finish()
         self._compiled_backward.stop()
         self._show_refused()
-        self._end_watch(training=True)
+        lasting = until_optimizer_step and self._optimizer_watch is not None and not self.weight_layout.contiguous
+        self._end_watch(training=True, lasting=lasting)
         if self._repair_check is not None:
             self._repair_check.end_step()
         if self._audited is None:
@@ -348,7 +353,11 @@ class LayoutGuard:
         step_report, block = self._audited.end_step()
         if block is not None:
             self._show(str(block), warn=not step_report.ok)
-            self._audited.raise_failure(step_report)
+            try:
+                self._audited.raise_failure(step_report)
+            except LayoutBreakError:
+                self._end_watch(training=False)  # the run stops here: no optimizer step will end a lasting watch
+                raise
         return step_report
 
     def _start_watch(self, whole_step: bool) -> None:
@@ -356,10 +365,16 @@ class LayoutGuard:
         if self._viewed is not None and self.channels_last:
             self._viewed.begin(whole_step)
 
-    def _end_watch(self, training: bool) -> None:
-        """What the watch found: one warning line for each view placed or not placed."""
-        for line in [] if self._viewed is None else self._viewed.end(training):
+    def _end_watch(self, training: bool, lasting: bool = False) -> None:
+        """What the watch found: one warning line for each view placed or not placed (``lasting``: see
+        :meth:`ViewedOutputs.end`)."""
+        for line in [] if self._viewed is None else self._viewed.end(training, lasting):
             self._show(f'channels last: {line}', warn=True)
+
+    def _optimizer_stepped(self) -> None:
+        """After an optimizer step: the first training step's watch, lasting over it, ends."""
+        if self._viewed is not None and self._viewed.watching:
+            self._end_watch(training=False)
 
     def close(self) -> None:
         """Stop an audit (and a search for the images) left running by a step that raised; safe

@@ -12,6 +12,8 @@ Example:
     ...         self.found.append(sorted(type(m).__name__ for m in origins))
     ...     def _weights_viewed(self, why):
     ...         return False
+    ...     def weight_gradient(self, tensor):
+    ...         return False
     >>> conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     >>> x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
     >>> owner = Owner()
@@ -120,7 +122,8 @@ class ViewWatch(TorchFunctionMode):
 
     ``owner`` hears what is found: ``owner._found(modules, where, how)`` for a tensor the code at
     ``where`` uses in a way (``how``) that needs it channels first, ``owner._weights_viewed(why)``
-    for such a use of a weight (True where the weights are contiguous now), and
+    for such a use of a weight or of a weight's gradient (``owner.weight_gradient(tensor)``; True
+    where the weights are contiguous now), and
     ``owner.extension_found(name, where)`` for an extension op given 4D/5D tensors. ``in_hook``: the watch runs
     a tensor hook, whose gradient no module made. ``light``: only extension ops are watched.
     """
@@ -198,9 +201,15 @@ class ViewWatch(TorchFunctionMode):
     def _written_through(self, tensor: torch.Tensor, where: str, how: str) -> None:
         """A write went through what a shape op at ``where`` made of ``tensor``, or reached ``tensor``
         while that lives: from now on ``tensor`` should be channels first, where NCHW's views are."""
-        if isinstance(tensor, torch.nn.Parameter) and self.owner._weights_viewed(f'a weight is {how}'):
-            return
-        self.owner._found(frozenset() if self.in_hook else self.makers(tensor), where, how)
+        if not self._weights_take(tensor, how):
+            self.owner._found(frozenset() if self.in_hook else self.makers(tensor), where, how)
+
+    def _weights_take(self, tensor: torch.Tensor, how: str) -> bool:
+        """Whether ``tensor`` is a weight or a weight's gradient, used as ``how`` says, and the owner made
+        the weights (and their gradients) contiguous for it."""
+        if isinstance(tensor, torch.nn.Parameter):
+            return self.owner._weights_viewed(f'a weight is {how}')
+        return self.owner.weight_gradient(tensor) and self.owner._weights_viewed(f"a weight's gradient is {how}")
 
     def _extension(self, op: Any, args: tuple, kwargs: dict) -> Any:
         """An extension op runs as in NCHW: on contiguous copies of the NHWC tensors it is given, and its
@@ -261,7 +270,7 @@ class ViewWatch(TorchFunctionMode):
             return func(*args, **kwargs)  # NCHW's memory is unknown, or the strides are this tensor's own
         where = _where(_caller())
         how = f'read through the .as_strided() at {where}'
-        if isinstance(tensor, torch.nn.Parameter) and self.owner._weights_viewed(f'a weight is {how}'):
+        if self._weights_take(tensor, how):
             return func(*args, **kwargs)  # the weights are contiguous now: their own memory is NCHW's
         self.owner._found(frozenset() if self.in_hook else self.makers(tensor), where, how)
         shift = [] if offset is None else [offset - twin.storage_offset()]  # into a copy that starts at the tensor
@@ -278,8 +287,8 @@ class ViewWatch(TorchFunctionMode):
             self._follow(args, kwargs, result, shape_op=True)
             return result
         where = _where(_caller())
-        if isinstance(args[0], torch.nn.Parameter) and self.owner._weights_viewed(f'a weight is viewed at {where}'):
-            return func(*args, **kwargs)  # the weights are contiguous now: a true view
+        if self._weights_take(args[0], f'viewed at {where}'):
+            return func(*args, **kwargs)  # the weights (and their gradients) are contiguous now: a true view
         self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), where, f'viewed at {where}')
         return self._as_in_nchw(func, args, kwargs, self.copies.view(func, args[0], args[1:], kwargs))
 

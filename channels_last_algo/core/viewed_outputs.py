@@ -211,10 +211,22 @@ class ViewedOutputs:
         model = self._model()
         return True if model is None else model.training
 
-    def end(self, training: bool) -> list[str]:
-        """At a training step's end (``training``), or the next batch: stop; what was found."""
+    def end(self, training: bool, lasting: bool = False) -> list[str]:
+        """At a training step's end (``training``), or the next batch: stop; what was found. ``lasting``:
+        the first training step's watch goes on (until :meth:`stop`), over the code between the
+        backward and the optimizer step, which reads the weights' gradients (a gradient norm from
+        ``p.grad.view(-1)``)."""
+        first = training and self.watching and not self._step_watched
         self._step_watched = self._step_watched or (training and self.watching)
+        if lasting and first:
+            found, self._new = self._new, []
+            return found
         return self.stop()
+
+    def weight_gradient(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the gradient of one of the model's parameters."""
+        model = self._model()
+        return model is not None and any(tensor is p.grad for p in model.parameters())
 
     def start(self, whole_step: bool = True, light: bool = False) -> None:
         """Watch until :meth:`stop` (``whole_step``), or during the next outermost module call (its

@@ -157,6 +157,8 @@ def _see_step_end(optimizer: torch.optim.Optimizer, *_: Any) -> None:
     first = _first_steps.pop(id(optimizer), None)
     if first is not None:
         first.stop()
+    for watch in list(_watches):
+        watch._on_stepped()
 
 
 def _stop_first_steps() -> None:
@@ -187,9 +189,15 @@ class OptimizerWatch:
         >>> watch.close()
     """
 
-    def __init__(self, model: torch.nn.Module, on_plan: Callable[[torch.optim.Optimizer, WeightLayoutPlan], None]):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        on_plan: Callable[[torch.optim.Optimizer, WeightLayoutPlan], None],
+        on_stepped: Callable[[], None] = lambda: None,
+    ):
         self._model = weakref.ref(model)
         self._on_plan = on_plan
+        self._on_stepped = on_stepped  # after each optimizer step
         self._seen: set[int] = set()
         _watches.add(self)
         if not _step_hooks:

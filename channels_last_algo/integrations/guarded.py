@@ -63,8 +63,9 @@ class GuardedIntegration:
 
     def end_step(self) -> StepLogs:
         """The guard's :meth:`~channels_last_algo.core.guard.LayoutGuard.on_step_end`, with what a trainer
-        logs of it."""
-        step_report = self.guard.on_step_end()
+        logs of it. A trainer steps the optimizer after the backward: the first step's watch lasts
+        until then, over the trainer's hooks between them."""
+        step_report = self.guard.on_step_end(until_optimizer_step=True)
         if step_report is None:
             return StepLogs({}, {})
         block = self.guard.audit_block

@@ -34,6 +34,7 @@ class Run:
     loss: Callable[[Any, tuple], torch.Tensor]
     optimizer: Callable[[Any], torch.optim.Optimizer] = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
     forward: Callable[[nn.Module, tuple], Any] = lambda net, batch: net(batch[0])
+    after_backward: Callable[[nn.Module], None] = lambda net: None  # code between the backward and the optimizer
     options: dict = dataclasses.field(default_factory=dict)  # the integration's options this run needs
 
 
@@ -58,6 +59,7 @@ def _step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, batch: tuple, gu
     else:
         with guard.step() if guard is not None else _nothing():
             closure()
+            run.after_backward(net)  # in a plain loop, inside the guard's step: its watch covers it
         opt.step()
     return losses[-1]  # LBFGS calls the closure more than once: its last loss, as Lightning records it
 
@@ -125,6 +127,9 @@ def _composer(run: Run, net: nn.Module, options: dict) -> tuple[list, nn.Module,
         def __init__(self) -> None:
             self.steps = []
 
+        def after_backward(self, state, logger) -> None:
+            run.after_backward(net)
+
         def batch_end(self, state, logger) -> None:
             self.steps.append((state.loss.detach().clone(), _snapshot(net)))
 
@@ -160,6 +165,9 @@ def _lightning(run: Run, net: nn.Module, options: dict) -> tuple[list, nn.Module
 
         def training_step(self, batch, batch_idx):
             return run.loss(run.forward(self.net, batch), batch)
+
+        def on_before_optimizer_step(self, optimizer) -> None:
+            run.after_backward(self.net)
 
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
             self.steps.append((outputs['loss'].detach().clone(), _snapshot(self.net)))

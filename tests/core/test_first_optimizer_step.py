@@ -1,9 +1,11 @@
-"""An optimizer of the user's that flattens weights, gradients or its state trains as in NCHW.
+"""An optimizer of the user's that flattens weights, gradients or its state, and code between the
+backward and the optimizer step that flattens the gradients, train as in NCHW.
 
 No known-optimizer row names these: the first step of an optimizer whose ``step`` is not torch's own
-runs under a view watch, and the first flattening use makes the weights contiguous on the spot. Each
-trains 3 float64 steps through LayoutGuard, the Composer algorithm and the Lightning callback (whose
-optimizer step runs the forward and backward in a closure), equal to the NCHW run on every step.
+runs under a view watch, the first training step's watch lasts until the optimizer steps, and the
+first flattening use makes the weights contiguous on the spot. Each trains 3 float64 steps through
+LayoutGuard, the Composer algorithm and the Lightning callback (whose optimizer step runs the
+forward and backward in a closure), equal to the NCHW run on every step.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def _cross_entropy(output, batch):
 
 
 OPTIMIZERS = {
-    'filter-normalised': (FilterNormalised, dict(lr=0.1, momentum=0.9), 'a gradient or state tensor is viewed at'),
+    'filter-normalised': (FilterNormalised, dict(lr=0.1, momentum=0.9), "a weight's gradient is viewed at"),
     'trust-ratio': (TrustRatio, {}, 'a weight is viewed at'),
     'momentum-rows-clipped': (MomentumRowsClipped, {}, 'through the .reshape() at'),
 }
@@ -122,6 +124,56 @@ def test_a_flattening_optimizer_of_the_users_trains_as_in_nchw(name, integration
     said = [r.getMessage() for r in caplog.records if 'weights contiguous, activations NHWC (' in r.getMessage()]
     assert len(said) == 1 and f'{optimizer.__name__}.step: ' in said[0] and what in said[0], said
     assert 'test_first_optimizer_step.py:' in said[0]
+
+
+def _gradient_norm_logged_and_filters_normalised(net: nn.Module) -> None:
+    """What training loops do between the backward and the step: the gradient norm from
+    ``torch.cat([p.grad.view(-1) ...])``, then each filter's gradient normalised through ``.view()``."""
+    norm = torch.cat([p.grad.view(-1) for p in net.parameters()]).norm()
+    for p in net.parameters():
+        if p.ndim == 4:
+            rows = p.grad.view(len(p), -1)
+            rows.div_(rows.norm(dim=1, keepdim=True) + norm)
+
+
+@pytest.mark.parametrize('integration', INTEGRATIONS)
+def test_gradients_flattened_between_the_backward_and_the_step_train_as_in_nchw(integration, caplog):
+    """Composer's ``AFTER_BACKWARD`` callbacks, Lightning's ``on_before_optimizer_step`` and a plain
+    loop's code after the backward inside ``guard.step()`` flatten the gradients; SGD steps. The
+    trainers' first step's watch lasts until the optimizer steps: the weights go contiguous there, said once."""
+    run = Run(_network, _batches(), _cross_entropy, after_backward=_gradient_norm_logged_and_filters_normalised)
+    with caplog.at_level(logging.INFO):
+        steps, net, owner = guarded(run, integration)
+    assert_same_run(steps, nchw(run), f'gradients flattened after the backward through {integration}')
+    guard = owner if isinstance(owner, LayoutGuard) else owner.guard
+    assert guard.weight_layout.contiguous and all(p.is_contiguous() for p in net.parameters())
+    said = [r.getMessage() for r in caplog.records if 'weights contiguous, activations NHWC (' in r.getMessage()]
+    assert len(said) == 1 and "(a weight's gradient is viewed at " in said[0], said
+
+
+def test_the_first_steps_watch_lasts_until_a_trainers_optimizer_step_and_no_longer():
+    """Where an optimizer step follows (a trainer's ``on_step_end(until_optimizer_step=True)``), the first
+    training step's watch ends with it, also when nothing was viewed; a plain loop's ``guard.step()``
+    leaves nothing on after its block."""
+    net = _network().double()
+    guard = LayoutGuard()
+    guard.on_init(net)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    images, labels = guard.on_batch(_batches()[0])
+    guard.on_step_start()
+    _cross_entropy(net(images), (images, labels)).backward()
+    guard.on_step_end(until_optimizer_step=True)
+    assert torch._C._len_torch_function_stack() == 1  # the first step's watch, lasting
+    optimizer.step()
+    assert torch._C._len_torch_function_stack() == 0 and not net[0].weight.is_contiguous()
+    guard.close()
+
+    guard = LayoutGuard()
+    guard.on_init(net)
+    with guard.step():
+        _cross_entropy(net(guard.on_batch(images)), (images, labels)).backward()
+    assert torch._C._len_torch_function_stack() == 0
+    guard.close()
 
 
 @pytest.mark.parametrize('name', ['filter-normalised', 'momentum-rows-clipped'])
@@ -177,7 +229,7 @@ class _FailsOnce(torch.optim.SGD):
 
 @pytest.mark.parametrize('ended_by', ['the next step', 'close'])
 def test_a_first_step_that_raises_leaves_no_watch_on(ended_by):
-    """The watch over a first step that raised comes off at the next step, or at ``close``."""
+    """The watches over a first optimizer step that raised come off at the next step, or at ``close``."""
     net = _network().double()
     guard = LayoutGuard()
     guard.on_init(net)
@@ -187,7 +239,7 @@ def test_a_first_step_that_raises_leaves_no_watch_on(ended_by):
         _cross_entropy(net(images), (images, labels)).backward()
     with pytest.raises(ValueError, match='a step that fails'):
         optimizer.step()
-    assert torch._C._len_torch_function_stack() == 1  # left on by the error
+    assert torch._C._len_torch_function_stack() == 1  # the optimizer step's, left on by the error
     if ended_by == 'the next step':
         optimizer.step()
         assert torch._C._len_torch_function_stack() == 0
