@@ -146,6 +146,8 @@ _first_steps: dict[int, FirstStep] = {}  # optimizer id -> the watch over its fi
 
 
 def _see_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    if torch.compiler.is_compiling():  # a compiled step (torch.compile(optimizer.step)): no watch enters its graph
+        return None
     _stop_first_steps()  # one a step that raised left on
     for watch in list(_watches):
         watch._stepped(optimizer)
@@ -154,6 +156,8 @@ def _see_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Op
 
 
 def _see_step_end(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
     first = _first_steps.pop(id(optimizer), None)
     if first is not None:
         first.stop()

@@ -207,16 +207,43 @@ def test_torch_optimizers_and_steps_that_do_not_flatten_keep_the_weights_channel
     """SGD is torch's own and never watched; a step of the user's that flattens nothing is watched
     once and changes nothing."""
 
-    class Clipped(torch.optim.SGD):
-        def step(self, closure=None):
-            torch.nn.utils.clip_grad_norm_(self.param_groups[0]['params'], 1.0)
-            return super().step(closure)
-
-    for optimizer in (torch.optim.SGD, Clipped):
+    for optimizer in (torch.optim.SGD, _Clipped):
         run = Run(_network, _batches(), _cross_entropy, lambda params, optimizer=optimizer: optimizer(params, lr=0.1))
         steps, net, guard = guarded(run, 'guard')
         assert_same_run(steps, nchw(run), optimizer.__name__)
         assert not guard.weight_layout.contiguous and not net[0].weight.is_contiguous()
+
+
+class _Clipped(torch.optim.SGD):
+    def step(self, closure=None):
+        torch.nn.utils.clip_grad_norm_(self.param_groups[0]['params'], 1.0)
+        return super().step(closure)
+
+
+@pytest.mark.parametrize('optimizer_class', [torch.optim.SGD, _Clipped])
+def test_a_compiled_optimizer_step_is_left_to_the_compiler(optimizer_class):
+    """``torch.compile(optimizer.step)`` under the first step's lasting watch: no watch enters its graph
+    (a mode there fails dynamo's tracing of some steps), and the run equals NCHW's."""
+    batches = _batches()
+    expected = nchw(Run(_network, batches, _cross_entropy, lambda params: optimizer_class(params, lr=0.1)))
+    torch.manual_seed(0)
+    net = _network().double()
+    guard = LayoutGuard()
+    guard.on_init(net)
+    optimizer = optimizer_class(net.parameters(), lr=0.1)
+    step = torch.compile(optimizer.step, backend='eager')
+    for batch, (expected_loss, _) in zip(batches, expected):
+        images, labels = guard.on_batch(batch)
+        guard.on_step_start()
+        optimizer.zero_grad()
+        loss = _cross_entropy(net(images), (images, labels))
+        loss.backward()
+        guard.on_step_end(until_optimizer_step=True)
+        step()
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dict(net.named_parameters()), expected[-1][1], rtol=1e-10, atol=1e-10)
+    guard.close()
+    assert torch._C._len_torch_function_stack() == 0
 
 
 class _FailsOnce(torch.optim.SGD):
