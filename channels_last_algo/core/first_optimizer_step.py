@@ -19,12 +19,15 @@ Example:
     ...         return super().step(closure)
     >>> conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
     >>> conv(torch.randn(1, 3, 5, 5)).sum().backward()
+    >>> from channels_last_algo.core.convert import apply_channels_first
     >>> optimizer, said = PerFilter([conv.weight], lr=0.1), []
-    >>> step = FirstStep(optimizer, said.append)
-    >>> with step:
+    >>> def contiguous(why):                 # what the guard does: the weights, gradients, state
+    ...     said.append(why)
+    ...     _ = apply_channels_first(conv, optimizers=optimizer)
+    >>> with FirstStep(optimizer, contiguous):
     ...     optimizer.step()
-    >>> said
-    ["PerFilter.step: a weight's gradient is viewed at <doctest ...>:4"]
+    >>> said, conv.weight.is_contiguous()
+    (["PerFilter.step: a weight's gradient is viewed at <doctest ...>:4"], True)
 """
 
 from __future__ import annotations

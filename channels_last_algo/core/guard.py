@@ -34,8 +34,7 @@ from typing import Any, Optional
 import torch
 
 from channels_last_algo.core.argument_checks import require_module, require_optimizers
-from channels_last_algo.core.audit import AuditReport
-from channels_last_algo.core.audit_report import LayoutBreakError
+from channels_last_algo.core.audit import AuditReport, LayoutBreakError
 from channels_last_algo.core.audited_steps import AuditedSteps
 from channels_last_algo.core.auto_mode import AutoMode, LossFn
 from channels_last_algo.core.compiled_backward import CompiledBackwardLayout
@@ -334,9 +333,8 @@ class LayoutGuard:
     def on_step_end(self, until_optimizer_step: bool = False) -> Optional[AuditReport]:
         """Stop auditing; return this step's report, or None when it was not audited. After the last
         audited step (or a strict failure) the breaks left are shown (:attr:`audit_block`).
-        ``until_optimizer_step``: an optimizer step follows (a trainer's), and the first training step's
-        watch lasts until it ends, over the code between that reads the gradients
-        (``torch.cat([p.grad.view(-1) ...])``); :meth:`step` in a plain loop watches its own block only.
+        ``until_optimizer_step`` (a trainer's step follows): the first step's watch lasts until it ends,
+        over code between that reads the gradients (``torch.cat([p.grad.view(-1) ...])``).
 
         Raises:
             LayoutBreakError: in strict mode, when the step had a layout break.
@@ -356,7 +354,7 @@ class LayoutGuard:
             try:
                 self._audited.raise_failure(step_report)
             except LayoutBreakError:
-                self._end_watch(training=False)  # the run stops here: no optimizer step will end a lasting watch
+                self._end_watch(training=False)  # no optimizer step follows to end a lasting watch
                 raise
         return step_report
 
@@ -366,14 +364,13 @@ class LayoutGuard:
             self._viewed.begin(whole_step)
 
     def _end_watch(self, training: bool, lasting: bool = False) -> None:
-        """What the watch found: one warning line for each view placed or not placed (``lasting``: see
-        :meth:`ViewedOutputs.end`)."""
+        """What the watch found: one line for each view placed or not (``lasting``: ViewedOutputs.end)."""
         for line in [] if self._viewed is None else self._viewed.end(training, lasting):
             self._show(f'channels last: {line}', warn=True)
 
     def _optimizer_stepped(self) -> None:
-        """After an optimizer step: the first training step's watch, lasting over it, ends."""
-        if self._viewed is not None and self._viewed.watching:
+        """After an optimizer step: the first training step's watch, if it lasts, ends."""
+        if self._viewed is not None and self._viewed.lasting:
             self._end_watch(training=False)
 
     def close(self) -> None:

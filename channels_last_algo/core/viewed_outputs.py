@@ -177,6 +177,7 @@ class ViewedOutputs:
         self.unplaced: list[str] = []
         self.extensions: list[str] = []
         self._mode: Optional[ViewWatch] = None
+        self.lasting = False  # the first training step's watch goes on past its end (see end)
         self._new: list[str] = []
         self._whole_step = True
         self._depth = 0  # module calls under way
@@ -219,6 +220,7 @@ class ViewedOutputs:
         first = training and self.watching and not self._step_watched
         self._step_watched = self._step_watched or (training and self.watching)
         if lasting and first:
+            self.lasting = True
             found, self._new = self._new, []
             return found
         return self.stop()
@@ -245,7 +247,7 @@ class ViewedOutputs:
 
     def stop(self) -> list[str]:
         """Stop watching; return what was found since the last stop, one line each (paths and code places)."""
-        mode, self._mode = self._mode, None
+        mode, self._mode, self.lasting = self._mode, None, False
         paused, self._paused_for = self._paused_for, None
         if mode is not None and paused is None:
             exit_mode(mode)
