@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
@@ -42,7 +43,7 @@ from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on
 from channels_last_algo.core.layout import is_4d_or_5d
 from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, SHAPE_OPS, NchwTwins, aliases
 
-__all__ = ['ViewWatch', 'nhwc']
+__all__ = ['ViewWatch', 'contiguous_gradient', 'hook_watched', 'nhwc']
 
 _VIEWS = (torch.Tensor.view, torch.Tensor.view_as)
 _AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)  # strides given outright: they index NCHW's memory
@@ -100,8 +101,8 @@ def _fresh_like(twin: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(twin.shape, twin.stride(), dtype=tensor.dtype, device=tensor.device).copy_(tensor)
 
 
-def _contiguous_gradient(grad: torch.Tensor) -> Optional[torch.Tensor]:
-    """A gradient as NCHW has it, for an extension op's backward."""
+def contiguous_gradient(grad: torch.Tensor) -> Optional[torch.Tensor]:
+    """A gradient as NCHW has it, for an extension op's backward or a weight's hooks."""
     if grad.is_contiguous():
         return None
     with exit_copies():
@@ -123,15 +124,17 @@ class ViewWatch(TorchFunctionMode):
     ``owner`` hears what is found: ``owner._found(modules, where, how)`` for a tensor the code at
     ``where`` uses in a way (``how``) that needs it channels first, ``owner._weights_viewed(why)``
     for such a use of a weight or of a weight's gradient (``owner.weight_gradient(tensor)``; True
-    where the weights are contiguous now), and
+    where the weights are contiguous now), ``owner.gradient_hook_found(weight, how)`` for such a use
+    of the gradient a hook on ``weight`` is given (``hooked``), and
     ``owner.extension_found(name, where)`` for an extension op given 4D/5D tensors. ``in_hook``: the watch runs
     a tensor hook, whose gradient no module made. ``light``: only extension ops are watched.
     """
 
-    def __init__(self, owner: Any, in_hook: bool = False, light: bool = False) -> None:
+    def __init__(self, owner: Any, in_hook: bool = False, light: bool = False, hooked: Optional[tuple] = None) -> None:
         super().__init__()
         self.owner = owner
         self.in_hook = in_hook  # in a tensor hook: its gradient's layout is its consumers', no module's
+        self.hooked = hooked  # a hook on a weight: (the weight, the gradient the hook is given)
         self.light = light  # extension ops only: once the views and reshapes are placed
         self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the module that returned it
         self.derived: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> modules it derives from
@@ -169,7 +172,7 @@ class ViewWatch(TorchFunctionMode):
         if func in _AS_STRIDED and self.strided_by_nhwc(args[0]):
             return self._as_strided(func, args, kwargs)
         if func is torch.Tensor.register_hook and is_4d_or_5d(args[0]):
-            args = (args[0], self._watched_hook(args[1]), *args[2:])
+            args = (args[0], hook_watched(args[1], self.owner), *args[2:])
         result = self._as_in_nchw(func, args, kwargs, func(*args, **kwargs))
         self.copies.written(func, args, kwargs)
         if func is not torch.autograd.grad:  # gradients: no module makes them, whatever their inputs' makers
@@ -201,12 +204,16 @@ class ViewWatch(TorchFunctionMode):
     def _written_through(self, tensor: torch.Tensor, where: str, how: str) -> None:
         """A write went through what a shape op at ``where`` made of ``tensor``, or reached ``tensor``
         while that lives: from now on ``tensor`` should be channels first, where NCHW's views are."""
-        if not self._weights_take(tensor, how):
+        if not self._weight_use(tensor, how):
             self.owner._found(frozenset() if self.in_hook else self.makers(tensor), where, how)
 
-    def _weights_take(self, tensor: torch.Tensor, how: str) -> bool:
-        """Whether ``tensor`` is a weight or a weight's gradient, used as ``how`` says, and the owner made
-        the weights (and their gradients) contiguous for it."""
+    def _weight_use(self, tensor: torch.Tensor, how: str) -> bool:
+        """Whether ``tensor``, used as ``how`` says, is a weight or a weight's gradient, and the owner made
+        the weights (and their gradients) contiguous for it; or the gradient a hook on a weight is given,
+        which the owner has reach that weight's hooks contiguous from the next step on."""
+        if self.hooked is not None and tensor is self.hooked[1]:
+            self.owner.gradient_hook_found(self.hooked[0], how)
+            return True
         if isinstance(tensor, torch.nn.Parameter):
             return self.owner._weights_viewed(f'a weight is {how}')
         return self.owner.weight_gradient(tensor) and self.owner._weights_viewed(f"a weight's gradient is {how}")
@@ -221,17 +228,8 @@ class ViewWatch(TorchFunctionMode):
             result = run_on_contiguous(op, args, kwargs, strided)
         for tensor in tree_leaves(result):
             if is_4d_or_5d(tensor) and tensor.requires_grad:
-                tensor.register_hook(_contiguous_gradient)
+                tensor.register_hook(contiguous_gradient)
         return result
-
-    def _watched_hook(self, hook: Any) -> Any:
-        """``hook`` run under a watch of its own: autograd calls tensor hooks outside this mode."""
-
-        def watched(grad: torch.Tensor) -> Any:
-            with ViewWatch(self.owner, in_hook=True):
-                return hook(grad)
-
-        return watched
 
     def strided_by_nhwc(self, tensor: Any) -> bool:
         """An NHWC tensor, or one of another rank whose strides an NHWC one set (``z.flatten(2)``)."""
@@ -270,9 +268,10 @@ class ViewWatch(TorchFunctionMode):
             return func(*args, **kwargs)  # NCHW's memory is unknown, or the strides are this tensor's own
         where = _where(_caller())
         how = f'read through the .as_strided() at {where}'
-        if self._weights_take(tensor, how):
+        if not self._weight_use(tensor, how):
+            self.owner._found(frozenset() if self.in_hook else self.makers(tensor), where, how)
+        elif not nhwc(tensor):
             return func(*args, **kwargs)  # the weights are contiguous now: their own memory is NCHW's
-        self.owner._found(frozenset() if self.in_hook else self.makers(tensor), where, how)
         shift = [] if offset is None else [offset - twin.storage_offset()]  # into a copy that starts at the tensor
         return self.copies.view(torch.Tensor.as_strided, tensor, (given['size'], given['stride'], *shift), {})
 
@@ -287,10 +286,24 @@ class ViewWatch(TorchFunctionMode):
             self._follow(args, kwargs, result, shape_op=True)
             return result
         where = _where(_caller())
-        if self._weights_take(args[0], f'viewed at {where}'):
+        if not self._weight_use(args[0], f'viewed at {where}'):
+            self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), where, f'viewed at {where}')
+        elif not nhwc(args[0]):
             return func(*args, **kwargs)  # the weights (and their gradients) are contiguous now: a true view
-        self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), where, f'viewed at {where}')
         return self._as_in_nchw(func, args, kwargs, self.copies.view(func, args[0], args[1:], kwargs))
 
 
 _HANDLER = ViewWatch.__torch_function__.__code__  # where a view watch takes an op
+
+
+def hook_watched(
+    hook: Callable[..., Any], owner: Any, weight: Optional[torch.nn.Parameter] = None
+) -> Callable[..., Any]:
+    """``hook`` (a backward hook, which autograd calls outside every mode) run under a watch of its own
+    that reports to ``owner``; ``weight``: the hook is on that weight, and given its gradient."""
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        with ViewWatch(owner, in_hook=True, hooked=None if weight is None else (weight, args[0])):
+            return hook(*args, **kwargs)
+
+    return watched

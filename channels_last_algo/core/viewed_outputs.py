@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from channels_last_algo.core.audit import exit_copies
+from channels_last_algo.core.backward_hooks import BackwardHooks
 from channels_last_algo.core.module_calls import (
     compiled_wrapper,
     exit_mode,
@@ -60,7 +61,7 @@ from channels_last_algo.core.module_calls import (
     unsubscribe,
 )
 from channels_last_algo.core.saved_state import SavedState
-from channels_last_algo.core.view_watch import ViewWatch, nhwc
+from channels_last_algo.core.view_watch import ViewWatch, contiguous_gradient, nhwc
 
 __all__ = [
     'SCRIPTED_VIEW',
@@ -152,6 +153,16 @@ def explain_unwatched_view(error: BaseException) -> None:
         error.args = (f'{error.args[0] if error.args else ""}\n{note}', *error.args[1:])
 
 
+def _hook_first(tensor: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> None:
+    """``hook`` registered on ``tensor`` to run before its other hooks. Autograd runs them in the
+    order of the table's underlying dict (``move_to_end`` does not change it): the others go back after."""
+    table, key = tensor._backward_hooks, tensor.register_hook(hook).id
+    others = [(k, h) for k, h in table.items() if k != key] if table is not None else []
+    for k, _ in others:
+        del table[k]
+    table.update(others)
+
+
 class ViewedOutputs:
     """Watches steps (``with watch:`` or :meth:`start` / :meth:`stop`) for views NHWC makes fail, and
     makes the outputs they view channels first from then on. ``start(whole_step=False)`` watches one
@@ -178,6 +189,9 @@ class ViewedOutputs:
         self.extensions: list[str] = []
         self._mode: Optional[ViewWatch] = None
         self.lasting = False  # the first training step's watch goes on past its end (see end)
+        self._hooks = BackwardHooks()  # the model's backward hooks, watched while a step is
+        self._hooked_weights: weakref.WeakSet = weakref.WeakSet()  # weights whose hooks get contiguous gradients
+        self._to_hook: list[torch.nn.Parameter] = []  # those found in this watch: hooked when it stops
         self._new: list[str] = []
         self._whole_step = True
         self._depth = 0  # module calls under way
@@ -225,6 +239,17 @@ class ViewedOutputs:
             return found
         return self.stop()
 
+    def gradient_hook_found(self, weight: torch.nn.Parameter, how: str) -> None:
+        """A hook on ``weight`` uses the gradient it is given as ``how`` says, which takes it contiguous:
+        from the next step on it is given the gradient contiguous (a hook put before the user's)."""
+        if weight in self._hooked_weights:
+            return
+        self._hooked_weights.add(weight)
+        self._to_hook.append(weight)
+        model = self._model()
+        name = next((n for n, p in model.named_parameters() if p is weight), 'a weight') if model else 'a weight'
+        self._new.append(f'the gradient of {name} reaches its hooks contiguous from the next step on (the hook {how})')
+
     def weight_gradient(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is the gradient of one of the model's parameters."""
         model = self._model()
@@ -238,17 +263,23 @@ class ViewedOutputs:
             self._whole_step = True
             if self._paused_for is None and not on_mode_stack(self._mode):  # its forward has not begun
                 self._mode.__enter__()
-            return
-        self._whole_step = whole_step
-        self._mode, self._depth = ViewWatch(self, light=light), 0
-        subscribe(self)  # after any mode a module call enters, so that mode leaves first
-        if whole_step:
-            self._mode.__enter__()
+        else:
+            self._whole_step = whole_step
+            self._mode, self._depth = ViewWatch(self, light=light), 0
+            subscribe(self)  # after any mode a module call enters, so that mode leaves first
+            if whole_step:
+                self._mode.__enter__()
+        if self._whole_step and not self._mode.light:
+            self._hooks.watch(self._model(), self)
 
     def stop(self) -> list[str]:
         """Stop watching; return what was found since the last stop, one line each (paths and code places)."""
         mode, self._mode, self.lasting = self._mode, None, False
         paused, self._paused_for = self._paused_for, None
+        self._hooks.restore()
+        for weight in self._to_hook:  # outside the backward, whose hook tables must not change under it
+            _hook_first(weight, contiguous_gradient)
+        self._to_hook = []
         if mode is not None and paused is None:
             exit_mode(mode)
         if mode is not None:

@@ -9,7 +9,8 @@ views and mixes, a positional embedding added to an activation, and writes throu
 ``.flatten()`` and ``.contiguous()`` copies that NCHW has as aliases (of activations, a gradient, a
 weight, a batch tensor), and through what NHWC views where NCHW copies (a permute's reshape, a
 channels-last ``.contiguous()``), reads and writes through ``.as_strided()`` with NCHW's strides, and a
-teacher outside the model that views its activations, and a WGAN-GP penalty that views an input gradient.
+teacher outside the model that views its activations, a WGAN-GP penalty that views an input gradient,
+and backward hooks registered with the model (on a weight, on a module) that view their gradients.
 """
 
 from __future__ import annotations
@@ -319,6 +320,30 @@ class ActivationGradientPenalised(_ThreeConvolutions):
         return self.head(self.last(F.relu(self.mid(z)))) + g.view(g.size(0), -1).norm(dim=1, keepdim=True).mean()
 
 
+class HookedAtConstruction(_ThreeConvolutions):
+    """Backward hooks registered when the model is built, before any watch: one on ``mid.weight`` that
+    normalises each filter's gradient through ``grad.view(out_channels, -1)``, and a full backward hook
+    on ``last`` that scales its input gradient through ``grad_input[0].view(n, -1)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mid.weight.register_hook(self._per_filter)
+        self.last.register_full_backward_hook(self._scaled)
+
+    @staticmethod
+    def _per_filter(grad):
+        rows = grad.view(grad.size(0), -1)
+        return (rows / (rows.norm(dim=1, keepdim=True) + 1.0)).view_as(grad)
+
+    @staticmethod
+    def _scaled(module, grad_input, grad_output):
+        flat = grad_input[0].view(grad_input[0].size(0), -1)
+        return ((flat * torch.linspace(0.5, 1.5, flat.size(1), dtype=flat.dtype)).view_as(grad_input[0]),)
+
+    def forward(self, x):
+        return self.head(self.last(F.relu(self.mid(F.relu(self.stem(x))))))
+
+
 class DistilledFromATeacher(nn.Module):
     """A student trained on a frozen LeNet teacher that is no submodule (kept outside the model, as
     distillation code keeps it out of the optimizer and the checkpoint); the teacher views its activations."""
@@ -370,6 +395,7 @@ RUNS = {
     'batch-mixed-in-place': Run(BatchMixedInPlace, _batches(), _cross_entropy),
     'gradient-penalty': Run(GradientPenalised, _batches(), _cross_entropy),
     'activation-gradient-penalty': Run(ActivationGradientPenalised, _batches((2, 3, 8, 8)), _cross_entropy),
+    'hooked-at-construction': Run(HookedAtConstruction, _batches((2, 3, 8, 8)), _cross_entropy),
 }
 WEIGHTS_FLATTENED = ('lbfgs', 'parameters-to-vector', 'max-normed-through-reshape')
 
