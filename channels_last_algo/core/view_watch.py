@@ -79,17 +79,32 @@ def _called_internally() -> bool:
 
 def _written_for(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> bool:
     """Whether ``strides`` (given to ``tensor.as_strided()``) were written for the NCHW memory of
-    ``twin``: they hold a stride only NCHW has, and none only ``tensor`` has (code that builds them from
-    ``tensor.stride()`` holds this tensor's own).
+    ``twin`` rather than built from ``tensor.stride()``: by the stride values only one layout has;
+    where both or neither do (8 channels on 8 x 8 maps have the same values), by which layout's
+    strides divide them dimension by dimension; else by their falling as NCHW strides do.
 
     Example:
         >>> z = torch.empty(2, 4, 6, 6).to(memory_format=torch.channels_last)
         >>> twin = torch.empty(2, 4, 6, 6, device='meta')
         >>> _written_for(twin, z, (144, 36, 6, 1)), _written_for(twin, z, z.stride())
         (True, False)
+        >>> square, square_twin = torch.empty(2, 8, 8, 8).to(memory_format=torch.channels_last), torch.empty(2, 8, 8, 8)
+        >>> _written_for(square_twin, square, (512, 64, 8, 1, 8, 1)), _written_for(square_twin, square, square.stride())
+        (True, False)
     """
     given, own, nchw = set(strides) - {0}, set(tensor.stride()), set(twin.stride())
-    return bool(given & (nchw - own)) and not given & (own - nchw)
+    only_nchw, only_own = bool(given & (nchw - own)), bool(given & (own - nchw))
+    if only_nchw != only_own:
+        return only_nchw
+    leading = list(strides[: tensor.dim()])
+
+    def divide(reference: tuple) -> bool:
+        return all(r == 0 or s % r == 0 for s, r in zip(leading, reference))
+
+    fit_nchw, fit_own = divide(twin.stride()), divide(tensor.stride())
+    if fit_nchw != fit_own:
+        return fit_nchw
+    return leading == sorted(leading, reverse=True)
 
 
 def _where(frame: Any) -> str:

@@ -361,6 +361,16 @@ class DistilledFromATeacher(nn.Module):
         return logits - (logits.log_softmax(-1) * taught).sum(-1, keepdim=True)
 
 
+class ReadThroughAsStridedSquare(ReadThroughAsStrided):
+    """The same with 8 channels on 8 x 8 maps, where NHWC and NCHW strides are the same numbers in
+    another order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.mid, self.last = (nn.Conv2d(c, 8, 3, padding=1) for c in (3, 8, 8))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+
 class BatchReshapedInPlace(LeNet):
     """Zeroes the first pixels of its input batch through ``x.reshape(n, -1)``, a view in NCHW."""
 
@@ -391,6 +401,7 @@ RUNS = {
     'max-normed-through-reshape': Run(MaxNormedThroughReshape, _batches((2, 3, 8, 8)), _cross_entropy),
     'batch-reshaped-in-place': Run(BatchReshapedInPlace, _batches(), _cross_entropy),
     'read-through-as-strided': Run(ReadThroughAsStrided, _batches((2, 3, 8, 8)), _cross_entropy),
+    'read-through-as-strided-square': Run(ReadThroughAsStridedSquare, _batches((2, 3, 8, 8)), _cross_entropy),
     'distilled-from-a-teacher': Run(DistilledFromATeacher, _batches(), _cross_entropy),
     'batch-mixed-in-place': Run(BatchMixedInPlace, _batches(), _cross_entropy),
     'gradient-penalty': Run(GradientPenalised, _batches(), _cross_entropy),
