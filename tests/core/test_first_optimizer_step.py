@@ -42,8 +42,8 @@ class FilterNormalised(torch.optim.SGD):
         return loss
 
 
-class TrustRatio(torch.optim.Optimizer):
-    """A LARS-style step: the trust ratio from ``p.view(-1)`` and ``p.grad.view(-1)``."""
+class _PerParameter(torch.optim.Optimizer):
+    """A user's optimizer: the closure first, then ``update(p, lr)`` for each parameter with a gradient."""
 
     def __init__(self, params, lr=0.1):
         super().__init__(params, dict(lr=lr))
@@ -54,31 +54,28 @@ class TrustRatio(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group['params']:
                 if p.grad is not None:
-                    trust = p.view(-1).norm() / (p.grad.view(-1).norm() + 1e-6)
-                    p.add_(p.grad, alpha=-group['lr'] * float(trust.clamp(max=1.0)))
+                    self.update(p, group['lr'])
         return loss
 
 
-class MomentumRowsClipped(torch.optim.Optimizer):
+class TrustRatio(_PerParameter):
+    """A LARS-style step: the trust ratio from ``p.view(-1)`` and ``p.grad.view(-1)``."""
+
+    def update(self, p, lr):
+        trust = p.view(-1).norm() / (p.grad.view(-1).norm() + 1e-6)
+        p.add_(p.grad, alpha=-lr * float(trust.clamp(max=1.0)))
+
+
+class MomentumRowsClipped(_PerParameter):
     """Momentum whose buffer is clipped per filter through ``buf.reshape(out_channels, -1)``, in place:
     a view of the buffer in NCHW, a copy of an NHWC one."""
 
-    def __init__(self, params, lr=0.1):
-        super().__init__(params, dict(lr=lr))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = _closure_first(closure)
-        for group in self.param_groups:
-            for p in group['params']:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault('momentum_buffer', torch.zeros_like(p))
-                buf.mul_(0.9).add_(p.grad)
-                rows = buf.reshape(len(p), -1)
-                rows.mul_(0.5 / rows.norm(dim=1, keepdim=True).clamp(min=0.5))
-                p.add_(buf, alpha=-group['lr'])
-        return loss
+    def update(self, p, lr):
+        buf = self.state[p].setdefault('momentum_buffer', torch.zeros_like(p))
+        buf.mul_(0.9).add_(p.grad)
+        rows = buf.reshape(len(p), -1)
+        rows.mul_(0.5 / rows.norm(dim=1, keepdim=True).clamp(min=0.5))
+        p.add_(buf, alpha=-lr)
 
 
 def _network() -> nn.Module:
