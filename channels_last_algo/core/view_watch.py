@@ -172,12 +172,12 @@ class ViewWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # a compiled graph: not followed
+        op = extension_op(func) if isinstance(func, OP_TYPES) else None
+        if torch.compiler.is_compiling() or (self.light and op is None):  # a compiled graph: not followed
             return func(*args, **kwargs)
         caller, above = _op_caller()
         if above or caller.f_code.co_filename.startswith(_INTERNAL[1]):
             return func(*args, **kwargs)  # a watch above this one follows it, or this package's own code runs it
-        op = extension_op(func) if isinstance(func, OP_TYPES) else None
         if op is not None and any(is_4d_or_5d(t) for t in tree_leaves((args, kwargs))):
             return self._extension(op, args, kwargs)
         if self.light:
