@@ -148,7 +148,9 @@ _first_steps: dict[int, FirstStep] = {}  # optimizer id -> the watch over its fi
 def _see_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
     if torch.compiler.is_compiling():  # a compiled step (torch.compile(optimizer.step)): no watch enters its graph
         return None
-    _stop_first_steps()  # one a step that raised left on
+    stale = _first_steps.pop(id(optimizer), None)  # this optimizer's first step raised, and left its watch on
+    if stale is not None:
+        stale.stop()
     for watch in list(_watches):
         watch._stepped(optimizer)
     first = _first_steps.get(id(optimizer))
@@ -163,11 +165,6 @@ def _see_step_end(optimizer: torch.optim.Optimizer, *_: Any) -> None:
         first.stop()
     for watch in list(_watches):
         watch._on_stepped()
-
-
-def _stop_first_steps() -> None:
-    while _first_steps:
-        _first_steps.popitem()[1].stop()
 
 
 class OptimizerWatch:
@@ -237,7 +234,8 @@ class OptimizerWatch:
     def close(self) -> None:
         """Stop watching; the shared hook comes off once no watch is left."""
         self.stop()
-        _stop_first_steps()  # one a step that raised left on: no step runs now
+        while _first_steps:  # those steps that raised left on: no step runs now
+            _first_steps.popitem()[1].stop()
         if not _watches:
             while _step_hooks:
                 _step_hooks.pop().remove()

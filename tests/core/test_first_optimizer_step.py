@@ -251,6 +251,29 @@ class _FailsOnce(torch.optim.SGD):
         return super().step(closure)
 
 
+def test_an_optimizer_stepped_inside_anothers_closure_leaves_no_watch_on():
+    """Two user optimizers' first steps, one inside the other's closure: each watch ends with its step."""
+    net = _network().double()
+    guard = LayoutGuard()
+    guard.on_init(net)
+    parameters = list(net.parameters())
+    outer, inner = FilterNormalised(parameters[:-2], lr=0.1), TrustRatio(parameters[-2:])
+    images, labels = guard.on_batch(_batches()[0])
+
+    def closure():
+        outer.zero_grad()
+        inner.zero_grad()
+        with guard.step():
+            loss = _cross_entropy(net(images), (images, labels))
+            loss.backward()
+        inner.step()
+        return loss
+
+    outer.step(closure)
+    assert torch._C._len_torch_function_stack() == 0
+    guard.close()
+
+
 @pytest.mark.parametrize('ended_by', ['the next step', 'close'])
 def test_a_first_step_that_raises_leaves_no_watch_on(ended_by):
     """The watches over a first optimizer step that raised come off at the next step, or at ``close``."""
