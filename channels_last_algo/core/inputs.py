@@ -64,6 +64,7 @@ from channels_last_algo.core.aliased_copies import AliasedCopies
 from channels_last_algo.core.batch_tree import Path, leaves, map_leaves, path_name
 from channels_last_algo.core.layout import channels_last_format, is_4d_or_5d
 from channels_last_algo.core.module_calls import compiled_wrapper, exit_mode, settle_hooks, subscribe, unsubscribe
+from channels_last_algo.core.view_watch import GRADIENT_OPS
 
 __all__ = ['Inputs', 'InputSelection', 'check_inputs']
 
@@ -141,8 +142,8 @@ class _Flow(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling() or func is torch.autograd.grad:  # a compiled forward; gradients
-            return func(*args, **kwargs)  # (whatever the inputs, no batch tensor flows into them)
+        if torch.compiler.is_compiling() or func in GRADIENT_OPS:  # a compiled forward; gradients
+            return func(*args, **kwargs)
         origins = frozenset().union(
             *(self.origins.get(t, frozenset()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         )

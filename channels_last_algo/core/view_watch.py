@@ -43,10 +43,12 @@ from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on
 from channels_last_algo.core.layout import is_4d_or_5d
 from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, SHAPE_OPS, NchwTwins, aliases
 
-__all__ = ['ViewWatch', 'contiguous_gradient', 'hook_watched', 'nhwc']
+__all__ = ['GRADIENT_OPS', 'ViewWatch', 'contiguous_gradient', 'hook_watched', 'nhwc']
 
 _VIEWS = (torch.Tensor.view, torch.Tensor.view_as)
 _AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)  # strides given outright: they index NCHW's memory
+GRADIENT_OPS = (torch.autograd.grad,)
+"""Ops that return gradients: no module and no batch tensor makes them, whatever their inputs' makers."""
 
 _INTERNAL = (os.path.dirname(torch.__file__), os.path.dirname(__file__))  # frames that are not the user's
 
@@ -70,11 +72,6 @@ def _op_caller() -> tuple[Any, bool]:
         above = above or frame.f_code is _HANDLER
         frame = frame.f_back
     return frame, above
-
-
-def _called_internally() -> bool:
-    """Whether the op this watch handles was called by torch's or this package's own code, not the user's."""
-    return _op_caller()[0].f_code.co_filename.startswith(_INTERNAL)
 
 
 def _written_for(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> bool:
@@ -178,28 +175,29 @@ class ViewWatch(TorchFunctionMode):
         caller, above = _op_caller()
         if above or caller.f_code.co_filename.startswith(_INTERNAL[1]):
             return func(*args, **kwargs)  # a watch above this one follows it, or this package's own code runs it
+        by_torch = caller.f_code.co_filename.startswith(_INTERNAL[0])  # torch's own code chose the op and its strides
         if op is not None and any(is_4d_or_5d(t) for t in tree_leaves((args, kwargs))):
             return self._extension(op, args, kwargs)
         if self.light:
             return func(*args, **kwargs)
         if func in _VIEWS and self.strided_by_nhwc(args[0]):
-            return self._view(func, args, kwargs)
+            return self._view(func, args, kwargs, by_torch)
         if func in _AS_STRIDED and self.strided_by_nhwc(args[0]):
-            return self._as_strided(func, args, kwargs)
+            return self._as_strided(func, args, kwargs, by_torch)
         if func is torch.Tensor.register_hook and is_4d_or_5d(args[0]):
             args = (args[0], hook_watched(args[1], self.owner), *args[2:])
-        result = self._as_in_nchw(func, args, kwargs, func(*args, **kwargs))
+        result = self._as_in_nchw(func, args, kwargs, func(*args, **kwargs), by_torch)
         self.copies.written(func, args, kwargs)
-        if func is not torch.autograd.grad:  # gradients: no module makes them, whatever their inputs' makers
+        if func not in GRADIENT_OPS:
             self._follow(args, kwargs, result, func in SHAPE_OPS)
         return result
 
-    def _as_in_nchw(self, func: Any, args: tuple, kwargs: dict, result: Any) -> Any:
+    def _as_in_nchw(self, func: Any, args: tuple, kwargs: dict, result: Any, by_torch: bool) -> Any:
         """``result`` of a shape op, aliasing ``args[0]`` where NCHW would: a copy NCHW would not make is
         kept in step with ``args[0]`` while the watch lasts; a view NCHW would not make is returned as
         a copy, kept apart. A write through either notes where the op ran."""
         ran = self.twins.run(func, args, kwargs)
-        if ran is None or _called_internally():
+        if ran is None or by_torch:
             return result
         twin, twin_result = ran
         if func in COPY_OR_VIEW:
@@ -271,7 +269,7 @@ class ViewWatch(TorchFunctionMode):
             if origins:
                 self.derived[tensor] = origins
 
-    def _as_strided(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def _as_strided(self, func: Any, args: tuple, kwargs: dict, by_torch: bool) -> Any:
         """``z.as_strided(size, stride)``: strides written for NCHW memory read other elements of NHWC
         memory, so it runs on a copy laid out as NCHW has it (writes through it land in ``z``), and
         ``z``'s module makes it channels first from the next step on. Strides built from ``z.stride()``
@@ -279,7 +277,7 @@ class ViewWatch(TorchFunctionMode):
         tensor, given = args[0], dict(zip(('size', 'stride', 'storage_offset'), args[1:]), **kwargs)
         offset, twin = given.get('storage_offset'), self.twins.twin(tensor)
         known = twin is not None and twin.is_contiguous() and (offset is None or offset >= twin.storage_offset())
-        if not known or _called_internally() or not _written_for(twin, tensor, given['stride']):
+        if not known or by_torch or not _written_for(twin, tensor, given['stride']):
             return func(*args, **kwargs)  # NCHW's memory is unknown, or the strides are this tensor's own
         where = _where(_caller())
         how = f'read through the .as_strided() at {where}'
@@ -290,14 +288,14 @@ class ViewWatch(TorchFunctionMode):
         shift = [] if offset is None else [offset - twin.storage_offset()]  # into a copy that starts at the tensor
         return self.copies.view(torch.Tensor.as_strided, tensor, (given['size'], given['stride'], *shift), {})
 
-    def _view(self, func: Any, args: tuple, kwargs: dict) -> Any:
+    def _view(self, func: Any, args: tuple, kwargs: dict, by_torch: bool) -> Any:
         try:
             result = func(*args, **kwargs)
         except RuntimeError as error:
             if 'view size is not compatible' not in str(error):
                 raise
         else:  # a view NHWC strides can take, whose own views may not (``z.view(n, c, h * w).view(n, -1)``)
-            result = self._as_in_nchw(func, args, kwargs, result)
+            result = self._as_in_nchw(func, args, kwargs, result, by_torch)
             self._follow(args, kwargs, result, shape_op=True)
             return result
         where = _where(_caller())
@@ -305,7 +303,7 @@ class ViewWatch(TorchFunctionMode):
             self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), where, f'viewed at {where}')
         elif not nhwc(args[0]):
             return func(*args, **kwargs)  # the weights (and their gradients) are contiguous now: a true view
-        return self._as_in_nchw(func, args, kwargs, self.copies.view(func, args[0], args[1:], kwargs))
+        return self._as_in_nchw(func, args, kwargs, self.copies.view(func, args[0], args[1:], kwargs), by_torch)
 
 
 _HANDLER = ViewWatch.__torch_function__.__code__  # where a view watch takes an op
