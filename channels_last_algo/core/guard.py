@@ -62,20 +62,19 @@ log = logging.getLogger(__name__)
 class LayoutGuard:
     """The events of a channels-last run, usable from any training loop.
 
-    Call :meth:`on_init` once with the model before the optimizer takes state (or pass the
-    optimizers), :meth:`on_batch` on every batch before the forward pass, in training,
-    evaluation and prediction alike, and wrap each training step's forward, loss and backward
-    in :meth:`step` (or call :meth:`on_step_start` / :meth:`on_step_end`).
+    Call :meth:`on_init` once with the model before the optimizer takes state (or pass the optimizers),
+    :meth:`on_batch` on every batch before the forward pass, in training, evaluation and prediction alike,
+    and wrap each training step's forward, loss and backward in :meth:`step` (or call :meth:`on_step_start`
+    / :meth:`on_step_end`); a trainer also calls :meth:`on_batch_end` and, at the end, :meth:`close`.
 
     Options: the keyword-only ones of :data:`~channels_last_algo.core.options.OPTIONS` (``docs/options.md``),
     all but the integrations' ``fuse_eval``.
 
-    What a user should see (:mod:`channels_last_algo.core.console`): :attr:`start_block` (the
-    conversion, repairs, weight layout and auto mode's decision), shown once by :meth:`on_run_start`
-    or else at the first training step; auto mode's timing line and decision; and after the last
-    audited step the breaks left (:attr:`audit_block`). They go to :attr:`console`, a trainer
-    integration's console, or, where it is None (a plain loop), to the log at INFO (WARNING for
-    breaks left): one record each.
+    What a user should see (:mod:`channels_last_algo.core.console`): :attr:`start_block` (the conversion,
+    repairs, weight layout and auto mode's decision), shown once by :meth:`on_run_start` or else at the first
+    training step; auto mode's timing line and decision; and after the last audited step the breaks left
+    (:attr:`audit_block`). They go to :attr:`console`, a trainer integration's console, or, where it is None
+    (a plain loop), to the log at INFO (WARNING for breaks left): one record each.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(288, 2))
@@ -130,8 +129,8 @@ class LayoutGuard:
 
     @property
     def effective_mode(self) -> str:
-        """The mode the guard acts in: :attr:`mode`, except that ``'auto'`` acts as ``'on'`` once
-        the weights must stay contiguous (no channels-last weights to time)."""
+        """The mode the guard acts in: :attr:`mode`, but ``'auto'`` acts as ``'on'`` once the weights
+        must stay contiguous (no channels-last weights to time)."""
         return 'auto' if self.auto.enabled else self.mode.replace('auto', 'on')
 
     @property
@@ -223,8 +222,7 @@ class LayoutGuard:
         return self.summary
 
     def _weights_viewed(self, model: weakref.ref, why: str) -> bool:
-        """Code views a channels-last weight (``parameters_to_vector``), or writes through a reshape of
-        one, as ``why`` says: weights contiguous."""
+        """Code views a channels-last weight, or writes through a reshape of one, as ``why`` says: contiguous now."""
         if self.options['weights'] != 'auto' or self.weight_layout.contiguous:
             return False
         self._weights_contiguous(model, None, WeightLayoutPlan(True, why))
@@ -241,8 +239,7 @@ class LayoutGuard:
         self._show(f'channels last: {self._model_name}: {plan}', warn=True)
 
     def _keep_weights_contiguous(self, model: torch.nn.Module, optimizers: Optimizers) -> ConversionSummary:
-        """Where the weight layout asks for contiguous weights: restride them back unless already
-        sharded, and act in mode ``'on'`` where auto mode was asked for (logged)."""
+        """Contiguous weights asked for: restride them back unless sharded; mode ``'on'`` for ``'auto'`` (logged)."""
         refused = "; auto mode would time channels-last weights, which sharding does not allow: mode 'on'"
         log.info('%s: %s%s', self._model_name, self.weight_layout, refused if self.auto.enabled else '')
         self.auto.stand_down()
@@ -252,23 +249,19 @@ class LayoutGuard:
 
     def _trial_step(self, model: torch.nn.Module, batch: Any, loss_fn: LossFn, channels_last: bool) -> None:
         """One of auto mode's timed steps; the first (a warm-up) finds the batch's images."""
-        if not self.inputs.known(batch):
-            first = self.inputs.start(batch, self._looks_like_an_image, to_channels_last)
-            try:
-                loss = loss_fn(model, first)
-            finally:
-                self.inputs.finish()
-            loss.backward()
-            return
-        inputs = self.inputs.convert(batch, to_channels_last if channels_last else to_channels_first)
-        loss_fn(model, inputs).backward()
+        layout = to_channels_last if channels_last else to_channels_first
+        if self.inputs.known(batch):
+            return loss_fn(model, self.inputs.convert(batch, layout)).backward()
+        try:
+            loss = loss_fn(model, self.inputs.start(batch, self._looks_like_an_image, to_channels_last))
+        finally:
+            self.inputs.finish()
+        loss.backward()
 
     def on_load(self, model: torch.nn.Module, optimizers: Optimizers = None) -> None:
-        """After a checkpoint was loaded: the model and the optimizer state in the guard's layout again.
-
-        ``Optimizer.load_state_dict`` (and ``load_state_dict(assign=True)``) keep the canonical NCHW
-        tensors a checkpoint holds. Nothing where the weights stay contiguous, or in mode ``'off'``.
-        """
+        """After a checkpoint was loaded: the model and the optimizer state in the guard's layout again
+        (``Optimizer.load_state_dict`` and ``load_state_dict(assign=True)`` keep the canonical NCHW tensors a
+        checkpoint holds). Nothing where the weights stay contiguous, or in mode ``'off'``."""
         if self.weight_layout is None or self.weight_layout.contiguous:
             return
         restride(model, self.channels_last, optimizers)
@@ -314,9 +307,8 @@ class LayoutGuard:
         return tensor.shape[1] in self._conv_channels
 
     def on_forward_end(self) -> None:
-        """The forward of the batch given to :meth:`on_batch` is over: stop following its tensors
-        (which otherwise ends after the first outermost module call that runs a convolution), and
-        show what a forward-only watch found."""
+        """The forward of the batch given to :meth:`on_batch` is over: stop following its tensors (which otherwise
+        ends after the first outermost module call that runs a convolution); show what a forward-only watch found."""
         self.inputs.finish()
         if self._viewed is not None and not self._viewed.watching:
             self._end_watch(training=False)
@@ -358,6 +350,12 @@ class LayoutGuard:
                 raise
         return step_report
 
+    def on_batch_end(self) -> None:
+        """A training batch is over: from here to the next batch, and after each evaluation batch until :meth:`close`,
+        a ``.view()`` NHWC strides refuse runs as NCHW's (:mod:`~channels_last_algo.core.between_batches`)."""
+        if self._viewed is not None and self.channels_last:
+            self._viewed.between.begin()
+
     def _start_watch(self, whole_step: bool) -> None:
         """Watch for views NHWC makes fail (:mod:`~channels_last_algo.core.viewed_outputs`)."""
         if self._viewed is not None and self.channels_last:
@@ -374,12 +372,14 @@ class LayoutGuard:
             self._end_watch(training=False)
 
     def close(self) -> None:
-        """Stop an audit (and a search for the images) left running by a step that raised; safe
-        to call at any time."""
+        """End the watch between batches, and an audit (and a search for the images) left running by a step
+        that raised; safe to call at any time."""
         self.inputs.finish()
         self._compiled_backward.stop()
         if self._optimizer_watch is not None:
             self._optimizer_watch.close()
+        if self._viewed is not None:
+            self._viewed.between.end()
         self._end_watch(training=False)
         if self._repair_check is not None:
             self._repair_check.close()

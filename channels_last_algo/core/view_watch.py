@@ -43,9 +43,9 @@ from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on
 from channels_last_algo.core.layout import is_4d_or_5d
 from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, SHAPE_OPS, NchwTwins, aliases
 
-__all__ = ['GRADIENT_OPS', 'ViewWatch', 'contiguous_gradient', 'hook_watched', 'nhwc']
+__all__ = ['GRADIENT_OPS', 'VIEWS', 'ViewWatch', 'calling_code', 'contiguous_gradient', 'hook_watched', 'nhwc']
 
-_VIEWS = (torch.Tensor.view, torch.Tensor.view_as)
+VIEWS = (torch.Tensor.view, torch.Tensor.view_as)
 _AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)  # strides given outright: they index NCHW's memory
 GRADIENT_OPS = (torch.autograd.grad,)
 """Ops that return gradients: no module and no batch tensor makes them, whatever their inputs' makers."""
@@ -106,6 +106,11 @@ def _written_for(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> bool
 
 def _where(frame: Any) -> str:
     return f'{frame.f_code.co_filename}:{frame.f_lineno}'
+
+
+def calling_code() -> str:
+    """``file:line`` of the code that called the op a mode handles (past torch and this package's core)."""
+    return _where(_caller())
 
 
 def _fresh_like(twin: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
@@ -180,7 +185,7 @@ class ViewWatch(TorchFunctionMode):
             return self._extension(op, args, kwargs)
         if self.light:
             return func(*args, **kwargs)
-        if func in _VIEWS and self.strided_by_nhwc(args[0]):
+        if func in VIEWS and self.strided_by_nhwc(args[0]):
             return self._view(func, args, kwargs, by_torch)
         if func in _AS_STRIDED and self.strided_by_nhwc(args[0]):
             return self._as_strided(func, args, kwargs, by_torch)
@@ -209,7 +214,7 @@ class ViewWatch(TorchFunctionMode):
         return result
 
     def _pair(self, func: Any, tensor: torch.Tensor, result: torch.Tensor, in_step: bool) -> None:
-        where, name = _where(_caller()), getattr(func, '__name__', 'reshape')
+        where, name = calling_code(), getattr(func, '__name__', 'reshape')
         kind = '(a copy here, an alias in NCHW)' if in_step else '(an alias here, a copy in NCHW)'
         how = f'written in place through the .{name}() at {where} {kind}'
         self.copies.pair(tensor, result, lambda: self._written_through(tensor, where, how), in_step)
@@ -235,7 +240,7 @@ class ViewWatch(TorchFunctionMode):
         """An extension op runs as in NCHW: on contiguous copies of the NHWC tensors it is given, and its
         backward on contiguous gradients. Autograd hands the op's backward whatever layout the layers
         after it give, so a light watch stays on for every step (``ViewedOutputs.extension_found``)."""
-        self.owner.extension_found(op.name(), _where(_caller()))
+        self.owner.extension_found(op.name(), calling_code())
         strided = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and self.strided_by_nhwc(t)]
         with exit_copies():  # copies made on purpose: exits in the audit, not breaks
             result = run_on_contiguous(op, args, kwargs, strided)
@@ -279,7 +284,7 @@ class ViewWatch(TorchFunctionMode):
         known = twin is not None and twin.is_contiguous() and (offset is None or offset >= twin.storage_offset())
         if not known or by_torch or not _written_for(twin, tensor, given['stride']):
             return func(*args, **kwargs)  # NCHW's memory is unknown, or the strides are this tensor's own
-        where = _where(_caller())
+        where = calling_code()
         how = f'read through the .as_strided() at {where}'
         if not self._weight_use(tensor, how):
             self.owner._found(frozenset() if self.in_hook else self.makers(tensor), where, how)
@@ -298,7 +303,7 @@ class ViewWatch(TorchFunctionMode):
             result = self._as_in_nchw(func, args, kwargs, result, by_torch)
             self._follow(args, kwargs, result, shape_op=True)
             return result
-        where = _where(_caller())
+        where = calling_code()
         if not self._weight_use(args[0], f'viewed at {where}'):
             self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), where, f'viewed at {where}')
         elif not nhwc(args[0]):

@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.backward_hooks import BackwardHooks
+from channels_last_algo.core.between_batches import BetweenBatches
 from channels_last_algo.core.module_calls import (
     compiled_wrapper,
     exit_mode,
@@ -178,6 +179,8 @@ class ViewedOutputs:
             stays on for every step while there is one.
         extensions: where an extension op takes 4D/5D tensors; a light watch of such ops stays on
             for every step while there is one.
+        between: the watch between training batches (:mod:`~channels_last_algo.core.between_batches`),
+            paused by each batch and resumed after each evaluation forward.
     """
 
     def __init__(self, model: torch.nn.Module, weights_viewed: Callable[[str], bool] = lambda why: False) -> None:
@@ -202,6 +205,7 @@ class ViewedOutputs:
         self._paused_for: Optional[torch.nn.Module] = None  # the compiled wrapper running without the mode
         self._one_tensor_out: weakref.WeakSet = weakref.WeakSet()  # modules seen returning one tensor
         self._rehearsing = False  # a compiled network's eager rehearsal runs
+        self.between = BetweenBatches(model, weights_viewed, lambda line: self._new.append(line))  # off in batches
 
     @property
     def watching(self) -> bool:
@@ -213,6 +217,7 @@ class ViewedOutputs:
         training step, the first forward in each of the model's modes (an evaluation path may view
         what training does not), and every one while a view could not be placed; the extension ops
         of every other one."""
+        self.between.pause()
         training = self._training()
         seen = (
             self._step_watched
@@ -237,7 +242,10 @@ class ViewedOutputs:
             self.lasting = True
             found, self._new = self._new, []
             return found
-        return self.stop()
+        found = self.stop()
+        if not training:  # an evaluation batch's forward, or the first optimizer step, is over
+            self.between.resume()
+        return found
 
     def gradient_hook_found(self, weight: torch.nn.Parameter, how: str) -> None:
         """A hook on ``weight`` uses the gradient it is given as ``how`` says, which takes it contiguous:

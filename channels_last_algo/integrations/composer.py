@@ -45,7 +45,7 @@ _BATCH_EVENTS = (Event.BEFORE_FORWARD, Event.EVAL_BEFORE_FORWARD, Event.PREDICT_
 _FORWARD_ENDS = (Event.EVAL_AFTER_FORWARD, Event.PREDICT_AFTER_FORWARD)
 _STEP_ENDS = (Event.AFTER_BACKWARD, Event.FIT_END)  # a training step's watch, audit and inductor setting end
 _START_EVENTS = (Event.AFTER_LOAD, Event.FIT_START)  # FIT_START also shows the start block
-_ALWAYS = (Event.INIT, *_START_EVENTS, *_BATCH_EVENTS, *_FORWARD_ENDS, *_STEP_ENDS)  # matched in every mode but off
+_ALWAYS = (Event.INIT, *_START_EVENTS, *_BATCH_EVENTS, *_FORWARD_ENDS, *_STEP_ENDS, Event.BATCH_END)  # all but off
 
 
 def _total_loss(loss: Any) -> torch.Tensor:
@@ -202,6 +202,8 @@ class ChannelsLast(GuardedIntegration, Algorithm):
                 logger.log_metrics(metrics)
             if hyperparameters:
                 logger.log_hyperparameters(hyperparameters)
+        elif event == Event.BATCH_END:
+            self.guard.on_batch_end()
         elif event == Event.FIT_END:
             self.guard.close()
         if self.fuse_eval and self._fused_eval.match(event, state):

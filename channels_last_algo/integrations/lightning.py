@@ -280,6 +280,9 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         if hyperparameters:
             _log_hyperparameters(trainer, hyperparameters)
 
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.guard.on_batch_end()
+
     # --- validation, test and prediction (one set of handlers) -------------------------------------
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

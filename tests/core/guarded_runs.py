@@ -35,6 +35,7 @@ class Run:
     optimizer: Callable[[Any], torch.optim.Optimizer] = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
     forward: Callable[[nn.Module, tuple], Any] = lambda net, batch: net(batch[0])
     after_backward: Callable[[nn.Module], None] = lambda net: None  # code between the backward and the optimizer
+    batch_end: Callable[[nn.Module, Any], None] = lambda net, output: None  # code after the step, given its output
     options: dict = dataclasses.field(default_factory=dict)  # the integration's options this run needs
 
 
@@ -44,11 +45,12 @@ def _snapshot(net: nn.Module) -> dict[str, torch.Tensor]:
 
 def _step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, batch: tuple, guard: LayoutGuard | None):
     """One step; LBFGS-style optimizers take a closure that runs forward and backward."""
-    losses = []
+    losses, outputs = [], []
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
-        loss = run.loss(run.forward(net, batch), batch)
+        outputs.append(run.forward(net, batch))
+        loss = run.loss(outputs[-1], batch)
         loss.backward()
         losses.append(loss.detach().clone())
         return loss
@@ -61,7 +63,7 @@ def _step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, batch: tuple, gu
             closure()
             run.after_backward(net)  # in a plain loop, inside the guard's step: its watch covers it
         opt.step()
-    return losses[-1]  # LBFGS calls the closure more than once: its last loss, as Lightning records it
+    return losses[-1], outputs[-1]  # LBFGS calls the closure more than once: its last, as Lightning records
 
 
 class _nothing:
@@ -83,7 +85,12 @@ def nchw(run: Run) -> list[tuple[torch.Tensor, dict]]:
     torch.manual_seed(0)
     net = run.build().double()
     opt = run.optimizer(net.parameters())
-    return [(_step(run, net, opt, batch, None), _snapshot(net)) for batch in _fresh(run.batches)]
+    steps = []
+    for batch in _fresh(run.batches):
+        loss, output = _step(run, net, opt, batch, None)
+        run.batch_end(net, output)
+        steps.append((loss, _snapshot(net)))
+    return steps
 
 
 def guarded(run: Run, integration: str, **options: Any) -> tuple[list[tuple[torch.Tensor, dict]], nn.Module, Any]:
@@ -97,7 +104,10 @@ def guarded(run: Run, integration: str, **options: Any) -> tuple[list[tuple[torc
         guard.on_init(net, opt)
         steps = []
         for batch in _fresh(run.batches):
-            steps.append((_step(run, net, opt, guard.on_batch(batch), guard), _snapshot(net)))
+            loss, output = _step(run, net, opt, guard.on_batch(batch), guard)
+            guard.on_batch_end()  # as the trainers call it
+            run.batch_end(net, output)
+            steps.append((loss, _snapshot(net)))
         guard.close()
         return steps, net, guard
     if integration == 'composer':
@@ -131,6 +141,7 @@ def _composer(run: Run, net: nn.Module, options: dict) -> tuple[list, nn.Module,
             run.after_backward(net)
 
         def batch_end(self, state, logger) -> None:
+            run.batch_end(net, state.outputs)
             self.steps.append((state.loss.detach().clone(), _snapshot(net)))
 
     record, algorithm = Record(), ChannelsLast(**options)
@@ -164,12 +175,14 @@ def _lightning(run: Run, net: nn.Module, options: dict) -> tuple[list, nn.Module
             self.steps: list = []
 
         def training_step(self, batch, batch_idx):
-            return run.loss(run.forward(self.net, batch), batch)
+            output = run.forward(self.net, batch)
+            return {'loss': run.loss(output, batch), 'output': output}
 
         def on_before_optimizer_step(self, optimizer) -> None:
             run.after_backward(self.net)
 
         def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            run.batch_end(self.net, outputs['output'])
             self.steps.append((outputs['loss'].detach().clone(), _snapshot(self.net)))
 
         def configure_optimizers(self):

@@ -1,0 +1,139 @@
+"""Code between training batches that ``.view()``s an NHWC tensor: run as NCHW runs it.
+
+Between one training batch and the next a trainer runs its callbacks' and the model's batch-end
+and epoch-end hooks, and its evaluation: a pruning pass (``torch.nn.utils.prune`` takes
+``torch.abs(weight).view(-1)``), a ``parameters_to_vector`` of the weights, a metric that reads a
+segmentation output through ``.view(-1)``. A view NHWC strides cannot take raises there ("view size
+is not compatible with input tensor's size and stride") where NCHW's succeeds, and no step's watch
+(:mod:`~channels_last_algo.core.viewed_outputs`) is on. While :class:`BetweenBatches` watches, such
+a view of a channels-last tensor runs instead:
+
+- of a weight or a weight's gradient: the weights go contiguous (``weights_viewed``), and it is a
+  true view, as every later one;
+- of any other tensor (``weight.data`` too, which a restride would leave holding old memory): on a
+  channels-first copy, which in-place writes keep in step with the tensor while the watch lasts
+  (:mod:`~channels_last_algo.core.aliased_copies`); one line names the place, once.
+
+Every other op runs as it is, at the cost of one Python call. The trainers turn the watch on at a
+training batch's end and off at the next batch's start and at the end of fit, so no training step
+and no evaluation forward pays for it.
+
+Example:
+    >>> import torch
+    >>> conv = torch.nn.Conv2d(3, 4, 1).to(memory_format=torch.channels_last)
+    >>> lines = []
+    >>> between = BetweenBatches(conv, lambda why: False, lines.append)
+    >>> between.begin()
+    >>> out = conv(torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last))
+    >>> out.view(2, -1).shape                  # NHWC strides cannot take it: a copy does
+    torch.Size([2, 64])
+    >>> between.end()
+    >>> len(lines)
+    1
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from channels_last_algo.core.aliased_copies import AliasedCopies
+from channels_last_algo.core.layout import Layout, layout_of
+from channels_last_algo.core.module_calls import exit_mode
+from channels_last_algo.core.view_watch import VIEWS, calling_code
+
+__all__ = ['BetweenBatches']
+
+_CHANNELS_LAST = (Layout.NHWC, Layout.NDHWC)
+
+
+class BetweenBatches:
+    """Runs the views NHWC strides refuse, from :meth:`begin` to :meth:`end`, but not while
+    :meth:`pause`\\ d (a batch runs); :meth:`resume` after one.
+
+    Args:
+        model: the model whose weights ``weights_viewed(why)`` makes contiguous (True where they are now).
+        weights_viewed: called for a view of a weight or of a weight's gradient.
+        found: takes the line that names a place where a view ran on a copy (once a place).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, weights_viewed: Callable[[str], bool], found: Callable[[str], None]
+    ) -> None:
+        self._model = weakref.ref(model)
+        self._weights_viewed = weights_viewed
+        self._found = found
+        self._places: set[str] = set()
+        self._mode: Optional[_FailingViews] = None
+        self.wanted = False  # between begin and end
+
+    def begin(self) -> None:
+        """A training batch is over: watch until the next one starts (:meth:`pause`), and after each
+        batch (:meth:`resume`) until :meth:`end`."""
+        self.wanted = True
+        self.resume()
+
+    def resume(self) -> None:
+        if self.wanted and self._mode is None:
+            self._mode = _FailingViews(self)
+            self._mode.__enter__()
+
+    def pause(self) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            exit_mode(mode)
+
+    def end(self) -> None:
+        self.wanted = False
+        self.pause()
+
+    def weight_or_gradient(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is one of the model's parameters or a parameter's gradient."""
+        model = self._model()
+        return model is not None and any(tensor is p or tensor is p.grad for p in model.parameters())
+
+    def view(self, func: Any, args: tuple, kwargs: dict, copies: AliasedCopies) -> Any:
+        """``func(*args, **kwargs)``, a view NHWC strides refused: a true one once the weights are
+        contiguous, else one of a copy kept in step."""
+        tensor, where = args[0], calling_code()
+        if self.weight_or_gradient(tensor) and self._weights_viewed(
+            f'a weight is viewed at {where}, between training batches'
+        ):
+            if layout_of(tensor) not in _CHANNELS_LAST:
+                return func(*args, **kwargs)
+        if where not in self._places:
+            self._places.add(where)
+            self._found(
+                f'the .view() at {where}, between training batches, ran on a channels-first copy of an NHWC '
+                'tensor (every time: .reshape there instead keeps the speed); writes through it reach the tensor'
+            )
+        return copies.view(func, tensor, args[1:], kwargs)
+
+
+class _FailingViews(TorchFunctionMode):
+    """The mode :class:`BetweenBatches` runs: a view of a channels-last tensor that raises runs on
+    ``watch.view``; writes through the copies it made reach their tensors."""
+
+    def __init__(self, watch: BetweenBatches) -> None:
+        super().__init__()
+        self.watch = watch
+        self.copies = AliasedCopies()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            return func(*args, **kwargs)
+        if func in VIEWS and isinstance(args[0], torch.Tensor) and layout_of(args[0]) in _CHANNELS_LAST:
+            try:
+                return func(*args, **kwargs)
+            except RuntimeError as error:
+                if 'view size is not compatible' not in str(error):
+                    raise
+            return self.watch.view(func, args, kwargs, self.copies)
+        result = func(*args, **kwargs)
+        self.copies.written(func, args, kwargs)
+        return result

@@ -1,0 +1,225 @@
+"""Code between training batches that views NHWC tensors trains as in NCHW.
+
+A pruning pass (``torch.nn.utils.prune``: ``torch.abs(weight).view(-1)``), a max-norm constraint
+through ``weight.data.view(n, -1)`` after the optimizer step, ``parameters_to_vector`` /
+``vector_to_parameters``, a read of the step's output through ``.view(-1)`` and a write through a
+view of an NHWC buffer: each raised "view size is not compatible" under channels last, where NCHW
+runs. Each trains 3 float64 steps through LayoutGuard, the Composer algorithm and the Lightning
+callback, with the code run at every batch's end, equal to the NCHW run on every step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from guarded_runs import INTEGRATIONS, Run, assert_same_run, guarded, nchw
+from torch import nn
+from torch.nn import functional as F
+from torch.nn.utils import parameters_to_vector, prune, vector_to_parameters
+
+from channels_last_algo.core.between_batches import BetweenBatches
+from channels_last_algo.core.guard import LayoutGuard
+from conftest import lightning_trainer
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    )
+
+
+class WithMemory(nn.Module):
+    """A running map of the first convolution's outputs (NHWC under channels last), added to them in the
+    next forward; code between batches clears part of it through a view."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _net()
+        self.register_buffer('memory', torch.zeros(1, 8, 8, 8))
+
+    def forward(self, x):
+        z = self.net[1](self.net[0](x)) + self.memory
+        self.memory = 0.5 * (z.detach()[:1] + self.memory)
+        return self.net[6](self.net[5](self.net[4](self.net[3](self.net[2](z)))))
+
+
+def _batches(n: int = 3) -> list[tuple]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (
+            torch.randn(2, 3, 8, 8, generator=generator, dtype=torch.float64),
+            torch.randint(0, 3, (2,), generator=generator),
+        )
+        for _ in range(n)
+    ]
+
+
+def _cross_entropy(output, batch):
+    return F.cross_entropy(output, batch[1])
+
+
+def _pruned(net, output) -> None:
+    prune.l1_unstructured(net[2], 'weight', amount=0.2)
+
+
+def _pruned_globally(net, output) -> None:
+    prune.global_unstructured([(net[0], 'weight'), (net[2], 'weight')], prune.L1Unstructured, amount=0.2)
+
+
+def _max_normed(net, output) -> None:
+    with torch.no_grad():
+        for conv in (net[0], net[2]):
+            rows = conv.weight.data.view(len(conv.weight), -1)
+            rows.mul_((0.5 / rows.norm(dim=1, keepdim=True)).clamp(max=1.0))
+
+
+def _decayed_as_a_vector(net, output) -> None:
+    with torch.no_grad():
+        vector_to_parameters(parameters_to_vector(net.parameters()) * 0.9, net.parameters())
+
+
+def _memory_cleared(net, output) -> None:
+    with torch.no_grad():
+        flat = net.memory.view(-1)
+        flat[::3] = 0.0
+
+
+def _conv_output_net() -> nn.Module:
+    """A net whose output is the last convolution's NHWC map; its loss flattens with ``.reshape``."""
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 3, 1), nn.ReLU(), nn.Conv2d(3, 3, 1))
+
+
+def _read_output(net, output) -> None:
+    with torch.no_grad():
+        net[4].bias.add_(output.detach().view(-1)[:3] * 0.01)
+
+
+def _map_loss(output, batch):
+    return output.reshape(len(output), -1).pow(2).mean()
+
+
+RUNS = {
+    'pruned': Run(_net, _batches(), _cross_entropy, batch_end=_pruned),
+    'pruned-globally': Run(_net, _batches(), _cross_entropy, batch_end=_pruned_globally),
+    'max-normed-after-the-step': Run(_net, _batches(), _cross_entropy, batch_end=_max_normed),
+    'decayed-as-a-vector': Run(_net, _batches(), _cross_entropy, batch_end=_decayed_as_a_vector),
+    'buffer-written-through-a-view': Run(WithMemory, _batches(), _cross_entropy, batch_end=_memory_cleared),
+    'output-read-through-a-view': Run(_conv_output_net, _batches(), _map_loss, batch_end=_read_output),
+}
+
+
+@pytest.mark.parametrize('integration', INTEGRATIONS)
+@pytest.mark.parametrize('name', sorted(RUNS))
+def test_code_between_batches_that_views_trains_as_in_nchw(name, integration):
+    run = RUNS[name]
+    expected = nchw(run)
+    steps, net, _ = guarded(run, integration)
+    assert_same_run(steps, expected, f'{name} via {integration}')
+
+
+def test_each_place_is_named_once_and_the_watch_ends_with_close(caplog):
+    net = _conv_output_net().double()
+    guard = LayoutGuard()
+    guard.on_init(net)
+    caplog.set_level(logging.INFO)
+    for batch in _batches():
+        with guard.step():
+            out = net(guard.on_batch(batch)[0])
+            out.sum().backward()
+        guard.on_batch_end()
+        out.detach().view(-1)
+    guard.close()
+    lines = [r.getMessage() for r in caplog.records if 'between training batches' in r.getMessage()]
+    assert len(lines) == 1 and 'test_between_batches.py' in lines[0], lines
+    with pytest.raises(RuntimeError, match='view size is not compatible'):
+        out.detach().view(-1)  # closed: nothing runs it any more
+
+
+def _nhwc(*shape) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64).to(memory_format=torch.channels_last)
+
+
+def test_views_nchw_refuses_too_still_raise_and_nothing_runs_while_paused():
+    between = BetweenBatches(nn.Conv2d(3, 4, 1), lambda why: False, lambda line: None)
+    between.begin()
+    try:
+        with pytest.raises(RuntimeError, match='view size is not compatible'):
+            torch.randn(4, 6).t().view(-1)  # no channels-last tensor: as torch has it
+        with pytest.raises(RuntimeError, match='view size is not compatible'):
+            _nhwc(2, 4, 3, 3)[:, :2].view(-1)  # a channel slice: not channels-last dense
+        between.pause()
+        with pytest.raises(RuntimeError, match='view size is not compatible'):
+            _nhwc(2, 4, 3, 3).view(-1)  # a batch runs: no watch
+        between.resume()
+        assert _nhwc(2, 4, 3, 3).view(-1).shape == (72,)
+    finally:
+        between.end()
+
+
+def test_a_view_of_a_weight_makes_the_weights_contiguous_and_is_a_true_view():
+    conv = nn.Conv2d(3, 4, 3).double().to(memory_format=torch.channels_last)
+    asked = []
+
+    def weights_viewed(why: str) -> bool:
+        asked.append(why)
+        conv.to(memory_format=torch.contiguous_format)
+        return True
+
+    between = BetweenBatches(conv, weights_viewed, lambda line: None)
+    between.begin()
+    try:
+        flat = conv.weight.view(-1)
+        with torch.no_grad():
+            flat[0] = 7.0
+    finally:
+        between.end()
+    assert conv.weight[0, 0, 0, 0].item() == 7.0 and conv.weight.is_contiguous()
+    assert len(asked) == 1 and 'between training batches' in asked[0] and 'test_between_batches.py' in asked[0]
+
+
+def test_lightning_model_pruning_trains_as_in_nchw():
+    pytest.importorskip('lightning')
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelPruning
+
+    from channels_last_algo.integrations.lightning import ChannelsLastCallback
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = _net().double()
+            self.weights: list = []
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def on_train_epoch_end(self) -> None:
+            self.weights.append({k: v.detach().clone() for k, v in self.net.named_parameters()})
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def trained(*callbacks) -> Module:
+        module = Module()
+        batches = _batches(2)
+        data = torch.utils.data.TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        pruning = ModelPruning('l1_unstructured', amount=0.3, use_global_unstructured=True, verbose=0)
+        trainer = lightning_trainer(callbacks=[pruning, *callbacks], max_epochs=3)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+        return module
+
+    expected, actual = trained(), trained(ChannelsLastCallback())
+    assert len(actual.weights) == len(expected.weights) == 3
+    for epoch, (got, want) in enumerate(zip(actual.weights, expected.weights), 1):
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10, msg=f'epoch {epoch}: {name}')
