@@ -16,7 +16,8 @@ a view of a channels-last tensor runs instead:
 
 Every other op runs as it is, at the cost of one Python call. The trainers turn the watch on at a
 training batch's end and off at the next batch's start and at the end of fit, so no training step
-and no evaluation forward pays for it.
+and no evaluation forward pays for it; a process forked meanwhile (a DataLoader's workers, started
+between epochs) starts without it.
 
 Example:
     >>> import torch
@@ -34,6 +35,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any, Optional
@@ -49,6 +51,7 @@ from channels_last_algo.core.view_watch import VIEWS, calling_code
 __all__ = ['BetweenBatches']
 
 _CHANNELS_LAST = (Layout.NHWC, Layout.NDHWC)
+_WATCHING: weakref.WeakSet = weakref.WeakSet()  # the watches whose mode is on in this process
 
 
 class BetweenBatches:
@@ -81,9 +84,11 @@ class BetweenBatches:
         if self.wanted and self._mode is None:
             self._mode = _FailingViews(self)
             self._mode.__enter__()
+            _WATCHING.add(self)
 
     def pause(self) -> None:
         mode, self._mode = self._mode, None
+        _WATCHING.discard(self)
         if mode is not None:
             exit_mode(mode)
 
@@ -137,3 +142,13 @@ class _FailingViews(TorchFunctionMode):
         result = func(*args, **kwargs)
         self.copies.written(func, args, kwargs)
         return result
+
+
+def _none_in_a_forked_process() -> None:
+    """A forked process (a DataLoader worker) inherits the mode stack: the watches end there."""
+    for watch in list(_WATCHING):
+        watch.end()
+
+
+if hasattr(os, 'register_at_fork'):  # POSIX
+    os.register_at_fork(after_in_child=_none_in_a_forked_process)

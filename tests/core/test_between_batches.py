@@ -185,6 +185,28 @@ def test_a_view_of_a_weight_makes_the_weights_contiguous_and_is_a_true_view():
     assert len(asked) == 1 and 'between training batches' in asked[0] and 'test_between_batches.py' in asked[0]
 
 
+class _ModesInTheWorker(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, index: int) -> int:
+        return torch._C._len_torch_function_stack()
+
+
+@pytest.mark.skipif(not hasattr(torch.multiprocessing, 'get_all_start_methods'), reason='no multiprocessing')
+def test_dataloader_workers_forked_between_batches_run_without_the_watch():
+    if 'fork' not in torch.multiprocessing.get_all_start_methods():
+        pytest.skip('no fork on this platform')
+    between = BetweenBatches(nn.Conv2d(3, 4, 1), lambda why: False, lambda line: None)
+    between.begin()
+    try:
+        assert torch._C._len_torch_function_stack() == 1
+        loader = torch.utils.data.DataLoader(_ModesInTheWorker(), num_workers=1, multiprocessing_context='fork')
+        assert [int(n) for n in loader] == [0]
+    finally:
+        between.end()
+
+
 def test_lightning_model_pruning_trains_as_in_nchw():
     pytest.importorskip('lightning')
     import lightning as L
