@@ -245,3 +245,59 @@ def test_lightning_model_pruning_trains_as_in_nchw():
         assert got.keys() == want.keys()
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10, msg=f'epoch {epoch}: {name}')
+
+
+def test_composer_eval_metrics_that_view_the_output_during_fit_match_nchw():
+    pytest.importorskip('composer')
+    from composer import Trainer
+    from composer.models import ComposerModel
+    from torchmetrics import MeanMetric
+
+    from channels_last_algo.integrations.composer import ChannelsLast
+
+    class Model(ComposerModel):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = _conv_output_net().double()
+            self.metric, self.read = MeanMetric(), []
+
+        def forward(self, batch):
+            return self.net(batch[0])
+
+        def loss(self, outputs, batch):
+            return _map_loss(outputs, batch)
+
+        def get_metrics(self, is_train=False):
+            return {} if is_train else {'sums': self.metric}
+
+        def update_metric(self, batch, outputs, metric) -> None:
+            sums = outputs.view(len(outputs), -1).sum(1)  # NHWC strides refuse it
+            self.read.append(sums.detach().clone())
+            metric.update(sums)
+
+    def evaluated(*algorithms) -> list:
+        batches = _batches(2)
+        data = torch.utils.data.TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        model = Model()
+        trainer = Trainer(
+            model=model,
+            train_dataloader=torch.utils.data.DataLoader(data, batch_size=2),
+            eval_dataloader=torch.utils.data.DataLoader(data, batch_size=2),
+            eval_interval='1ba',
+            max_duration='2ba',
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            device='cpu',
+            algorithms=list(algorithms),
+            progress_bar=False,
+        )
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+        return model.read
+
+    expected, actual = evaluated(), evaluated(ChannelsLast())
+    assert len(actual) == len(expected) == 4
+    for got, want in zip(actual, expected):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
