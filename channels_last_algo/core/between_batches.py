@@ -23,7 +23,7 @@ Example:
     >>> import torch
     >>> conv = torch.nn.Conv2d(3, 4, 1).to(memory_format=torch.channels_last)
     >>> lines = []
-    >>> between = BetweenBatches(conv, lambda why: False, lines.append)
+    >>> between = BetweenBatches(lambda tensor: False, lambda why: False, lines.append)
     >>> between.begin()
     >>> out = conv(torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last))
     >>> out.view(2, -1).shape                  # NHWC strides cannot take it: a copy does
@@ -59,15 +59,19 @@ class BetweenBatches:
     :meth:`pause`\\ d (a batch runs); :meth:`resume` after one.
 
     Args:
-        model: the model whose weights ``weights_viewed(why)`` makes contiguous (True where they are now).
-        weights_viewed: called for a view of a weight or of a weight's gradient.
+        weight_gradient: whether a tensor is the gradient of one of the model's weights.
+        weights_viewed: called for a view of a weight (a parameter) or of a weight's gradient: makes the
+            model's weights contiguous, True where they are now.
         found: takes the line that names a place where a view ran on a copy (once a place).
     """
 
     def __init__(
-        self, model: torch.nn.Module, weights_viewed: Callable[[str], bool], found: Callable[[str], None]
+        self,
+        weight_gradient: Callable[[torch.Tensor], bool],
+        weights_viewed: Callable[[str], bool],
+        found: Callable[[str], None],
     ) -> None:
-        self._model = weakref.ref(model)
+        self._weight_gradient = weight_gradient
         self._weights_viewed = weights_viewed
         self._found = found
         self._places: set[str] = set()
@@ -96,18 +100,12 @@ class BetweenBatches:
         self.wanted = False
         self.pause()
 
-    def weight_or_gradient(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is one of the model's parameters or a parameter's gradient."""
-        model = self._model()
-        return model is not None and any(tensor is p or tensor is p.grad for p in model.parameters())
-
     def view(self, func: Any, args: tuple, kwargs: dict, copies: AliasedCopies) -> Any:
         """``func(*args, **kwargs)``, a view NHWC strides refused: a true one once the weights are
         contiguous, else one of a copy kept in step."""
         tensor, where = args[0], calling_code()
-        if self.weight_or_gradient(tensor) and self._weights_viewed(
-            f'a weight is viewed at {where}, between training batches'
-        ):
+        weight_or_gradient = isinstance(tensor, torch.nn.Parameter) or self._weight_gradient(tensor)
+        if weight_or_gradient and self._weights_viewed(f'a weight is viewed at {where}, between training batches'):
             if layout_of(tensor) not in _CHANNELS_LAST:
                 return func(*args, **kwargs)
         if where not in self._places:

@@ -205,7 +205,7 @@ class ViewedOutputs:
         self._paused_for: Optional[torch.nn.Module] = None  # the compiled wrapper running without the mode
         self._one_tensor_out: weakref.WeakSet = weakref.WeakSet()  # modules seen returning one tensor
         self._rehearsing = False  # a compiled network's eager rehearsal runs
-        self.between = BetweenBatches(model, weights_viewed, lambda line: self._new.append(line))  # off in batches
+        self.between = BetweenBatches(self.weight_gradient, weights_viewed, lambda line: self._new.append(line))
 
     @property
     def watching(self) -> bool:
