@@ -77,6 +77,7 @@ class BetweenBatches:
         self._places: set[str] = set()
         self._mode: Optional[_FailingViews] = None
         self.wanted = False  # between begin and end
+        self._stepped = False  # a training step ran since the last batch_end
 
     def begin(self) -> None:
         """A training batch is over: watch until the next one starts (:meth:`pause`), and after each
@@ -90,7 +91,15 @@ class BetweenBatches:
             self._mode.__enter__()
             _WATCHING.add(self)
 
-    def pause(self) -> None:
+    def batch_end(self) -> None:
+        """A batch is over: :meth:`begin` if it ran a training step (an evaluation batch's end leaves it as it is)."""
+        if self._stepped:
+            self._stepped = False
+            self.begin()
+
+    def pause(self, step: bool = False) -> None:
+        """A batch, or its training ``step``, starts: no watch until it is over."""
+        self._stepped = self._stepped or step
         mode, self._mode = self._mode, None
         _WATCHING.discard(self)
         if mode is not None:

@@ -5,10 +5,9 @@ model once (``on_init``), restride a loaded checkpoint's optimizer state (``on_l
 the run starts with (``on_run_start``), put every batch in NHWC (``on_batch``), and audit the first
 training steps (``on_step_start``, ``on_step_end``, or the ``step()`` context manager), inside which
 a converted model's graphs compile with inductor's layout optimisation where this torch needs it
-(:mod:`~channels_last_algo.core.compiled_backward`). Auto mode is
-its own object (:attr:`LayoutGuard.auto`, :mod:`~channels_last_algo.core.auto_mode`); the guard
-asks it which layout. The Composer algorithm and the Lightning callback map their trainer's events
-onto these calls; a plain PyTorch loop calls them directly.
+(:mod:`~channels_last_algo.core.compiled_backward`). Auto mode is its own object (:attr:`LayoutGuard.auto`,
+:mod:`~channels_last_algo.core.auto_mode`); the guard asks it which layout. The Composer algorithm and
+the Lightning callback map their trainer's events onto these calls; a plain PyTorch loop calls them directly.
 
 Example:
     >>> import torch
@@ -284,11 +283,12 @@ class LayoutGuard:
 
     # --- batches and steps ---------------------------------------------------------------------------
 
-    def on_batch(self, batch: Any) -> Any:
-        """The batch with its image tensors (the ``inputs`` option) in NHWC, no copy when they
-        already are; as it is when the guard's layout is NCHW. In ``inputs='auto'`` mode the
-        first batch of a structure goes NHWC by a guess (a channel count some convolution takes)
-        while its forward shows which are images (:mod:`channels_last_algo.core.inputs`)."""
+    def on_batch(self, batch: Any, loop: Optional[str] = None) -> Any:
+        """The batch with its image tensors (the ``inputs`` option) in NHWC, no copy when they already are; as it
+        is when the guard's layout is NCHW. In ``inputs='auto'`` mode the first batch of a structure goes NHWC by a
+        guess (a channel count some convolution takes) while its forward shows which are images
+        (:mod:`channels_last_algo.core.inputs`). ``loop`` (``'validate'``, ``'predict'``): :meth:`on_batch_end` follows
+        the batch's own code, which the first batch of each loop watches with its forward (``out.view(n, -1)``)."""
         self.inputs.finish()
         self._end_watch(training=False)  # a batch with no training step end: an evaluation batch
         if self._repair_check is not None:
@@ -299,7 +299,8 @@ class LayoutGuard:
             batch = self.inputs.convert(batch, to_channels_last)
         else:
             batch = self.inputs.start(batch, self._looks_like_an_image, to_channels_last)
-        self._start_watch(whole_step=False)  # after the input search: its mode leaves first
+        if self._viewed is not None:  # after the input search: its mode leaves first
+            self._viewed.begin(whole_step=False, loop=loop)
         return batch
 
     def _looks_like_an_image(self, tensor: torch.Tensor) -> bool:
@@ -318,7 +319,8 @@ class LayoutGuard:
         self.on_run_start()
         if self.channels_last:
             self._compiled_backward.start()
-        self._start_watch(whole_step=True)
+        if self._viewed is not None and self.channels_last:  # views NHWC makes fail (core/viewed_outputs.py)
+            self._viewed.begin(whole_step=True)
         if self._audited is not None and self.channels_last:
             self._audited.start_step()
 
@@ -351,15 +353,13 @@ class LayoutGuard:
         return step_report
 
     def on_batch_end(self) -> None:
-        """A training batch is over: from here to the next batch, and after each evaluation batch until :meth:`close`,
-        a ``.view()`` NHWC strides refuse runs as NCHW's (:mod:`~channels_last_algo.core.between_batches`)."""
+        """A batch and its own code are over: a watch over them ends. From a training batch's end (after its
+        optimizer step) to the next batch, and after each evaluation batch until :meth:`close`, a ``.view()`` NHWC
+        strides refuse runs as NCHW's (:mod:`~channels_last_algo.core.between_batches`)."""
+        self.inputs.finish()
+        self._end_watch(training=False)
         if self._viewed is not None and self.channels_last:
-            self._viewed.between.begin()
-
-    def _start_watch(self, whole_step: bool) -> None:
-        """Watch for views NHWC makes fail (:mod:`~channels_last_algo.core.viewed_outputs`)."""
-        if self._viewed is not None and self.channels_last:
-            self._viewed.begin(whole_step)
+            self._viewed.between.batch_end()
 
     def _end_watch(self, training: bool, lasting: bool = False) -> None:
         """What the watch found: one line for each view placed or not (``lasting``: ViewedOutputs.end)."""

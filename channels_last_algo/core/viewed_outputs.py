@@ -118,9 +118,10 @@ def _one_tensor_in(module: torch.nn.Module) -> bool:
 
 UNWATCHED_VIEW = (
     'channels last: this .view() of a channels-last tensor ran where no view watch was on (it follows the '
-    "first training step, the first forward in training and in evaluation, and a step's forward and "
-    "backward only). A view of a weight or of a gradient: weights='contiguous' keeps them viewable "
-    '(docs/conversion.md); of an activation: .reshape or .flatten instead of .view works in either layout.'
+    'first training step, the first batch of each evaluation loop (only its forward where on_batch names '
+    "no loop), and a step's forward and backward only). A view of a weight or of a gradient: "
+    "weights='contiguous' keeps them viewable (docs/conversion.md); of an activation: .reshape or .flatten "
+    'instead of .view works in either layout.'
 )
 """What :func:`explain_unwatched_view` adds to the error of a view that NHWC strides cannot take."""
 
@@ -167,7 +168,8 @@ def _hook_first(tensor: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> No
 class ViewedOutputs:
     """Watches steps (``with watch:`` or :meth:`start` / :meth:`stop`) for views NHWC makes fail, and
     makes the outputs they view channels first from then on. ``start(whole_step=False)`` watches one
-    forward only: it stops by itself when the outermost module call returns (an evaluation batch).
+    forward only: it stops by itself when the outermost module call returns (an evaluation batch), or a
+    batch of a named loop (:meth:`begin`) with its own code, until :meth:`end`.
 
     Args:
         model: the model whose module paths name the placed hooks.
@@ -200,7 +202,8 @@ class ViewedOutputs:
         self._depth = 0  # module calls under way
         self._model = weakref.ref(model)
         self._step_watched = False  # a whole training step was watched
-        self._forwards_watched: set[bool] = set()  # the model.training values a batch's forward was watched in
+        self._forwards_watched: set[tuple] = set()  # (model.training, loop) of the batches whose forward was watched
+        self._loop: Optional[str] = None  # the evaluation loop of the batch begun last: watched until its end
         self._rehearsed: weakref.WeakSet = weakref.WeakSet()  # compiled wrappers run eagerly once
         self._paused_for: Optional[torch.nn.Module] = None  # the compiled wrapper running without the mode
         self._one_tensor_out: weakref.WeakSet = weakref.WeakSet()  # modules seen returning one tensor
@@ -212,17 +215,18 @@ class ViewedOutputs:
         """Whether a step or a forward is being watched now."""
         return self._mode is not None
 
-    def begin(self, whole_step: bool) -> None:
-        """At a batch (``whole_step=False``: its forward) or a training step's start: watch the first
-        training step, the first forward in each of the model's modes (an evaluation path may view
-        what training does not), and every one while a view could not be placed; the extension ops
-        of every other one."""
-        self.between.pause()
+    def begin(self, whole_step: bool, loop: Optional[str] = None) -> None:
+        """At a batch (``whole_step=False``: its forward; in evaluation, of a named ``loop``: until :meth:`end`)
+        or a training step's start: watch the first training step, the first batch in each of the
+        model's modes and loops (an evaluation path may view what training does not), and every one
+        while a view could not be placed; the extension ops of every other one."""
+        self.between.pause(step=whole_step)
         training = self._training()
+        self._loop = self._loop if whole_step else None if training else loop  # training: a step's watch follows
         seen = (
             self._step_watched
             if whole_step
-            else training in self._forwards_watched or (training and self._step_watched)
+            else (training, self._loop) in self._forwards_watched or (training and self._step_watched)
         )
         if self.unplaced or not seen or self.extensions:
             self.start(whole_step, light=seen and not self.unplaced)
@@ -347,8 +351,9 @@ class ViewedOutputs:
                 if nhwc(tensor) and tensor not in self._mode.made:
                     self._mode.made[tensor] = module
         if self._depth == 0 and not self._whole_step:
-            self._forwards_watched.add(self._training())  # a forward ran watched (a batch never run does not)
-            self._new = self.stop()
+            self._forwards_watched.add((self._training(), self._loop))  # a forward ran watched (not a batch never run)
+            if self._loop is None:  # else the batch's own code after it, until end()
+                self._new = self.stop()
 
     def extension_found(self, name: str, where: str) -> None:
         """The extension op ``name`` runs at ``where`` on 4D/5D tensors: every step's extension ops are

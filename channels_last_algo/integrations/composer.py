@@ -41,7 +41,11 @@ __all__ = ['ChannelsLast']
 
 log = logging.getLogger(__name__)
 
-_BATCH_EVENTS = (Event.BEFORE_FORWARD, Event.EVAL_BEFORE_FORWARD, Event.PREDICT_BEFORE_FORWARD)
+_BATCH_EVENTS = {
+    Event.BEFORE_FORWARD: 'fit',
+    Event.EVAL_BEFORE_FORWARD: 'eval',
+    Event.PREDICT_BEFORE_FORWARD: 'predict',
+}
 _FORWARD_ENDS = (Event.EVAL_AFTER_FORWARD, Event.PREDICT_AFTER_FORWARD)
 _STEP_ENDS = (Event.AFTER_BACKWARD, Event.FIT_END)  # a training step's watch, audit and inductor setting end
 _START_EVENTS = (Event.AFTER_LOAD, Event.FIT_START)  # FIT_START also shows the start block
@@ -94,12 +98,20 @@ def _float_images(batch: Any) -> Any:
     return map_leaves(batch, as_float)
 
 
-class _CloseGuard(Callback):
-    """Closes the guard when the Trainer closes: an audit (a dispatch mode over every op) left running by a
-    step that raised must not outlive the run. Composer closes callbacks, not algorithms."""
+class _LastCallback(Callback):
+    """The guard's events that follow the other callbacks (added after them at ``Event.INIT``): an evaluation or
+    prediction batch ends after their ``*_BATCH_END`` (which the first batch of each loop watches, with
+    ``update_metric``), and the guard closes when the Trainer closes: an audit (a dispatch mode over every op)
+    left running by a step that raised must not outlive the run. Composer closes callbacks, not algorithms."""
 
     def __init__(self, guard: LayoutGuard) -> None:
         self.guard = guard
+
+    def eval_batch_end(self, state: State, logger: Logger) -> None:
+        del state, logger  # unused
+        self.guard.on_batch_end()
+
+    predict_batch_end = eval_batch_end
 
     def close(self, state: State, logger: Logger) -> None:
         del state, logger  # unused
@@ -191,7 +203,7 @@ class ChannelsLast(GuardedIntegration, Algorithm):
         elif event in _START_EVENTS:
             self._start(event, state, logger)
         elif event in _BATCH_EVENTS:
-            state.batch = self.guard.on_batch(state.batch)
+            state.batch = self.guard.on_batch(state.batch, loop=_BATCH_EVENTS[event])
             if event == Event.BEFORE_FORWARD:
                 self.guard.on_step_start()
         elif event in _FORWARD_ENDS:
@@ -213,7 +225,7 @@ class ChannelsLast(GuardedIntegration, Algorithm):
     def _init(self, state: State, logger: Logger) -> None:
         """Convert the model as its parallel setting allows; checkpoints canonical; the console set."""
         self.guard.console = functools.partial(_write_to_console, logger)
-        state.callbacks.append(_CloseGuard(self.guard))
+        state.callbacks.append(_LastCallback(self.guard))
         weight_layout = weight_layout_for(state.model, fsdp_config=state.fsdp_config, tp_config=state.tp_config)
         self.guard.on_init(state.model, state.optimizers, weight_layout=weight_layout)
         logger.log_hyperparameters(self.guard.start_block.hyperparameters)

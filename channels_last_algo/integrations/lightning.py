@@ -224,7 +224,12 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         if self.guard.effective_mode == 'off':
             return
         prepare = functools.partial(self._prepare, trainer, pl_module)
-        self._undo.append(follow_strategy(trainer.strategy, prepare, self.guard.on_batch))
+        on_batch = functools.partial(self._on_batch, trainer)
+        self._undo.append(follow_strategy(trainer.strategy, prepare, on_batch))
+
+    def _on_batch(self, trainer: pl.Trainer, batch: Any) -> Any:
+        """The batch to NHWC; its loop named (``trainer.state.stage``): ``on_*_batch_end`` ends every batch."""
+        return self.guard.on_batch(batch, loop=trainer.state.stage)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore(trainer, pl_module, stage)
@@ -297,7 +302,7 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
             self._fused_eval.on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
 
     def on_validation_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        self.guard.on_forward_end()
+        self.guard.on_batch_end()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fused_eval.on_validation_end(trainer, pl_module)

@@ -1,0 +1,231 @@
+"""An evaluation or prediction step's own code that views the NHWC output evaluates as in NCHW.
+
+``validation_step``'s ``out.view(n, -1)`` after ``self.net(x)``, ``predict_step``'s
+``self(x).view(n, -1)``, a Composer ``eval_forward`` or ``update_metric`` that views the outputs, a
+callback reading ``state.outputs.view(n, -1)`` at ``EVAL_BATCH_END``: each raised "view size is not
+compatible" under channels last, where NCHW runs, because the watch of an evaluation batch ended
+with its forward. Each loop below (fit with validation, validate, test, predict, Composer's eval
+and predict) runs a float64 segmentation net with and without the package: what the steps read and
+the trained weights are equal.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from channels_last_algo.core.guard import LayoutGuard
+from conftest import lightning_trainer
+
+TOLERANCE = dict(rtol=1e-10, atol=1e-10)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Conv2d(6, 4, 1)).double()
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randn(8, 3, 6, 6, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, 4, (8, 6, 6), generator=generator)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(images, labels), batch_size=2)
+
+
+def _flat(output: torch.Tensor) -> torch.Tensor:
+    return output.view(len(output), -1)  # channels and pixels in one row: NHWC strides refuse it
+
+
+def _assert_same(actual: tuple, expected: tuple) -> None:
+    """The values the steps read, in order, and the weights after the run."""
+    (read, weights), (expected_read, expected_weights) = actual, expected
+    assert len(read) == len(expected_read) > 0
+    for index, (got, want) in enumerate(zip(read, expected_read)):
+        torch.testing.assert_close(got, want, **TOLERANCE, msg=lambda m, index=index: f'read {index}: {m}')
+    for name, want in expected_weights.items():
+        torch.testing.assert_close(weights[name], want, **TOLERANCE, msg=lambda m, name=name: f'{name}: {m}')
+
+
+LIGHTNING_LOOPS = ('fit', 'validate', 'test', 'predict', 'fit, then predict')
+
+
+@pytest.mark.parametrize('loops', LIGHTNING_LOOPS)
+def test_lightning_steps_that_view_the_output_after_the_forward_match_nchw(loops):
+    pytest.importorskip('lightning')
+    import lightning as L
+
+    from channels_last_algo.integrations.lightning import ChannelsLastCallback
+
+    class Segmenter(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.read = _net(), []
+
+        def forward(self, x):
+            return self.net(x)
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            output = self.net(batch[0])
+            self.read.append(F.cross_entropy(output, batch[1]) + _flat(output).pow(2).mean())
+
+        def test_step(self, batch, batch_idx):
+            self.read.append(_flat(self(batch[0])).sum(1))
+
+        def predict_step(self, batch, batch_idx):
+            return _flat(self(batch[0]))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def run(*callbacks) -> tuple:
+        module = Segmenter()
+        trainer = lightning_trainer(
+            callbacks=list(callbacks), max_epochs=2, limit_val_batches=2, num_sanity_val_steps=1
+        )
+        if loops.startswith('fit'):
+            trainer.fit(module, train_dataloaders=_loader(), val_dataloaders=_loader())
+        if loops in ('validate', 'test'):
+            getattr(trainer, loops)(module, _loader())
+        if loops.endswith('predict'):
+            module.read.extend(trainer.predict(module, _loader()))
+        return [value.detach() for value in module.read], module.net.state_dict()
+
+    _assert_same(run(ChannelsLastCallback()), run())
+
+
+COMPOSER_RUNS = [
+    ('update_metric', 'fit'),
+    ('update_metric', 'eval'),
+    ('eval_forward', 'fit'),
+    ('eval_forward', 'eval'),
+    ('a callback at EVAL_BATCH_END', 'eval'),
+    ('a callback at PREDICT_BATCH_END', 'predict'),
+    ('a callback at PREDICT_BATCH_END', 'fit, then predict'),
+]
+
+
+@pytest.mark.parametrize(('reader', 'loops'), COMPOSER_RUNS)
+def test_composer_evaluation_code_that_views_the_outputs_matches_nchw(reader, loops):
+    pytest.importorskip('composer')
+    from composer import Callback, Trainer
+    from composer.models import ComposerModel
+    from torchmetrics import MeanMetric
+
+    from channels_last_algo.integrations.composer import ChannelsLast
+
+    class Segmenter(ComposerModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net, self.metric, self.read = _net(), MeanMetric(), []
+
+        def forward(self, batch):
+            return self.net(batch[0])
+
+        def loss(self, outputs, batch):
+            return F.cross_entropy(outputs, batch[1])
+
+        def eval_forward(self, batch, outputs=None):
+            outputs = self(batch)
+            if reader == 'eval_forward':
+                self.read.append(_flat(outputs).sum(1))
+            return outputs
+
+        def get_metrics(self, is_train=False):
+            return {} if is_train else {'sums': self.metric}
+
+        def update_metric(self, batch, outputs, metric) -> None:
+            if reader == 'update_metric':
+                self.read.append(_flat(outputs).sum(1))
+                metric.update(self.read[-1])
+
+    class Reader(Callback):
+        def __init__(self, model: Segmenter) -> None:
+            self.model = model
+
+        def eval_batch_end(self, state, logger) -> None:
+            if reader.endswith('EVAL_BATCH_END'):
+                self.model.read.append(_flat(state.outputs).sum(1))
+
+        def predict_batch_end(self, state, logger) -> None:
+            self.model.read.append(_flat(state.outputs).sum(1))
+
+    def run(*algorithms) -> tuple:
+        model = Segmenter()
+        trainer = Trainer(
+            model=model,
+            train_dataloader=_loader(),
+            eval_dataloader=_loader(),
+            eval_interval='2ba',
+            max_duration='4ba',
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            device='cpu',
+            algorithms=list(algorithms),
+            callbacks=[Reader(model)],
+            progress_bar=False,
+        )
+        try:
+            if loops.startswith('fit'):
+                trainer.fit()
+            if loops == 'eval':
+                trainer.eval()
+            if loops.endswith('predict'):
+                trainer.predict(_loader())
+        finally:
+            trainer.close()
+        return [value.detach().clone() for value in model.read], model.net.state_dict()
+
+    _assert_same(run(ChannelsLast()), run())
+
+
+def _evaluated(guard: LayoutGuard, net: nn.Module, loop, batches: int = 2) -> list[torch.Tensor]:
+    """Evaluation batches in a plain loop, each read through ``.view`` after its forward."""
+    read = []
+    with torch.no_grad():
+        for images, _ in list(_loader())[:batches]:
+            read.append(_flat(net(guard.on_batch(images, loop=loop))).sum(1))
+            guard.on_batch_end()
+    return read
+
+
+def test_a_plain_loop_that_names_its_loop_gets_its_step_code_watched(caplog):
+    reference, net = _net().eval(), _net().eval()
+    guard = LayoutGuard()
+    guard.on_init(net)
+    with caplog.at_level(logging.INFO, logger='channels_last_algo'):
+        read = _evaluated(guard, net, loop='validate')
+    guard.close()
+    with torch.no_grad():
+        expected = [_flat(reference(images)).sum(1) for images, _ in list(_loader())[:2]]
+    for got, want in zip(read, expected):
+        torch.testing.assert_close(got, want, **TOLERANCE)
+    placed = [record.getMessage() for record in caplog.records if 'outputs made channels first' in record.getMessage()]
+    assert len(placed) == 1 and placed[0].startswith('channels last: 3 outputs made channels first (viewed at ')
+    assert torch._C._len_torch_function_stack() == 0
+
+
+def test_each_loop_watches_its_first_batch_and_no_watch_outlives_a_batch():
+    net = _net().eval()
+    guard = LayoutGuard()
+    guard.on_init(net)
+    images = next(iter(_loader()))[0]
+    with torch.no_grad():
+        net(guard.on_batch(images, loop='validate'))  # no view here: nothing placed
+        assert torch._C._len_torch_function_stack() == 1  # the batch's own code is watched until its end
+        guard.on_batch_end()
+        assert torch._C._len_torch_function_stack() == 0
+        net(guard.on_batch(images, loop='validate'))
+        assert torch._C._len_torch_function_stack() == 0  # the loop's first batch was watched
+        output = net(guard.on_batch(images))  # no loop named: the forward only, as before
+        assert torch._C._len_torch_function_stack() == 0
+        with pytest.raises(RuntimeError, match='view size is not compatible'):
+            _flat(output)
+        assert len(_evaluated(guard, net, loop='predict')) == 2  # another loop's step code: watched
+    guard.close()
+    assert torch._C._len_torch_function_stack() == 0
