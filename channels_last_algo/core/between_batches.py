@@ -1,7 +1,8 @@
-"""Code between training batches that ``.view()``s an NHWC tensor: run as NCHW runs it.
+"""Code between batches that ``.view()``s an NHWC tensor: run as NCHW runs it.
 
 Between one training batch and the next a trainer runs its callbacks' and the model's batch-end
-and epoch-end hooks, and its evaluation: a pruning pass (``torch.nn.utils.prune`` takes
+and epoch-end hooks, and its evaluation, whose epoch end reads what its steps kept
+(``torch.cat(outputs).view(-1)``): a pruning pass (``torch.nn.utils.prune`` takes
 ``torch.abs(weight).view(-1)``), a ``parameters_to_vector`` of the weights, a metric that reads a
 segmentation output through ``.view(-1)``. A view NHWC strides cannot take raises there ("view size
 is not compatible with input tensor's size and stride") where NCHW's succeeds, and no step's watch
@@ -15,9 +16,9 @@ a view of a channels-last tensor runs instead:
   (:mod:`~channels_last_algo.core.aliased_copies`); one line names the place, once.
 
 Every other op runs as it is, at the cost of one Python call. The trainers turn the watch on at a
-training batch's end and off at the next batch's start and at the end of fit, so no training step
-and no evaluation forward pays for it; a process forked meanwhile (a DataLoader's workers, started
-between epochs) starts without it.
+training batch's end, and at each evaluation batch's end, and off at the next batch's start and at
+the end of fit or of an evaluation run, so no training step and no evaluation forward pays for it;
+a process forked meanwhile (a DataLoader's workers, started between epochs) starts without it.
 
 Example:
     >>> import torch
@@ -85,17 +86,21 @@ class BetweenBatches:
         self.wanted = True
         self.resume()
 
-    def resume(self) -> None:
-        if self.wanted and self._mode is None:
+    def resume(self, after_evaluation: bool = False) -> None:
+        """Watch again if :meth:`begin` wants it; ``after_evaluation``: also if not, until the next batch."""
+        if (self.wanted or after_evaluation) and self._mode is None:
             self._mode = _FailingViews(self)
             self._mode.__enter__()
             _WATCHING.add(self)
 
-    def batch_end(self) -> None:
-        """A batch is over: :meth:`begin` if it ran a training step (an evaluation batch's end leaves it as it is)."""
+    def batch_end(self, evaluation_loop: bool = False) -> None:
+        """A batch is over: :meth:`begin` if it ran a training step; after a batch of a named ``evaluation_loop``
+        (whose caller ends it: :meth:`end`) watch until the next batch, over the loop's epoch-end code."""
         if self._stepped:
             self._stepped = False
             self.begin()
+        else:
+            self.resume(after_evaluation=evaluation_loop)
 
     def pause(self, step: bool = False) -> None:
         """A batch, or its training ``step``, starts: no watch until it is over."""
@@ -114,13 +119,13 @@ class BetweenBatches:
         contiguous, else one of a copy kept in step."""
         tensor, where = args[0], calling_code()
         weight_or_gradient = isinstance(tensor, torch.nn.Parameter) or self._weight_gradient(tensor)
-        if weight_or_gradient and self._weights_viewed(f'a weight is viewed at {where}, between training batches'):
+        if weight_or_gradient and self._weights_viewed(f'a weight is viewed at {where}, between batches'):
             if layout_of(tensor) not in _CHANNELS_LAST:
                 return func(*args, **kwargs)
         if where not in self._places:
             self._places.add(where)
             self._found(
-                f'the .view() at {where}, between training batches, ran on a channels-first copy of an NHWC '
+                f'the .view() at {where}, between batches, ran on a channels-first copy of an NHWC '
                 'tensor (every time: .reshape there instead keeps the speed); writes through it reach the tensor'
             )
         return copies.view(func, tensor, args[1:], kwargs)

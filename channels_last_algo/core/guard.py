@@ -353,13 +353,13 @@ class LayoutGuard:
         return step_report
 
     def on_batch_end(self) -> None:
-        """A batch and its own code are over: a watch over them ends. From a training batch's end (after its
-        optimizer step) to the next batch, and after each evaluation batch until :meth:`close`, a ``.view()`` NHWC
+        """A batch and its own code are over: a watch over them ends. From then to the next batch, after a training
+        batch (its optimizer step run) until :meth:`close`, or of a loop named to :meth:`on_batch`, a ``.view()`` NHWC
         strides refuse runs as NCHW's (:mod:`~channels_last_algo.core.between_batches`)."""
         self.inputs.finish()
         self._end_watch(training=False)
         if self._viewed is not None and self.channels_last:
-            self._viewed.between.batch_end()
+            self._viewed.between.batch_end(evaluation_loop=self._viewed.loop is not None)
 
     def _end_watch(self, training: bool, lasting: bool = False) -> None:
         """What the watch found: one line for each view placed or not (``lasting``: ViewedOutputs.end)."""

@@ -181,8 +181,9 @@ class ViewedOutputs:
             stays on for every step while there is one.
         extensions: where an extension op takes 4D/5D tensors; a light watch of such ops stays on
             for every step while there is one.
-        between: the watch between training batches (:mod:`~channels_last_algo.core.between_batches`),
+        between: the watch between batches (:mod:`~channels_last_algo.core.between_batches`),
             paused by each batch and resumed after each evaluation forward.
+        loop: the evaluation loop of the batch begun last, where its caller named one.
     """
 
     def __init__(self, model: torch.nn.Module, weights_viewed: Callable[[str], bool] = lambda why: False) -> None:
@@ -203,7 +204,7 @@ class ViewedOutputs:
         self._model = weakref.ref(model)
         self._step_watched = False  # a whole training step was watched
         self._forwards_watched: set[tuple] = set()  # (model.training, loop) of the batches whose forward was watched
-        self._loop: Optional[str] = None  # the evaluation loop of the batch begun last: watched until its end
+        self.loop: Optional[str] = None  # its batch and the code after it watched until its end
         self._rehearsed: weakref.WeakSet = weakref.WeakSet()  # compiled wrappers run eagerly once
         self._paused_for: Optional[torch.nn.Module] = None  # the compiled wrapper running without the mode
         self._one_tensor_out: weakref.WeakSet = weakref.WeakSet()  # modules seen returning one tensor
@@ -222,11 +223,11 @@ class ViewedOutputs:
         while a view could not be placed; the extension ops of every other one."""
         self.between.pause(step=whole_step)
         training = self._training()
-        self._loop = self._loop if whole_step else None if training else loop  # training: a step's watch follows
+        self.loop = self.loop if whole_step else None if training else loop  # training: a step's watch follows
         seen = (
             self._step_watched
             if whole_step
-            else (training, self._loop) in self._forwards_watched or (training and self._step_watched)
+            else (training, self.loop) in self._forwards_watched or (training and self._step_watched)
         )
         if self.unplaced or not seen or self.extensions:
             self.start(whole_step, light=seen and not self.unplaced)
@@ -351,8 +352,8 @@ class ViewedOutputs:
                 if nhwc(tensor) and tensor not in self._mode.made:
                     self._mode.made[tensor] = module
         if self._depth == 0 and not self._whole_step:
-            self._forwards_watched.add((self._training(), self._loop))  # a forward ran watched (not a batch never run)
-            if self._loop is None:  # else the batch's own code after it, until end()
+            self._forwards_watched.add((self._training(), self.loop))  # a forward ran watched (not a batch never run)
+            if self.loop is None:  # else the batch's own code after it, until end()
                 self._new = self.stop()
 
     def extension_found(self, name: str, where: str) -> None:

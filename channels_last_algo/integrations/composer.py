@@ -101,8 +101,9 @@ def _float_images(batch: Any) -> Any:
 class _LastCallback(Callback):
     """The guard's events that follow the other callbacks (added after them at ``Event.INIT``): an evaluation or
     prediction batch ends after their ``*_BATCH_END`` (which the first batch of each loop watches, with
-    ``update_metric``), and the guard closes when the Trainer closes: an audit (a dispatch mode over every op)
-    left running by a step that raised must not outlive the run. Composer closes callbacks, not algorithms."""
+    ``update_metric``), and the guard closes after ``trainer.eval()``, ``trainer.predict()`` and when the Trainer
+    closes: an audit (a dispatch mode over every op) left running by a step that raised, or the watch between
+    batches, must not outlive the run. Composer closes callbacks, not algorithms."""
 
     def __init__(self, guard: LayoutGuard) -> None:
         self.guard = guard
@@ -111,7 +112,12 @@ class _LastCallback(Callback):
         del state, logger  # unused
         self.guard.on_batch_end()
 
+    def eval_standalone_end(self, state: State, logger: Logger) -> None:
+        del state, logger  # unused
+        self.guard.close()  # trainer.eval() or trainer.predict() is over: nothing watches between batches
+
     predict_batch_end = eval_batch_end
+    predict_end = eval_standalone_end
 
     def close(self, state: State, logger: Logger) -> None:
         del state, logger  # unused

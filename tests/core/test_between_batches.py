@@ -137,7 +137,7 @@ def test_each_place_is_named_once_and_the_watch_ends_with_close(caplog):
         guard.on_batch_end()
         out.detach().view(-1)
     guard.close()
-    lines = [r.getMessage() for r in caplog.records if 'between training batches' in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if 'between batches' in r.getMessage()]
     assert len(lines) == 1 and 'test_between_batches.py' in lines[0], lines
     with pytest.raises(RuntimeError, match='view size is not compatible'):
         out.detach().view(-1)  # closed: nothing runs it any more
@@ -182,7 +182,7 @@ def test_a_view_of_a_weight_makes_the_weights_contiguous_and_is_a_true_view():
     finally:
         between.end()
     assert conv.weight[0, 0, 0, 0].item() == 7.0 and conv.weight.is_contiguous()
-    assert len(asked) == 1 and 'between training batches' in asked[0] and 'test_between_batches.py' in asked[0]
+    assert len(asked) == 1 and 'between batches' in asked[0] and 'test_between_batches.py' in asked[0]
 
 
 class _ModesInTheWorker(torch.utils.data.Dataset):

@@ -81,6 +81,15 @@ def test_lightning_steps_that_view_the_output_after_the_forward_match_nchw(loops
         def predict_step(self, batch, batch_idx):
             return _flat(self(batch[0]))
 
+        def on_validation_epoch_start(self) -> None:
+            self.kept = []
+
+        def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+            self.kept.append(self.net[0](batch[0]).detach())  # NHWC: nothing views this module's outputs
+
+        def on_validation_epoch_end(self) -> None:
+            self.read.append(torch.cat(self.kept).view(-1).pow(2).mean())  # NHWC, as what it joins
+
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -106,6 +115,8 @@ COMPOSER_RUNS = [
     ('eval_forward', 'fit'),
     ('eval_forward', 'eval'),
     ('a callback at EVAL_BATCH_END', 'eval'),
+    ('a callback at EVAL_END', 'eval'),
+    ('a callback at EVAL_END', 'fit'),
     ('a callback at PREDICT_BATCH_END', 'predict'),
     ('a callback at PREDICT_BATCH_END', 'fit, then predict'),
 ]
@@ -149,9 +160,17 @@ def test_composer_evaluation_code_that_views_the_outputs_matches_nchw(reader, lo
         def __init__(self, model: Segmenter) -> None:
             self.model = model
 
+        def eval_start(self, state, logger) -> None:
+            self.kept = []
+
         def eval_batch_end(self, state, logger) -> None:
             if reader.endswith('EVAL_BATCH_END'):
                 self.model.read.append(_flat(state.outputs).sum(1))
+            self.kept.append(state.outputs)
+
+        def eval_end(self, state, logger) -> None:
+            if reader.endswith('EVAL_END'):
+                self.model.read.append(torch.cat(self.kept).view(-1).pow(2).mean())  # NHWC, as what it joins
 
         def predict_batch_end(self, state, logger) -> None:
             self.model.read.append(_flat(state.outputs).sum(1))
@@ -210,22 +229,25 @@ def test_a_plain_loop_that_names_its_loop_gets_its_step_code_watched(caplog):
     assert torch._C._len_torch_function_stack() == 0
 
 
-def test_each_loop_watches_its_first_batch_and_no_watch_outlives_a_batch():
+def test_each_loop_watches_its_first_batch_and_code_after_its_batches():
     net = _net().eval()
     guard = LayoutGuard()
     guard.on_init(net)
     images = next(iter(_loader()))[0]
     with torch.no_grad():
         net(guard.on_batch(images, loop='validate'))  # no view here: nothing placed
-        assert torch._C._len_torch_function_stack() == 1  # the batch's own code is watched until its end
         guard.on_batch_end()
-        assert torch._C._len_torch_function_stack() == 0
-        net(guard.on_batch(images, loop='validate'))
-        assert torch._C._len_torch_function_stack() == 0  # the loop's first batch was watched
-        output = net(guard.on_batch(images))  # no loop named: the forward only, as before
+        output = net(guard.on_batch(images, loop='validate'))
+        with pytest.raises(RuntimeError, match='view size is not compatible'):
+            _flat(output)  # the loop's first batch was the one watched
+        guard.on_batch_end()
+        assert _flat(output).shape == (2, 144)  # after the batch, until the next: as at an epoch's end
+        output = net(guard.on_batch(images))  # no loop named: its forward only, and no watch after it
         assert torch._C._len_torch_function_stack() == 0
         with pytest.raises(RuntimeError, match='view size is not compatible'):
             _flat(output)
         assert len(_evaluated(guard, net, loop='predict')) == 2  # another loop's step code: watched
     guard.close()
     assert torch._C._len_torch_function_stack() == 0
+    with pytest.raises(RuntimeError, match='view size is not compatible'):
+        _flat(output)
