@@ -74,6 +74,11 @@ class FusedEval(Algorithm):
     def __repr__(self) -> str:
         return f'{type(self).__name__}()'
 
+    @property
+    def passes(self) -> int:
+        """The evaluation and prediction passes begun, each on a new fused copy."""
+        return self._evaluation.passes
+
     def match(self, event: Event, state: State) -> bool:
         del state  # unused
         return event in _EVENTS

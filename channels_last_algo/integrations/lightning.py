@@ -228,8 +228,10 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         self._undo.append(follow_strategy(trainer.strategy, prepare, on_batch))
 
     def _on_batch(self, trainer: pl.Trainer, batch: Any) -> Any:
-        """The batch to NHWC; its loop named (``trainer.state.stage``): ``on_*_batch_end`` ends every batch."""
-        return self.guard.on_batch(batch, loop=trainer.state.stage)
+        """The batch to NHWC; its loop named (``trainer.state.stage``, and which fused copy it evaluates, whose
+        first batch is watched anew): ``on_*_batch_end`` ends every batch."""
+        fused = f', fused copy {self._fused_eval.passes}' if self._fusing() else ''
+        return self.guard.on_batch(batch, loop=f'{trainer.state.stage}{fused}')
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore(trainer, pl_module, stage)

@@ -26,7 +26,9 @@ TOLERANCE = dict(rtol=1e-10, atol=1e-10)
 
 def _net() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Conv2d(6, 4, 1)).double()
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Conv2d(6, 4, 1), nn.BatchNorm2d(4)
+    ).double()
 
 
 def _loader() -> torch.utils.data.DataLoader:
@@ -50,11 +52,13 @@ def _assert_same(actual: tuple, expected: tuple) -> None:
         torch.testing.assert_close(weights[name], want, **TOLERANCE, msg=lambda m, name=name: f'{name}: {m}')
 
 
-LIGHTNING_LOOPS = ('fit', 'validate', 'test', 'predict', 'fit, then predict')
+# (loops, fuse_eval): a fused copy is built at each pass, its first batch watched anew
+LIGHTNING_LOOPS = [(loops, False) for loops in ('fit', 'validate', 'test', 'predict', 'fit, then predict')]
+LIGHTNING_LOOPS += [('fit', True), ('fit, then predict', True)]
 
 
-@pytest.mark.parametrize('loops', LIGHTNING_LOOPS)
-def test_lightning_steps_that_view_the_output_after_the_forward_match_nchw(loops):
+@pytest.mark.parametrize(('loops', 'fuse_eval'), LIGHTNING_LOOPS)
+def test_lightning_steps_that_view_the_output_after_the_forward_match_nchw(loops, fuse_eval):
     pytest.importorskip('lightning')
     import lightning as L
 
@@ -64,6 +68,7 @@ def test_lightning_steps_that_view_the_output_after_the_forward_match_nchw(loops
         def __init__(self) -> None:
             super().__init__()
             self.net, self.read = _net(), []
+            self.stem = self.net[0]  # the training network's, also while a fused copy evaluates
 
         def forward(self, x):
             return self.net(x)
@@ -85,7 +90,7 @@ def test_lightning_steps_that_view_the_output_after_the_forward_match_nchw(loops
             self.kept = []
 
         def on_validation_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-            self.kept.append(self.net[0](batch[0]).detach())  # NHWC: nothing views this module's outputs
+            self.kept.append(self.stem(batch[0]).detach())  # NHWC: nothing views this module's outputs
 
         def on_validation_epoch_end(self) -> None:
             self.read.append(torch.cat(self.kept).view(-1).pow(2).mean())  # NHWC, as what it joins
@@ -106,7 +111,7 @@ def test_lightning_steps_that_view_the_output_after_the_forward_match_nchw(loops
             module.read.extend(trainer.predict(module, _loader()))
         return [value.detach() for value in module.read], module.net.state_dict()
 
-    _assert_same(run(ChannelsLastCallback()), run())
+    _assert_same(run(ChannelsLastCallback(fuse_eval=fuse_eval, network='net' if fuse_eval else None)), run())
 
 
 COMPOSER_RUNS = [
@@ -120,10 +125,12 @@ COMPOSER_RUNS = [
     ('a callback at PREDICT_BATCH_END', 'predict'),
     ('a callback at PREDICT_BATCH_END', 'fit, then predict'),
 ]
+COMPOSER_RUNS = [(reader, loops, False) for reader, loops in COMPOSER_RUNS]
+COMPOSER_RUNS += [('eval_forward', 'fit', True), ('a callback at PREDICT_BATCH_END', 'fit, then predict', True)]
 
 
-@pytest.mark.parametrize(('reader', 'loops'), COMPOSER_RUNS)
-def test_composer_evaluation_code_that_views_the_outputs_matches_nchw(reader, loops):
+@pytest.mark.parametrize(('reader', 'loops', 'fuse_eval'), COMPOSER_RUNS)
+def test_composer_evaluation_code_that_views_the_outputs_matches_nchw(reader, loops, fuse_eval):
     pytest.importorskip('composer')
     from composer import Callback, Trainer
     from composer.models import ComposerModel
@@ -134,10 +141,10 @@ def test_composer_evaluation_code_that_views_the_outputs_matches_nchw(reader, lo
     class Segmenter(ComposerModel):
         def __init__(self) -> None:
             super().__init__()
-            self.net, self.metric, self.read = _net(), MeanMetric(), []
+            self.module, self.metric, self.read = _net(), MeanMetric(), []  # .module: what fused evaluation fuses
 
         def forward(self, batch):
-            return self.net(batch[0])
+            return self.module(batch[0])
 
         def loss(self, outputs, batch):
             return F.cross_entropy(outputs, batch[1])
@@ -198,9 +205,9 @@ def test_composer_evaluation_code_that_views_the_outputs_matches_nchw(reader, lo
                 trainer.predict(_loader())
         finally:
             trainer.close()
-        return [value.detach().clone() for value in model.read], model.net.state_dict()
+        return [value.detach().clone() for value in model.read], model.module.state_dict()
 
-    _assert_same(run(ChannelsLast()), run())
+    _assert_same(run(ChannelsLast(fuse_eval=fuse_eval)), run())
 
 
 def _evaluated(guard: LayoutGuard, net: nn.Module, loop, batches: int = 2) -> list[torch.Tensor]:
@@ -225,7 +232,7 @@ def test_a_plain_loop_that_names_its_loop_gets_its_step_code_watched(caplog):
     for got, want in zip(read, expected):
         torch.testing.assert_close(got, want, **TOLERANCE)
     placed = [record.getMessage() for record in caplog.records if 'outputs made channels first' in record.getMessage()]
-    assert len(placed) == 1 and placed[0].startswith('channels last: 3 outputs made channels first (viewed at ')
+    assert len(placed) == 1 and placed[0].startswith('channels last: 4 outputs made channels first (viewed at ')
     assert torch._C._len_torch_function_stack() == 0
 
 

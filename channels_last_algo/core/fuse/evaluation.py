@@ -47,10 +47,12 @@ class FusedEvaluation:
     def __init__(self) -> None:
         self._swapped: Optional[tuple[torch.nn.Module, str, torch.nn.Module]] = None
         self._pending = False  # a pass began: fuse at its first batch
+        self.passes = 0  # the passes begun, each on a new fused copy
 
     def begin_pass(self) -> None:
         """An evaluation, test or prediction pass begins: :meth:`first_batch` fuses."""
         self._pending = True
+        self.passes += 1
 
     def first_batch(self, network: Callable[[], tuple[torch.nn.Module, str, torch.nn.Module]], batch: Any) -> None:
         """At a pass's first batch (after :meth:`begin_pass`; nothing otherwise): swap ``owner.<attribute>``
