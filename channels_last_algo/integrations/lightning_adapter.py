@@ -4,8 +4,9 @@ A callback cannot replace the batch a step gets, and it has no hook between the 
 device move and its DDP wrap. :func:`follow_strategy` wraps the two strategy methods every
 strategy calls there (``model_to_device``, ``batch_to_device``) on one strategy instance, and
 returns what undoes it. Before ``fit``'s loop builds the train dataloaders, only the fit loop's
-data source knows them: :func:`first_training_batch` asks it (auto mode's trial step). The
-integration tests call both on a real ``Trainer`` and fail if Lightning renames what they use.
+data source knows them: :func:`first_training_batch` asks it (auto mode's trial step).
+:func:`example_forward` runs ``example_input_array`` through the model as Lightning's model summary
+does. The integration tests call them on a real ``Trainer`` and fail if Lightning renames what they use.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ require('lightning', 'lightning')
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import CombinedLoader
 
-__all__ = ['first_training_batch', 'follow_strategy', 'replace_on_instance']
+__all__ = ['example_forward', 'first_training_batch', 'follow_strategy', 'replace_on_instance']
 
 
 def replace_on_instance(owner: object, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
@@ -75,3 +76,20 @@ def first_training_batch(trainer: pl.Trainer) -> Any:
     with torch.random.fork_rng(devices=[]):
         batch, _, _ = next(iter(CombinedLoader(loaders, 'max_size_cycle')))
     return trainer.strategy.batch_to_device(batch)
+
+
+def example_forward(module: pl.LightningModule, on_batch: Callable[[Any], Any]) -> bool:
+    """Run ``module.example_input_array`` (False where there is none) through ``module`` as the model summary
+    does (the batch transfer hooks, then the forward, without gradients), passed through ``on_batch`` first."""
+    example = module.example_input_array
+    if example is None:
+        return False
+    example = on_batch(module._apply_batch_transfer_handler(module._on_before_batch_transfer(example)))
+    with torch.no_grad():
+        if isinstance(example, (list, tuple)):
+            module(*example)
+        elif isinstance(example, dict):
+            module(**example)
+        else:
+            module(example)
+    return True

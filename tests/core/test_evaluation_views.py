@@ -258,3 +258,39 @@ def test_each_loop_watches_its_first_batch_and_code_after_its_batches():
     assert torch._C._len_torch_function_stack() == 0
     with pytest.raises(RuntimeError, match='view size is not compatible'):
         _flat(output)
+
+
+def test_lightning_example_input_array_forwards_before_training_match_nchw():
+    """The model summary runs ``example_input_array`` through the model at ``on_fit_start``, before any batch; a
+    view in the forward raised there. The callback runs that forward first, watched; a trace of it works after."""
+    pytest.importorskip('lightning')
+    import lightning as L
+
+    from channels_last_algo.integrations.lightning import ChannelsLastCallback
+
+    class LeNet(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.conv, self.norm, self.fc = nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.Linear(6 * 4 * 4, 4)
+            self.example_input_array = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+
+        def forward(self, x):
+            z = F.relu(self.norm(self.conv(x)))
+            return self.fc(z.view(z.size(0), -1))
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self(batch[0]), batch[1].flatten(1)[:, 0] % 4)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def run(*callbacks) -> tuple:
+        module = LeNet().double()
+        trainer = lightning_trainer(callbacks=list(callbacks), max_steps=3, enable_model_summary=True)
+        trainer.fit(module, train_dataloaders=_loader())
+        traced = module.to_torchscript(method='trace').eval()
+        with torch.no_grad():
+            return [traced(module.example_input_array)], module.state_dict()
+
+    _assert_same(run(ChannelsLastCallback()), run())
