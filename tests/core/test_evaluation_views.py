@@ -236,6 +236,26 @@ def test_a_plain_loop_that_names_its_loop_gets_its_step_code_watched(caplog):
     assert torch._C._len_torch_function_stack() == 0
 
 
+def test_a_write_through_a_reshape_in_an_evaluation_step_reaches_the_output_as_in_nchw():
+    """``out.reshape(n, -1)`` aliases an NCHW output but copies an NHWC one: a write through it was lost."""
+    reference, net = _net().eval(), _net().eval()
+    guard = LayoutGuard()
+    guard.on_init(net)
+    read, expected = [], []
+    with torch.no_grad():
+        for images, _ in list(_loader())[:3]:
+            output = net(guard.on_batch(images, loop='validate'))
+            output.reshape(len(output), -1)[:, :5] = 0
+            read.append(output.sum((1, 2, 3)))
+            guard.on_batch_end()
+            output = reference(images)
+            output.reshape(len(output), -1)[:, :5] = 0
+            expected.append(output.sum((1, 2, 3)))
+    guard.close()
+    for got, want in zip(read, expected):
+        torch.testing.assert_close(got, want, **TOLERANCE)
+
+
 def test_each_loop_watches_its_first_batch_and_code_after_its_batches():
     net = _net().eval()
     guard = LayoutGuard()
