@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ['require_flags', 'require_input', 'require_module', 'require_optimizers', 'require_state']
+__all__ = ['require_flags', 'require_input', 'require_loop', 'require_module', 'require_optimizers', 'require_state']
 
 
 def _shown(value: Any) -> str:
@@ -79,6 +79,20 @@ def require_flags(caller: str, **flags: Any) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f'{caller}: {name} must be True or False, got {type(value).__name__} {value!r}')
+
+
+def require_loop(loop: Any, caller: str) -> None:
+    """TypeError naming ``caller`` unless ``loop`` is None or a str (the name of an evaluation loop).
+
+    Example:
+        >>> require_loop(['validate'], 'LayoutGuard.on_batch')
+        Traceback (most recent call last):
+        ...
+        TypeError: LayoutGuard.on_batch: loop names the batch's loop with a str ('validate', 'predict'), got a list
+    """
+    if loop is None or isinstance(loop, str):
+        return
+    raise TypeError(f"{caller}: loop names the batch's loop with a str ('validate', 'predict'), got {_shown(loop)}")
 
 
 def require_optimizers(optimizers: Any, caller: str) -> None:

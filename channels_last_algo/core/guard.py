@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 import torch
 
-from channels_last_algo.core.argument_checks import require_module, require_optimizers
+from channels_last_algo.core.argument_checks import require_loop, require_module, require_optimizers
 from channels_last_algo.core.audit import AuditReport, LayoutBreakError
 from channels_last_algo.core.audited_steps import AuditedSteps
 from channels_last_algo.core.auto_mode import AutoMode, LossFn
@@ -66,8 +66,7 @@ class LayoutGuard:
     and wrap each training step's forward, loss and backward in :meth:`step` (or call :meth:`on_step_start`
     / :meth:`on_step_end`); a trainer also calls :meth:`on_batch_end` and, at the end, :meth:`close`.
 
-    Options: the keyword-only ones of :data:`~channels_last_algo.core.options.OPTIONS` (``docs/options.md``),
-    all but the integrations' ``fuse_eval``.
+    Options: the keyword-only ones of :data:`~channels_last_algo.core.options.OPTIONS` but ``fuse_eval`` (options.md).
 
     What a user should see (:mod:`channels_last_algo.core.console`): :attr:`start_block` (the conversion,
     repairs, weight layout and auto mode's decision), shown once by :meth:`on_run_start` or else at the first
@@ -289,6 +288,7 @@ class LayoutGuard:
         guess (a channel count some convolution takes) while its forward shows which are images
         (:mod:`channels_last_algo.core.inputs`). ``loop`` (``'validate'``, ``'predict'``): :meth:`on_batch_end` follows
         the batch's own code, which the first batch of each loop watches with its forward (``out.view(n, -1)``)."""
+        require_loop(loop, 'LayoutGuard.on_batch')
         self.inputs.finish()
         self._end_watch(training=False)  # a batch with no training step end: an evaluation batch
         if self._repair_check is not None:

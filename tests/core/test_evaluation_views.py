@@ -314,3 +314,10 @@ def test_lightning_example_input_array_forwards_before_training_match_nchw():
             return [traced(module.example_input_array)], module.state_dict()
 
     _assert_same(run(ChannelsLastCallback()), run())
+
+
+def test_a_loop_named_by_anything_but_a_str_is_refused_naming_the_call():
+    guard = LayoutGuard()
+    guard.on_init(_net())
+    with pytest.raises(TypeError, match=r"LayoutGuard.on_batch: loop names the batch's loop with a str"):
+        guard.on_batch(next(iter(_loader()))[0], loop=['validate'])
