@@ -344,7 +344,7 @@ class ViewedOutputs:
         if module is self._paused_for:
             self._paused_for = None
             self._mode.__enter__()
-        if not failed and not self._mode.light:
+        if not failed and not self._mode.light and self._paused_for is None:  # not a compiled graph's inner module
             self._mode.calls[module] = self._mode.calls.get(module, 0) + 1
             if isinstance(output, torch.Tensor):
                 self._one_tensor_out.add(module)
@@ -389,8 +389,9 @@ class ViewedOutputs:
         for module in origins:
             if module in self._hooked:
                 continue
-            path = self._paths.get(module)  # None: a module outside the model (a teacher the forward calls)
-            name = f'a {type(module).__name__} outside the model' if path is None else path or type(module).__name__
+            network = module._orig_mod if compiled_wrapper(module) else module  # a compiled one: named by its network
+            path = self._paths.get(network)  # None: a module outside the model (a teacher the forward calls)
+            name = f'a {type(network).__name__} outside the model' if path is None else path or type(network).__name__
             one_tensor = module in self._one_tensor_out and _one_tensor_in(module)
             module.register_forward_hook(channels_first_output if one_tensor else channels_first_outputs, prepend=True)
             self._hooked.add(module)

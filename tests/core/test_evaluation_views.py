@@ -321,3 +321,19 @@ def test_a_loop_named_by_anything_but_a_str_is_refused_naming_the_call():
     guard.on_init(_net())
     with pytest.raises(TypeError, match=r"LayoutGuard.on_batch: loop names the batch's loop with a str"):
         guard.on_batch(next(iter(_loader()))[0], loop=['validate'])
+
+
+def test_a_view_of_a_compiled_models_output_places_the_wrapper_named_by_its_network(caplog):
+    reference, net = _net().eval(), _net().eval()
+    guard = LayoutGuard()
+    guard.on_init(net)
+    compiled = torch.compile(net, backend='aot_eager')
+    with caplog.at_level(logging.INFO, logger='channels_last_algo'), torch.no_grad():
+        read = _evaluated(guard, compiled, loop='validate')
+    guard.close()
+    with torch.no_grad():
+        expected = [_flat(reference(images)).sum(1) for images, _ in list(_loader())[:2]]
+    for got, want in zip(read, expected):
+        torch.testing.assert_close(got, want, **TOLERANCE)
+    placed = [record.getMessage() for record in caplog.records if 'outputs made channels first' in record.getMessage()]
+    assert len(placed) == 1 and placed[0].startswith('channels last: Sequential outputs made channels first'), placed
