@@ -218,6 +218,9 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Lightning restores the optimizer state after strategy.setup, just before this hook.
         self.guard.on_load(pl_module, trainer.optimizers or None)
+        if pl_module.automatic_optimization:  # the step ends the batch's own code (not so inside a manual step)
+            optimizers = [o for o in trainer.optimizers if isinstance(o, torch.optim.Optimizer)]
+            self._undo.extend(o.register_step_post_hook(self._optimizer_stepped).remove for o in optimizers)
         bar = trainer.progress_bar_callback
         self._console.bar = bar if bar is not None and bar.is_enabled else None  # disabled off rank 0
 
@@ -312,8 +315,13 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         if hyperparameters:
             _log_hyperparameters(trainer, hyperparameters)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+    def _optimizer_stepped(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """The batch's optimizer step is over: what follows (every callback's ``on_train_batch_end``, in any order)
+        runs between batches."""
         self.guard.on_batch_end()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.guard.on_batch_end()  # also where no optimizer step ran (gradient accumulation, a step AMP skipped)
 
     # --- validation, test and prediction (one set of handlers) -------------------------------------
 

@@ -245,3 +245,45 @@ def test_lightning_model_pruning_trains_as_in_nchw():
         assert got.keys() == want.keys()
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10, msg=f'epoch {epoch}: {name}')
+
+
+def test_lightning_callbacks_listed_before_the_channels_last_one_view_as_in_nchw():
+    """A callback ahead of ``ChannelsLastCallback`` runs its ``on_train_batch_end`` first: the watch between
+    batches begins when the optimizer step ends, not at the channels-last callback's own hook."""
+    pytest.importorskip('lightning')
+    import lightning as L
+
+    from channels_last_algo.integrations.lightning import ChannelsLastCallback
+
+    class MaxNorm(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            _max_normed(pl_module.net, None)
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = _net().double()
+            self.weights: list = []
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+            self.weights.append({k: v.detach().clone() for k, v in self.net.named_parameters()})
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def trained(*callbacks) -> Module:
+        module, batches = Module(), _batches(3)
+        data = torch.utils.data.TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        trainer = lightning_trainer(callbacks=[MaxNorm(), *callbacks], max_epochs=1)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+        return module
+
+    expected, actual = trained(), trained(ChannelsLastCallback())
+    assert len(actual.weights) == len(expected.weights) == 3
+    for step, (got, want) in enumerate(zip(actual.weights, expected.weights), 1):
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10, msg=f'step {step}: {name}')
