@@ -47,9 +47,15 @@ _BATCH_EVENTS = {
     Event.PREDICT_BEFORE_FORWARD: 'predict',
 }
 _FORWARD_ENDS = (Event.EVAL_AFTER_FORWARD, Event.PREDICT_AFTER_FORWARD)
-_STEP_ENDS = (Event.AFTER_BACKWARD, Event.FIT_END)  # a training step's watch, audit and inductor setting end
 _START_EVENTS = (Event.AFTER_LOAD, Event.FIT_START)  # FIT_START also shows the start block
-_ALWAYS = (Event.INIT, *_START_EVENTS, *_BATCH_EVENTS, *_FORWARD_ENDS, *_STEP_ENDS, Event.BATCH_END)  # all but off
+_ALWAYS = (
+    Event.INIT,
+    *_START_EVENTS,
+    *_BATCH_EVENTS,
+    *_FORWARD_ENDS,
+    Event.AFTER_BACKWARD,
+    Event.BATCH_END,
+)  # all but off
 
 
 def _total_loss(loss: Any) -> torch.Tensor:
@@ -101,9 +107,10 @@ def _float_images(batch: Any) -> Any:
 class _LastCallback(Callback):
     """The guard's events that follow the other callbacks (added after them at ``Event.INIT``): an evaluation or
     prediction batch ends after their ``*_BATCH_END`` (which the first batch of each loop watches, with
-    ``update_metric``), and the guard closes after ``trainer.eval()``, ``trainer.predict()`` and when the Trainer
-    closes: an audit (a dispatch mode over every op) left running by a step that raised, or the watch between
-    batches, must not outlive the run. Composer closes callbacks, not algorithms."""
+    ``update_metric``), and the guard closes after them at ``FIT_END`` (a callback there may view the weights),
+    after ``trainer.eval()`` and ``trainer.predict()``, and when the Trainer closes: an audit (a dispatch mode
+    over every op) left running by a step that raised, or the watch between batches, must not outlive the run.
+    Composer closes callbacks, not algorithms."""
 
     def __init__(self, guard: LayoutGuard) -> None:
         self.guard = guard
@@ -112,16 +119,12 @@ class _LastCallback(Callback):
         del state, logger  # unused
         self.guard.on_batch_end()
 
-    def eval_standalone_end(self, state: State, logger: Logger) -> None:
-        del state, logger  # unused
-        self.guard.close()  # trainer.eval() or trainer.predict() is over: nothing watches between batches
-
-    predict_batch_end = eval_batch_end
-    predict_end = eval_standalone_end
-
-    def close(self, state: State, logger: Logger) -> None:
+    def fit_end(self, state: State, logger: Logger) -> None:
         del state, logger  # unused
         self.guard.close()
+
+    predict_batch_end = eval_batch_end
+    eval_standalone_end = predict_end = close = fit_end
 
 
 class ChannelsLast(GuardedIntegration, Algorithm):
@@ -223,8 +226,6 @@ class ChannelsLast(GuardedIntegration, Algorithm):
                 logger.log_hyperparameters(hyperparameters)
         elif event == Event.BATCH_END:
             self.guard.on_batch_end()
-        elif event == Event.FIT_END:
-            self.guard.close()
         if self.fuse_eval and self._fused_eval.match(event, state):
             self._fused_eval.apply(event, state, logger)
         return None

@@ -287,3 +287,51 @@ def test_lightning_callbacks_listed_before_the_channels_last_one_view_as_in_nchw
     for step, (got, want) in enumerate(zip(actual.weights, expected.weights), 1):
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10, msg=f'step {step}: {name}')
+
+
+def test_composer_callbacks_at_fit_end_view_the_weights_as_in_nchw():
+    """Composer runs algorithms before callbacks: the guard closes after the callbacks' ``FIT_END``, not before."""
+    pytest.importorskip('composer')
+    from composer import Callback, Trainer
+    from composer.models import ComposerModel
+
+    from channels_last_algo.integrations.composer import ChannelsLast
+
+    class Model(ComposerModel):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net, self.read = _net().double(), []
+
+        def forward(self, batch):
+            return self.net(batch[0])
+
+        def loss(self, outputs, batch):
+            return F.cross_entropy(outputs, batch[1])
+
+    class Summed(Callback):
+        def fit_end(self, state, logger) -> None:
+            state.model.read.append(parameters_to_vector(state.model.parameters()).clone())
+
+    def trained(*algorithms) -> list:
+        model, batches = Model(), _batches(2)
+        data = torch.utils.data.TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        trainer = Trainer(
+            model=model,
+            train_dataloader=torch.utils.data.DataLoader(data, batch_size=2),
+            max_duration='2ba',
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            device='cpu',
+            algorithms=list(algorithms),
+            callbacks=[Summed()],
+            progress_bar=False,
+        )
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+        return model.read
+
+    expected, actual = trained(), trained(ChannelsLast())
+    assert len(actual) == len(expected) == 1
+    torch.testing.assert_close(actual[0], expected[0], rtol=1e-10, atol=1e-10)
