@@ -7,7 +7,8 @@ and epoch-end hooks, and its evaluation, whose epoch end reads what its steps ke
 segmentation output through ``.view(-1)``. A view NHWC strides cannot take raises there ("view size
 is not compatible with input tensor's size and stride") where NCHW's succeeds, and no step's watch
 (:mod:`~channels_last_algo.core.viewed_outputs`) is on. While :class:`BetweenBatches` watches, such
-a view of a channels-last tensor runs instead:
+a view of a channels-last tensor, or of what shape ops made of one meanwhile (``z.flatten(2).view(n, -1)``),
+where NCHW's strides would take it (:mod:`~channels_last_algo.core.nchw_twins`), runs instead:
 
 - of a weight or a weight's gradient: the weights go contiguous (``weights_viewed``), and it is a
   true view, as every later one;
@@ -47,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 from channels_last_algo.core.aliased_copies import AliasedCopies
 from channels_last_algo.core.layout import Layout, layout_of
 from channels_last_algo.core.module_calls import exit_mode
+from channels_last_algo.core.nchw_twins import SHAPE_OPS, NchwTwins
 from channels_last_algo.core.view_watch import VIEWS, calling_code
 
 __all__ = ['BetweenBatches']
@@ -132,28 +134,39 @@ class BetweenBatches:
 
 
 class _FailingViews(TorchFunctionMode):
-    """The mode :class:`BetweenBatches` runs: a view of a channels-last tensor that raises runs on
-    ``watch.view``; writes through the copies it made reach their tensors."""
+    """The mode :class:`BetweenBatches` runs: a view that raises, of a channels-last tensor or of what shape ops
+    made of one (``z.flatten(2)``), where NCHW's strides take it, runs on ``watch.view``; writes through the
+    copies it made reach their tensors."""
 
     def __init__(self, watch: BetweenBatches) -> None:
         super().__init__()
         self.watch = watch
         self.copies = AliasedCopies()
+        self.twins = NchwTwins()  # the strides NCHW would give what shape ops make of channels-last tensors
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        if func in VIEWS and isinstance(args[0], torch.Tensor) and layout_of(args[0]) in _CHANNELS_LAST:
-            try:
-                return func(*args, **kwargs)
-            except RuntimeError as error:
-                if 'view size is not compatible' not in str(error):
-                    raise
+        followed = func in SHAPE_OPS and args and isinstance(args[0], torch.Tensor) and self._followed(args[0])
+        try:
+            result = func(*args, **kwargs)
+        except RuntimeError as error:  # a view NCHW's strides take (its twin's) runs on a copy
+            if not followed or func not in VIEWS or 'view size is not compatible' not in str(error):
+                raise
+            if self.twins.run(func, args, kwargs) is None:
+                raise
             return self.watch.view(func, args, kwargs, self.copies)
-        result = func(*args, **kwargs)
         self.copies.written(func, args, kwargs)
+        if followed:  # a shape op's result (z.flatten(2), z[:, :2]) keeps the strides NCHW would give it
+            ran = self.twins.run(func, args, kwargs)
+            if ran is not None:
+                self.twins.note(result, ran[1])
         return result
+
+    def _followed(self, tensor: torch.Tensor) -> bool:
+        """A channels-last tensor, or one a shape op made of one while the mode was on."""
+        return tensor in self.twins or layout_of(tensor) in _CHANNELS_LAST
 
 
 def _none_in_a_forked_process() -> None:

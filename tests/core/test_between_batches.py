@@ -102,6 +102,13 @@ def _read_output(net, output) -> None:
         net[4].bias.add_(output.detach().view(-1)[:3] * 0.01)
 
 
+def _read_through_3d_views(net, output) -> None:
+    """``flatten(2)`` and a channel slice of the NHWC output keep NHWC strides, which ``.view(n, -1)`` refuses."""
+    with torch.no_grad():
+        rows, first = output.detach().flatten(2).view(len(output), -1), output.detach()[:, :2].view(len(output), -1)
+        net[4].bias.add_((rows[:, :3] + first[:, :3]).sum(0) * 0.01)
+
+
 def _map_loss(output, batch):
     return output.reshape(len(output), -1).pow(2).mean()
 
@@ -113,6 +120,7 @@ RUNS = {
     'decayed-as-a-vector': Run(_net, _batches(), _cross_entropy, batch_end=_decayed_as_a_vector),
     'buffer-written-through-a-view': Run(WithMemory, _batches(), _cross_entropy, batch_end=_memory_cleared),
     'output-read-through-a-view': Run(_conv_output_net, _batches(), _map_loss, batch_end=_read_output),
+    'output-read-through-3d-views': Run(_conv_output_net, _batches(), _map_loss, batch_end=_read_through_3d_views),
 }
 
 
@@ -160,6 +168,9 @@ def test_views_nchw_refuses_too_still_raise_and_nothing_runs_while_paused():
             _nhwc(2, 4, 3, 3).view(-1)  # a batch runs: no watch
         between.resume()
         assert _nhwc(2, 4, 3, 3).view(-1).shape == (72,)
+        assert _nhwc(2, 4, 3, 3).flatten(2).view(2, -1).shape == (2, 36)  # NCHW's flatten(2) is contiguous
+        with pytest.raises(RuntimeError, match='view size is not compatible'):
+            _nhwc(2, 4, 3, 3).flatten(2)[:, :2].view(-1)  # and its channel slice is not: NCHW refuses too
     finally:
         between.end()
 
