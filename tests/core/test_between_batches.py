@@ -218,10 +218,10 @@ def test_dataloader_workers_forked_between_batches_run_without_the_watch():
         between.end()
 
 
-def test_lightning_model_pruning_trains_as_in_nchw():
-    pytest.importorskip('lightning')
+def _lightning_weights(callbacks: list, channels_last: bool, recorded_at: str, batches: int, epochs: int) -> list:
+    """The weights of ``_net()`` trained by Lightning with ``callbacks`` (and the channels-last callback, last),
+    recorded at the LightningModule's hook ``recorded_at``."""
     import lightning as L
-    from lightning.pytorch.callbacks import ModelPruning
 
     from channels_last_algo.integrations.lightning import ChannelsLastCallback
 
@@ -235,27 +235,38 @@ def test_lightning_model_pruning_trains_as_in_nchw():
         def training_step(self, batch, batch_idx):
             return F.cross_entropy(self.net(batch[0]), batch[1])
 
-        def on_train_epoch_end(self) -> None:
+        def record(self, *args: object) -> None:
             self.weights.append({k: v.detach().clone() for k, v in self.net.named_parameters()})
 
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
-    def trained(*callbacks) -> Module:
-        module = Module()
-        batches = _batches(2)
-        data = torch.utils.data.TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-        pruning = ModelPruning('l1_unstructured', amount=0.3, use_global_unstructured=True, verbose=0)
-        trainer = lightning_trainer(callbacks=[pruning, *callbacks], max_epochs=3)
-        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
-        return module
+    setattr(Module, recorded_at, Module.record)
+    module, data = Module(), _batches(batches)
+    data = torch.utils.data.TensorDataset(torch.cat([b[0] for b in data]), torch.cat([b[1] for b in data]))
+    ours = [ChannelsLastCallback()] if channels_last else []
+    trainer = lightning_trainer(callbacks=[*callbacks, *ours], max_epochs=epochs)
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
+    return module.weights
 
-    expected, actual = trained(), trained(ChannelsLastCallback())
-    assert len(actual.weights) == len(expected.weights) == 3
-    for epoch, (got, want) in enumerate(zip(actual.weights, expected.weights), 1):
+
+def _assert_same_weights(actual: list, expected: list, count: int) -> None:
+    assert len(actual) == len(expected) == count
+    for index, (got, want) in enumerate(zip(actual, expected), 1):
         assert got.keys() == want.keys()
         for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10, msg=f'epoch {epoch}: {name}')
+            torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10, msg=f'record {index}: {name}')
+
+
+def test_lightning_model_pruning_trains_as_in_nchw():
+    pytest.importorskip('lightning')
+    from lightning.pytorch.callbacks import ModelPruning
+
+    def pruning() -> list:
+        return [ModelPruning('l1_unstructured', amount=0.3, use_global_unstructured=True, verbose=0)]
+
+    expected = _lightning_weights(pruning(), False, 'on_train_epoch_end', batches=2, epochs=3)
+    _assert_same_weights(_lightning_weights(pruning(), True, 'on_train_epoch_end', batches=2, epochs=3), expected, 3)
 
 
 def test_lightning_callbacks_listed_before_the_channels_last_one_view_as_in_nchw():
@@ -264,40 +275,12 @@ def test_lightning_callbacks_listed_before_the_channels_last_one_view_as_in_nchw
     pytest.importorskip('lightning')
     import lightning as L
 
-    from channels_last_algo.integrations.lightning import ChannelsLastCallback
-
     class MaxNorm(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             _max_normed(pl_module.net, None)
 
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = _net().double()
-            self.weights: list = []
-
-        def training_step(self, batch, batch_idx):
-            return F.cross_entropy(self.net(batch[0]), batch[1])
-
-        def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-            self.weights.append({k: v.detach().clone() for k, v in self.net.named_parameters()})
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
-    def trained(*callbacks) -> Module:
-        module, batches = Module(), _batches(3)
-        data = torch.utils.data.TensorDataset(torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-        trainer = lightning_trainer(callbacks=[MaxNorm(), *callbacks], max_epochs=1)
-        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
-        return module
-
-    expected, actual = trained(), trained(ChannelsLastCallback())
-    assert len(actual.weights) == len(expected.weights) == 3
-    for step, (got, want) in enumerate(zip(actual.weights, expected.weights), 1):
-        for name in want:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10, msg=f'step {step}: {name}')
+    expected = _lightning_weights([MaxNorm()], False, 'on_train_batch_end', batches=3, epochs=1)
+    _assert_same_weights(_lightning_weights([MaxNorm()], True, 'on_train_batch_end', batches=3, epochs=1), expected, 3)
 
 
 def test_composer_callbacks_at_fit_end_view_the_weights_as_in_nchw():

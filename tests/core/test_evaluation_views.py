@@ -220,18 +220,24 @@ def _evaluated(guard: LayoutGuard, net: nn.Module, loop, batches: int = 2) -> li
     return read
 
 
-def test_a_plain_loop_that_names_its_loop_gets_its_step_code_watched(caplog):
+def _placed_in_a_named_loop(caplog, compiled: bool = False) -> list[str]:
+    """Two evaluation batches of a plain loop named 'validate', read through ``.view`` after the forward (of
+    the network compiled, or not) and checked against NCHW; the console lines that placed a module."""
     reference, net = _net().eval(), _net().eval()
     guard = LayoutGuard()
     guard.on_init(net)
     with caplog.at_level(logging.INFO, logger='channels_last_algo'):
-        read = _evaluated(guard, net, loop='validate')
+        read = _evaluated(guard, torch.compile(net, backend='aot_eager') if compiled else net, loop='validate')
     guard.close()
     with torch.no_grad():
         expected = [_flat(reference(images)).sum(1) for images, _ in list(_loader())[:2]]
     for got, want in zip(read, expected):
         torch.testing.assert_close(got, want, **TOLERANCE)
-    placed = [record.getMessage() for record in caplog.records if 'outputs made channels first' in record.getMessage()]
+    return [record.getMessage() for record in caplog.records if 'outputs made channels first' in record.getMessage()]
+
+
+def test_a_plain_loop_that_names_its_loop_gets_its_step_code_watched(caplog):
+    placed = _placed_in_a_named_loop(caplog)
     assert len(placed) == 1 and placed[0].startswith('channels last: 4 outputs made channels first (viewed at ')
     assert torch._C._len_torch_function_stack() == 0
 
@@ -324,16 +330,5 @@ def test_a_loop_named_by_anything_but_a_str_is_refused_naming_the_call():
 
 
 def test_a_view_of_a_compiled_models_output_places_the_wrapper_named_by_its_network(caplog):
-    reference, net = _net().eval(), _net().eval()
-    guard = LayoutGuard()
-    guard.on_init(net)
-    compiled = torch.compile(net, backend='aot_eager')
-    with caplog.at_level(logging.INFO, logger='channels_last_algo'), torch.no_grad():
-        read = _evaluated(guard, compiled, loop='validate')
-    guard.close()
-    with torch.no_grad():
-        expected = [_flat(reference(images)).sum(1) for images, _ in list(_loader())[:2]]
-    for got, want in zip(read, expected):
-        torch.testing.assert_close(got, want, **TOLERANCE)
-    placed = [record.getMessage() for record in caplog.records if 'outputs made channels first' in record.getMessage()]
+    placed = _placed_in_a_named_loop(caplog, compiled=True)
     assert len(placed) == 1 and placed[0].startswith('channels last: Sequential outputs made channels first'), placed
