@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ['SavedState']
+__all__ = ['SavedState', 'leaving_no_trace']
 
 
 class SavedState:
@@ -60,3 +60,22 @@ class SavedState:
         finally:
             for owner, name, buffer in held:
                 owner._buffers[name] = buffer
+
+
+@contextlib.contextmanager
+def leaving_no_trace(module: torch.nn.Module) -> Iterator[None]:
+    """An extra pass of ``module`` inside: on copies of its buffers, and the random state put back after.
+
+    Example:
+        >>> bn = torch.nn.BatchNorm2d(3)
+        >>> with leaving_no_trace(bn):
+        ...     _ = bn(torch.randn(2, 3, 4, 4))
+        >>> int(bn.num_batches_tracked)
+        0
+    """
+    state = SavedState(module)
+    try:
+        with state.buffer_copies(module):
+            yield
+    finally:
+        state.restore_random_state()

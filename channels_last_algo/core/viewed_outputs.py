@@ -61,7 +61,7 @@ from channels_last_algo.core.module_calls import (
     subscribe,
     unsubscribe,
 )
-from channels_last_algo.core.saved_state import SavedState
+from channels_last_algo.core.saved_state import leaving_no_trace
 from channels_last_algo.core.view_watch import ViewWatch, contiguous_gradient, nhwc
 
 __all__ = [
@@ -325,14 +325,13 @@ class ViewedOutputs:
     def _rehearse(self, network: torch.nn.Module, args: tuple) -> None:
         """Dynamo refuses a failing view as it traces, where no mode sees it: the compiled network's
         eager forward runs first, once, without gradients, on copies of its buffers and random state."""
-        state, self._rehearsing = SavedState(network), True
+        self._rehearsing = True
         try:
-            with torch.no_grad(), _disable_current_modes(), paused(only=self), state.buffer_copies(network):
+            with torch.no_grad(), _disable_current_modes(), paused(only=self), leaving_no_trace(network):
                 network(*args)
         except Exception as error:  # a rehearsal only: the real call runs (and fails, if it must) as it would
             log.debug('channels last: the eager rehearsal of a compiled forward stopped: %s', error)
         finally:
-            state.restore_random_state()
             self._rehearsing = False
 
     def left(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, failed: bool) -> None:

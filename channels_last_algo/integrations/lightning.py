@@ -52,7 +52,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from channels_last_algo.core.auto_mode import Trial
 from channels_last_algo.core.canonical_checkpoints import canonical_state
 from channels_last_algo.core.inputs import Inputs
-from channels_last_algo.core.saved_state import SavedState
+from channels_last_algo.core.saved_state import leaving_no_trace
 from channels_last_algo.core.viewed_outputs import explain_unwatched_view
 from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layout_for
 from channels_last_algo.integrations.guarded import GuardedIntegration
@@ -284,16 +284,15 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         """Lightning runs ``example_input_array`` through the model outside any batch, before training (the model
         summary; ``log_graph``, ``to_onnx`` trace it): that evaluation forward runs here first, once, watched, so
         that a ``.view()`` in it finds its module made channels first. Modes, buffers and random state are kept."""
-        modes, state = {module: module.training for module in pl_module.modules()}, SavedState(pl_module)
+        modes = {module: module.training for module in pl_module.modules()}
         pl_module.eval()
         try:
-            with state.buffer_copies(pl_module):
+            with leaving_no_trace(pl_module):
                 if example_forward(pl_module, self.guard.on_batch):
                     self.guard.on_forward_end()  # what the watch found, shown
         except Exception as error:  # a rehearsal: Lightning's own pass runs (and fails, if it must) as it would
             log.debug('channels last: the rehearsal of example_input_array stopped: %s', error)
         finally:
-            state.restore_random_state()
             for module, training in modes.items():
                 module.train(training)
 
