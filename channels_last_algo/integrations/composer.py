@@ -212,8 +212,8 @@ class ChannelsLast(GuardedIntegration, Algorithm):
         elif event in _START_EVENTS:
             self._start(event, state, logger)
         elif event in _BATCH_EVENTS:
-            fused = f', fused copy {self._fused_eval.passes}' if self.fuse_eval else ''  # a new copy: watched anew
-            state.batch = self.guard.on_batch(state.batch, loop=f'{_BATCH_EVENTS[event]}{fused}')
+            loop = self._fused_eval.loop_name(_BATCH_EVENTS[event]) if self.fuse_eval else _BATCH_EVENTS[event]
+            state.batch = self.guard.on_batch(state.batch, loop=loop)
             if event == Event.BEFORE_FORWARD:
                 self.guard.on_step_start()
         elif event in _FORWARD_ENDS:

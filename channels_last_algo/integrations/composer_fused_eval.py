@@ -74,10 +74,9 @@ class FusedEval(Algorithm):
     def __repr__(self) -> str:
         return f'{type(self).__name__}()'
 
-    @property
-    def passes(self) -> int:
-        """The evaluation and prediction passes begun, each on a new fused copy."""
-        return self._evaluation.passes
+    def loop_name(self, loop: str) -> str:
+        """``loop`` named with the pass under way, whose fused copy is new (:meth:`FusedEvaluation.loop_name`)."""
+        return self._evaluation.loop_name(loop)
 
     def match(self, event: Event, state: State) -> bool:
         del state  # unused

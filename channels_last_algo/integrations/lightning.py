@@ -239,8 +239,8 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
     def _on_batch(self, trainer: pl.Trainer, batch: Any) -> Any:
         """The batch to NHWC; its loop named (``trainer.state.stage``, and which fused copy it evaluates, whose
         first batch is watched anew): ``on_*_batch_end`` ends every batch."""
-        fused = f', fused copy {self._fused_eval.passes}' if self._fusing() else ''
-        return self.guard.on_batch(batch, loop=f'{trainer.state.stage}{fused}')
+        loop = str(trainer.state.stage)
+        return self.guard.on_batch(batch, loop=self._fused_eval.loop_name(loop) if self._fusing() else loop)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._restore(trainer, pl_module, stage)

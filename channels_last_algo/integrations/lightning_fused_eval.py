@@ -63,10 +63,9 @@ class FusedEvalCallback(pl.Callback):
     def __repr__(self) -> str:
         return f'{type(self).__name__}({"" if self.network is None else f"network={self.network!r}"})'
 
-    @property
-    def passes(self) -> int:
-        """The validation, test and prediction passes begun, each on a new fused copy."""
-        return self._evaluation.passes
+    def loop_name(self, loop: str) -> str:
+        """``loop`` named with the pass under way, whose fused copy is new (:meth:`FusedEvaluation.loop_name`)."""
+        return self._evaluation.loop_name(loop)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.network_of(pl_module)  # refused now, not at the first validation after training

@@ -49,6 +49,11 @@ class FusedEvaluation:
         self._pending = False  # a pass began: fuse at its first batch
         self.passes = 0  # the passes begun, each on a new fused copy
 
+    def loop_name(self, loop: str) -> str:
+        """``loop`` named with the pass under way: each pass evaluates a new fused copy, watched anew
+        (``LayoutGuard.on_batch(batch, loop=...)``)."""
+        return f'{loop}, fused copy {self.passes}'
+
     def begin_pass(self) -> None:
         """An evaluation, test or prediction pass begins: :meth:`first_batch` fuses."""
         self._pending = True
