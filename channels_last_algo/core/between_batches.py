@@ -17,8 +17,9 @@ where NCHW's strides would take it (:mod:`~channels_last_algo.core.nchw_twins`),
   (:mod:`~channels_last_algo.core.aliased_copies`); one line names the place, once.
 
 Every other op runs as it is, at the cost of one Python call. The trainers turn the watch on at a
-training batch's end, and at each evaluation batch's end, and off at the next batch's start and at
-the end of fit or of an evaluation run, so no training step and no evaluation forward pays for it;
+training batch's end, then at each training step's end (after its backward: gradient code there that
+views now and then, a gradient norm every 50 steps), and at each evaluation batch's end, and off at the
+next batch's start and at the end of fit or of an evaluation run, so no step's forward pays for it;
 a process forked meanwhile (a DataLoader's workers, started between epochs) starts without it.
 
 Example:

@@ -117,9 +117,9 @@ def _one_tensor_in(module: torch.nn.Module) -> bool:
 
 
 UNWATCHED_VIEW = (
-    'channels last: this .view() of a channels-last tensor ran where no view watch was on (it follows the '
-    'first training step, the first batch of each evaluation loop (only its forward where on_batch names '
-    "no loop), and a step's forward and backward only). A view of a weight or of a gradient: "
+    'channels last: this .view() of a channels-last tensor ran where no view watch was on (the forward and '
+    'backward of a training step after the first, of an evaluation batch after the first of its loop, and, in '
+    'a plain loop, code after a batch that no guard.on_batch_end() ended). A view of a weight or of a gradient: '
     "weights='contiguous' keeps them viewable (docs/conversion.md); of an activation: .reshape or .flatten "
     'instead of .view works in either layout.'
 )
@@ -237,10 +237,9 @@ class ViewedOutputs:
         return True if model is None else model.training
 
     def end(self, training: bool, lasting: bool = False) -> list[str]:
-        """At a training step's end (``training``), or the next batch: stop; what was found. ``lasting``:
-        the first training step's watch goes on (until :meth:`stop`), over the code between the
-        backward and the optimizer step, which reads the weights' gradients (a gradient norm from
-        ``p.grad.view(-1)``)."""
+        """At a training step's end (``training``), or the next batch: stop; what was found; the watch between
+        batches resumes. ``lasting``: the first training step's watch goes on (until :meth:`stop`), over the code
+        between the backward and the optimizer step, which reads the gradients (``p.grad.view(-1)``)."""
         first = training and self.watching and not self._step_watched
         self._step_watched = self._step_watched or (training and self.watching)
         if lasting and first:
@@ -248,8 +247,7 @@ class ViewedOutputs:
             found, self._new = self._new, []
             return found
         found = self.stop()
-        if not training:  # an evaluation batch's forward, or the first optimizer step, is over
-            self.between.resume()
+        self.between.resume()  # where wanted, also over a training step's code after its backward, on every step
         return found
 
     def gradient_hook_found(self, weight: torch.nn.Parameter, how: str) -> None:

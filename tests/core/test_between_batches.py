@@ -10,6 +10,7 @@ callback, with the code run at every batch's end, equal to the NCHW run on every
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -131,6 +132,66 @@ def test_code_between_batches_that_views_trains_as_in_nchw(name, integration):
     expected = nchw(run)
     steps, net, _ = guarded(run, integration)
     assert_same_run(steps, expected, f'{name} via {integration}')
+
+
+class _EverySecondStep:
+    """Gradient code a trainer runs after each backward, acting on every second step only (never the first,
+    which the first step's watch covers): a gradient norm through ``p.grad.view(-1)``, and a clip written
+    through those views."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, net: nn.Module) -> None:
+        self.calls += 1
+        if self.calls % 2:
+            return
+        with torch.no_grad():
+            flat = [p.grad.view(-1) for p in net.parameters()]
+            norm = torch.cat(flat).norm()
+            for g in flat:
+                g.mul_(0.5 / norm.clamp(min=0.5))
+
+
+@pytest.mark.parametrize('integration', ['composer', 'lightning'])
+def test_gradient_code_on_later_steps_trains_as_in_nchw(integration):
+    """The first step's watch ends with its optimizer step; a trainer's hooks after a later backward (Composer's
+    ``AFTER_BACKWARD``, Lightning's ``on_before_optimizer_step``) view the gradients under the watch between
+    batches, which resumes at each step's end."""
+    expected = nchw(Run(_net, _batches(5), _cross_entropy, after_backward=_EverySecondStep()))
+    steps, _, _ = guarded(Run(_net, _batches(5), _cross_entropy, after_backward=_EverySecondStep()), integration)
+    assert_same_run(steps, expected, f'gradient code on every second step via {integration}')
+
+
+def _plain_loop(channels_last: bool) -> list:
+    """A plain loop whose gradient code follows the step's block, on every second step."""
+    torch.manual_seed(0)
+    net, clip = _net().double(), _EverySecondStep()
+    guard = LayoutGuard() if channels_last else None
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    if guard is not None:
+        guard.on_init(net, optimizer)
+    weights = []
+    for images, labels in _batches(5):
+        if guard is not None:
+            images = guard.on_batch(images)
+        with guard.step() if guard is not None else contextlib.nullcontext():
+            F.cross_entropy(net(images), labels).backward()
+        clip(net)
+        optimizer.step()
+        optimizer.zero_grad()
+        if guard is not None:
+            guard.on_batch_end()
+        weights.append([p.detach().clone() for p in net.parameters()])
+    if guard is not None:
+        guard.close()
+    return weights
+
+
+def test_gradient_code_after_a_later_steps_block_trains_as_in_nchw():
+    for step, (actual, expected) in enumerate(zip(_plain_loop(True), _plain_loop(False), strict=True)):
+        for a, e in zip(actual, expected, strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=f'step {step}')
 
 
 def test_each_place_is_named_once_and_the_watch_ends_with_close(caplog):
