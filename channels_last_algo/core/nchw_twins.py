@@ -6,7 +6,9 @@ where NCHW has a view, and ``z.permute(0, 2, 3, 1).reshape(-1, c)`` is a view of
 NCHW copies. An in-place write then reaches the other tensor in one layout only. :class:`NchwTwins`
 keeps, for each tensor a watch follows, its NCHW twin: a meta tensor (no memory) with the strides
 the tensor has in an NCHW run (contiguous for a dense NHWC tensor, and whatever the same view ops
-give from there), and runs each shape op on the twin too.
+give from there), and runs each shape op on the twin too. :meth:`NchwTwins.follow` runs every other
+op there as well, so a map that is NHWC in NCHW too (``norm(z.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)``,
+and the convolutions after it) has an NHWC twin, and its ``.contiguous()`` copies in both layouts.
 
 Example:
     >>> import torch
@@ -25,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -69,6 +72,21 @@ SHAPE_OPS = COPY_OR_VIEW | _VIEW_OPS
 """The ops whose results :class:`NchwTwins` gives twins."""
 
 
+_CONVOLUTIONS = _ops('conv1d', 'conv2d', 'conv3d', 'conv_transpose1d', 'conv_transpose2d', 'conv_transpose3d')
+
+
+def _as_convolution_lays_out(input: Any, weight: Any, twin_result: torch.Tensor) -> torch.Tensor:
+    """A convolution's output NHWC where its input or weight is, as cuDNN and oneDNN lay it out (meta kernels of
+    some torch versions give contiguous)."""
+    if twin_result.dim() not in (4, 5):
+        return twin_result
+    fmt = torch.channels_last if twin_result.dim() == 4 else torch.channels_last_3d
+    tensors = [t for t in (input, weight) if isinstance(t, torch.Tensor) and t.dim() == twin_result.dim()]
+    if any(t.is_contiguous(memory_format=fmt) and not t.is_contiguous() for t in tensors):
+        return twin_result.contiguous(memory_format=fmt)
+    return twin_result.contiguous()
+
+
 def _dense_nhwc(tensor: torch.Tensor) -> bool:
     # sparse and nested tensors have no NCHW twin
     return tensor.layout == torch.strided and layout_of(tensor).is_channels_last
@@ -98,7 +116,8 @@ class NchwTwins:
             return None
         known = self._twins.get(tensor)
         if known is None and _dense_nhwc(tensor):
-            known = torch.empty(tensor.shape, dtype=tensor.dtype, device='meta')
+            with _disable_current_modes():
+                known = torch.empty(tensor.shape, dtype=tensor.dtype, device='meta')
         return known
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Optional[tuple[torch.Tensor, Any]]:
@@ -112,9 +131,33 @@ class NchwTwins:
         if twin is None:
             return None
         try:
-            return twin, func(twin, *_on_meta(args[1:]), **_on_meta(kwargs))
+            with _disable_current_modes():
+                return twin, func(twin, *_on_meta(args[1:]), **_on_meta(kwargs))
         except Exception:  # an op meta tensors cannot take (a boolean mask, a tensor subclass): unknown
             return None
+
+    def follow(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
+        """Note the twins of what any other op made of followed tensors (``layer_norm`` of a permuted NHWC map, the
+        convolution after it): ``func`` run on the twins of its tensor arguments, on meta tensors. A map that is
+        NHWC in NCHW too (permuted back from tokens) keeps that twin; nothing where the op takes no meta tensors."""
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not any(t in self._twins or _dense_nhwc(t) for t in tensors):
+            return
+        if not any(isinstance(t, torch.Tensor) for t in tree_leaves(result)):
+            return
+        try:
+            with _disable_current_modes():  # an audit or a FLOP counter sees the real op only
+                twin_args, twin_kwargs = tree_map_only(torch.Tensor, self._twin_or_meta, (args, kwargs))
+                twin_result = func(*twin_args, **twin_kwargs)
+                if func in _CONVOLUTIONS and isinstance(twin_result, torch.Tensor):
+                    twin_result = _as_convolution_lays_out(twin_args[0], twin_args[1], twin_result)
+        except Exception:  # no meta kernel, or an op that leaves the device (.cpu(), .numpy()): unknown
+            return
+        self.note(result, twin_result)
+
+    def _twin_or_meta(self, tensor: torch.Tensor) -> torch.Tensor:
+        twin = self.twin(tensor)
+        return twin if twin is not None else torch.empty_like(tensor, device='meta')
 
     def note(self, result: Any, twin_result: Any) -> None:
         """``twin_result`` (what :meth:`run` gave) holds the twins of ``result``'s tensors."""

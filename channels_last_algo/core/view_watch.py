@@ -195,6 +195,8 @@ class ViewWatch(TorchFunctionMode):
         self.copies.written(func, args, kwargs)
         if func not in GRADIENT_OPS:
             self._follow(args, kwargs, result, func in SHAPE_OPS)
+            if func not in SHAPE_OPS:
+                self.twins.follow(func, args, kwargs, result)
         return result
 
     def _as_in_nchw(self, func: Any, args: tuple, kwargs: dict, result: Any, by_torch: bool) -> Any:

@@ -311,6 +311,10 @@ class ViewedOutputs:
             return
         if self._depth == 1 and not self._whole_step and self._paused_for is None and not on_mode_stack(self._mode):
             self._mode.__enter__()  # a forward-only watch: the forward begins
+        followed = args and not self._mode.light and hasattr(module, 'follow_nchw_input')
+        twin = self._mode.twins.twin(args[0]) if followed else None
+        if twin is not None:  # a layer that lays out what it makes as NCHW would (NCHWMaskDropout's noise)
+            module.follow_nchw_input(args[0], twin)
         if not compiled_wrapper(module):
             return
         if module not in self._rehearsed:

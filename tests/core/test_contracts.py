@@ -5,7 +5,9 @@ relies on a contract of PyTorch's: a write into a tensor it allocated lands in t
 channel slice, by mask), ``contiguous()`` returns a contiguous tensor whose memory an extension kernel may
 read in order, and ``view`` works on it. A ``torch.library`` extension op reads its input's raw memory
 (and its backward op its gradient's) without ``contiguous()``, as NCHW never made it need one. A (2+1)D
-video block (5D, ``channels_last_3d``) runs alike.
+video block (5D, ``channels_last_3d``) runs alike. A map that is NHWC in NCHW too (a ConvNeXt-style permute
+back from tokens) keeps NCHW's copies: a write into its ``contiguous()`` or ``reshape`` stays there; and
+dropout draws NCHW's mask on it (in a plain loop: the trainers draw random numbers of their own).
 Each model trains 3 SGD steps (momentum, float64, fixed data) through :class:`LayoutGuard` in a plain loop,
 the Composer algorithm and the Lightning callback, with 1 and 2 audited steps, and every step's loss and
 every parameter and BatchNorm statistic after it must equal those of the same model trained in NCHW without
@@ -183,6 +185,36 @@ class Video2Plus1D(nn.Module):
         return self.fc(x.mean((2, 3, 4)))
 
 
+class NhwcInNchwToo(nn.Module):
+    """A ConvNeXt-style block: a permute to channels-last tokens, LayerNorm, a permute back, which leaves a map
+    whose memory is NHWC in NCHW too; then ``use`` of it: ``'contiguous'`` zeroes two channels of
+    ``m.contiguous()``, ``'reshape'`` the first values of ``m.reshape(n, -1)`` (copies in NCHW as well, so
+    neither write may reach the map); ``'dropout'`` drops from it, and from a convolution of it (NCHW draws
+    both masks in NHWC memory order)."""
+
+    def __init__(self, use: str) -> None:
+        super().__init__()
+        self.use = use
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.LayerNorm(4)
+        self.mix = nn.Conv2d(4, 4, 3, padding=1)
+        self.drop = nn.Dropout(0.3)
+        self.head = _head(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.norm(self.stem(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        if self.use == 'dropout':
+            return self.head(self.drop(m) + self.drop(F.relu(self.mix(m))))
+        if self.use == 'contiguous':
+            copy = m.contiguous()
+            copy[:, :2] = 0.0
+        else:
+            copy = m.reshape(len(m), -1)
+            copy[:, :5] = 0.0
+            copy = copy.reshape(m.shape)
+        return self.head(m + 2.0 * copy)
+
+
 MODELS = {
     **{
         f'{write}-{alloc}': functools.partial(FreshWrites, write, alloc)
@@ -193,8 +225,13 @@ MODELS = {
     'registered-extension': functools.partial(AroundAnOp, registered_ramp),  # a torch.library op that does not
     'contiguous-view': ContiguousView,
     'video': Video2Plus1D,
+    'nhwc-in-nchw-too-contiguous': functools.partial(NhwcInNchwToo, 'contiguous'),
+    'nhwc-in-nchw-too-reshape': functools.partial(NhwcInNchwToo, 'reshape'),
+    'nhwc-in-nchw-too-dropout': functools.partial(NhwcInNchwToo, 'dropout'),
 }
 EACH_MODEL = pytest.mark.parametrize('name', list(MODELS))
+RANDOM = ('nhwc-in-nchw-too-dropout',)  # a plain loop only: the trainers draw random numbers of their own
+EACH_DETERMINISTIC_MODEL = pytest.mark.parametrize('name', [name for name in MODELS if name not in RANDOM])
 
 
 def build(name: str) -> nn.Module:
@@ -299,7 +336,7 @@ def test_plain_loop_with_layout_guard_matches_nchw(name, audit_steps):
 
 
 @AUDITS
-@EACH_MODEL
+@EACH_DETERMINISTIC_MODEL
 def test_composer_algorithm_matches_nchw(name, audit_steps):
     """The Composer algorithm in a Trainer, the same optimizer and data order as the NCHW run."""
     pytest.importorskip('composer')
@@ -353,7 +390,7 @@ def test_composer_algorithm_matches_nchw(name, audit_steps):
 
 
 @AUDITS
-@EACH_MODEL
+@EACH_DETERMINISTIC_MODEL
 def test_lightning_callback_matches_nchw(name, audit_steps):
     """The Lightning callback in a Trainer, the same optimizer and data order as the NCHW run."""
     pytest.importorskip('lightning')

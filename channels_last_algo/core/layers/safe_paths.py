@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from channels_last_algo.core.swap import Replacement
 
@@ -71,12 +72,29 @@ class NCHWAvgPool2d(Replacement, nn.AvgPool2d):
 class NCHWMaskDropout(Replacement, nn.Dropout):
     """``nn.Dropout`` with its mask drawn in NCHW order: the noise is contiguous, as torch's CPU
     dropout makes it for an NCHW input (``empty_like``, ``bernoulli_``, divided by the keep rate),
-    so the numbers and the random state after it are NCHW's; the product keeps the input's layout."""
+    so the numbers and the random state after it are NCHW's; the product keeps the input's layout.
+    Where the input is NHWC in NCHW too (a map permuted back from tokens), :meth:`follow_nchw_input`
+    has the noise drawn like the input, as torch draws it there."""
+
+    noise_like_input = False
+    __constants__ = [
+        *nn.Dropout.__constants__,
+        'noise_like_input',
+    ]  # for TorchScript, which sees instance attributes only
+
+    def follow_nchw_input(self, input: torch.Tensor, twin: torch.Tensor) -> None:
+        """Told by a view watch the input's NCHW twin (a meta tensor with the strides NCHW gives it): the noise
+        takes the memory order NCHW's noise, ``empty_like`` of the twin, has."""
+        with _disable_current_modes():  # meta tensors: no audit records them
+            self.noise_like_input = torch.empty_like(twin).stride() == torch.empty_like(input, device='meta').stride()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return input
         keep = 1.0 - self.p
-        noise = torch.empty(input.shape, dtype=input.dtype, device=input.device).bernoulli_(keep)
+        if self.noise_like_input:
+            noise = torch.empty_like(input).bernoulli_(keep)
+        else:
+            noise = torch.empty(input.shape, dtype=input.dtype, device=input.device).bernoulli_(keep)
         noise = noise.div_(keep) if keep > 0.0 else noise
         return input.mul_(noise) if self.inplace else input * noise
