@@ -96,10 +96,6 @@ def _base(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor._base is None else tensor._base
 
 
-def _on_meta(value: Any) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: torch.empty_like(t, device='meta'), value)
-
-
 class NchwTwins:
     """The NCHW twins of the tensors a watch follows, made by the shape ops that made them."""
 
@@ -132,7 +128,8 @@ class NchwTwins:
             return None
         try:
             with _disable_current_modes():
-                return twin, func(twin, *_on_meta(args[1:]), **_on_meta(kwargs))
+                others, twin_kwargs = self._on_twins((args[1:], kwargs))
+                return twin, func(twin, *others, **twin_kwargs)
         except Exception:  # an op meta tensors cannot take (a boolean mask, a tensor subclass): unknown
             return None
 
@@ -147,17 +144,23 @@ class NchwTwins:
             return
         try:
             with _disable_current_modes():  # an audit or a FLOP counter sees the real op only
-                twin_args, twin_kwargs = tree_map_only(torch.Tensor, self._twin_or_meta, (args, kwargs))
+                twin_args, twin_kwargs = self._on_twins((args, kwargs))
                 twin_result = func(*twin_args, **twin_kwargs)
                 if func in _CONVOLUTIONS and isinstance(twin_result, torch.Tensor):
-                    twin_result = _as_convolution_lays_out(twin_args[0], twin_args[1], twin_result)
+                    weight = twin_args[1] if len(twin_args) > 1 else twin_kwargs.get('weight')
+                    twin_result = _as_convolution_lays_out(twin_args[0], weight, twin_result)
         except Exception:  # no meta kernel, or an op that leaves the device (.cpu(), .numpy()): unknown
             return
         self.note(result, twin_result)
 
-    def _twin_or_meta(self, tensor: torch.Tensor) -> torch.Tensor:
-        twin = self.twin(tensor)
-        return twin if twin is not None else torch.empty_like(tensor, device='meta')
+    def _on_twins(self, value: Any) -> Any:
+        """``value`` with each tensor replaced by its twin, or by a meta tensor of its own strides where it has none."""
+
+        def twin_or_meta(tensor: torch.Tensor) -> torch.Tensor:
+            twin = self.twin(tensor)
+            return twin if twin is not None else torch.empty_like(tensor, device='meta')
+
+        return tree_map_only(torch.Tensor, twin_or_meta, value)
 
     def note(self, result: Any, twin_result: Any) -> None:
         """``twin_result`` (what :meth:`run` gave) holds the twins of ``result``'s tensors."""
