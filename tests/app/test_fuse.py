@@ -303,6 +303,22 @@ class _TracesWrong(nn.Module):
         return self.body(x)
 
 
+class _TracesIntoAnError(nn.Module):
+    """A decoder block whose skip connection is concatenated only ``if isinstance(skip, Tensor)`` (MONAI's
+    ``UpCat``): the traced graph drops the concatenation, and its convolution refuses the channels left."""
+
+    def __init__(self):
+        super().__init__()
+        self.down = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.up = nn.Sequential(nn.Conv2d(7, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+
+    def forward(self, x):
+        skip, y = x, self.down(x)
+        if isinstance(skip, torch.Tensor):
+            y = torch.cat([y, skip], dim=1)
+        return self.up(y)
+
+
 def test_module_route_when_tracing_fails():
     model = _randomize_batchnorm(_DataDependent()).eval()
     fused = fuse_for_inference(model)
@@ -319,6 +335,19 @@ def test_example_input_catches_a_wrong_trace_and_takes_the_module_route():
     x = torch.randn(2, 3, 8, 8)
     fused = fuse_for_inference(model, x)
     assert fused.summary.route == 'modules' and 'differs from the model' in fused.summary.trace_error
+    with torch.no_grad():
+        assert _relative_error(fused(x), model(x)) < 1e-5
+
+
+def test_example_input_catches_a_trace_that_fails_and_takes_the_module_route():
+    model = _randomize_batchnorm(_TracesIntoAnError()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    fused = fuse_for_inference(model, x)
+    summary = fused.summary
+    assert summary.route == 'modules' and 'the traced graph fails on the example input (RuntimeError' in (
+        summary.trace_error
+    )
+    assert summary.fused == {'down.0': 'conv+bn+relu', 'up.0': 'conv+bn+relu'}
     with torch.no_grad():
         assert _relative_error(fused(x), model(x)) < 1e-5
 

@@ -93,6 +93,10 @@ def _max_relative_error(actual: Any, expected: Any) -> float:
     return max(errors, default=0.0)
 
 
+def _why(error: BaseException) -> str:
+    return f'{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ""}'
+
+
 def _check_arguments(model: nn.Module, traceable: bool, backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f'fuse_for_inference: backend must be one of {BACKENDS}, got {backend!r}')
@@ -144,6 +148,18 @@ class _ExampleCheck:
         self.rtol = rtol
         self._expected: list[Any] = []
 
+    def fails(self, network: nn.Module) -> Optional[str]:
+        """Why ``network`` raises on the example input (a trace that took a branch the model does not
+        take: ``isinstance(skip, Tensor)`` is False for a tracing proxy), or None."""
+        if self.inputs is None:
+            return None
+        try:
+            with torch.no_grad():
+                network(*self.inputs)
+        except Exception as error:  # any op of the traced graph may refuse what the wrong branch gives it
+            return _why(error)
+        return None
+
     def mismatch(self, fused: InferenceModel) -> Optional[float]:
         """The relative error of ``fused`` when over ``rtol``; None when within it, or with no example."""
         if self.inputs is None:
@@ -193,7 +209,10 @@ def _fx_route(model: nn.Module, prepack: bool, check: _ExampleCheck) -> tuple[Op
     try:
         graph_module = trace(copy.deepcopy(model))
     except Exception as error:  # any model code can fail under symbolic tracing
-        return None, f'{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ""}'
+        return None, _why(error)
+    failure = check.fails(graph_module)
+    if failure is not None:
+        return None, f'the traced graph fails on the example input ({failure})'
     fused, error = _checked(graph_module, fuse_graph(graph_module, prepack), check)
     if error is None:
         return fused, None
@@ -222,10 +241,11 @@ def fuse_for_inference(
     Args:
         model: a conv net in eval mode. Not modified. Its parameters may require grad: the copy's do not.
         example_input: an input (a tensor, or a tuple of positional arguments) the copy is checked on: the
-            fx route's output must match ``model``'s within ``rtol`` of the largest output magnitude, else
-            the module route is taken, and its output must match too, else ``RuntimeError``. It also
-            prepacks the weights for its shape, finds the convolutions whose fused kernel refuses that
-            shape (``summary.refused``), and compiles the copy (``backend='inductor'``). None: nothing runs.
+            fx route's traced graph must run on it and its output match ``model``'s within ``rtol`` of the
+            largest output magnitude, else the module route is taken, and its output must match too, else
+            ``RuntimeError``. It also prepacks the weights for its shape, finds the convolutions whose
+            fused kernel refuses that shape (``summary.refused``), and compiles the copy
+            (``backend='inductor'``). None: nothing runs.
         traceable: keep plain weights (no oneDNN prepacking) and out-of-place residual adds, as
             ``torch.export`` needs them; slower in eager mode.
         rtol: the tolerance of the ``example_input`` check, relative to the largest output.
