@@ -330,6 +330,90 @@ def test_module_route_when_tracing_fails():
         assert _relative_error(fused(x), model(x)) < 1e-5
 
 
+class _ConvBnAct(nn.Module):
+    """A conv block whose forward calls its children in turn (``self.act(self.bn(self.conv(x)))``, as
+    YOLO's ``Conv``), with one activation instance shared by every block, and an attribute it sets."""
+
+    shared_act = nn.SiLU()
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv, self.bn, self.act = (
+            nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+            nn.BatchNorm2d(cout),
+            self.shared_act,
+        )
+
+    def forward(self, x):
+        self.width = x.shape[-1]  # under tracing, a proxy: set on a copy of the block, never on it
+        return self.act(self.bn(self.conv(x)))
+
+
+class _TwiceRelu(nn.Module):
+    """torchvision's BasicBlock: one ReLU called twice, so it is absorbed by neither run."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 3, padding=1), nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        y = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(y)) + x)
+
+
+class _UntraceableRoot(nn.Module):
+    """Blocks in a ``ModuleList`` that a data-dependent forward calls: the model does not trace, its
+    blocks' forwards do."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_ConvBnAct(3, 8), _TwiceRelu(8), _ConvBnAct(8, 4)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x) if x.sum() > -1e9 else x
+        return x
+
+
+def test_module_route_fuses_the_runs_each_forward_calls():
+    model = _randomize_batchnorm(_UntraceableRoot()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    fused = fuse_for_inference(model, x.contiguous(memory_format=torch.channels_last))
+    summary = fused.summary
+    assert summary.route == 'modules' and summary.unfused == []
+    assert summary.fused == {
+        'blocks.0.conv': 'conv+bn+silu',
+        'blocks.1.conv1': 'conv+bn',
+        'blocks.1.conv2': 'conv+bn',
+        'blocks.2.conv': 'conv+bn+silu',
+    }
+    assert isinstance(model.blocks[0].act, nn.SiLU) and isinstance(model.blocks[0].bn, nn.BatchNorm2d)
+    blocks = fused.module.blocks
+    assert isinstance(blocks[0].act, nn.Identity) and isinstance(_ConvBnAct.shared_act, nn.SiLU)  # a slot, not it
+    assert not any(isinstance(v, torch.fx.Proxy) for m in fused.modules() for v in vars(m).values())
+    with torch.no_grad():
+        assert _relative_error(fused(x), model(x)) < 1e-5
+
+
+class _CallsAGrandchild(_UntraceableRoot):
+    """A forward that calls a block's BatchNorm itself: the run in the block cannot absorb it."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y + self.blocks[2].bn(y)
+
+
+def test_module_route_without_the_runs_where_other_code_calls_their_children():
+    model = _randomize_batchnorm(_CallsAGrandchild()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    fused = fuse_for_inference(model, x)
+    assert fused.summary.fused['blocks.0.conv'] == 'conv' and 'blocks.2.bn' in fused.summary.unfused
+    with torch.no_grad():
+        assert _relative_error(fused(x), model(x)) < 1e-5
+
+
 def test_example_input_catches_a_wrong_trace_and_takes_the_module_route():
     model = _TracesWrong().eval()
     x = torch.randn(2, 3, 8, 8)

@@ -1,11 +1,14 @@
 """The module route, for models that symbolic tracing cannot follow: apply
 :data:`~.patterns.FUSION_PATTERNS` to the children of plain ``nn.Sequential`` containers (as
-torchvision's ``Conv2dNormActivation``), then to every other convolution alone.
+torchvision's ``Conv2dNormActivation``), then to the children each other module's own forward
+calls one into the next (``self.act(self.bn(self.conv(x)))``, found by tracing that forward alone,
+its children as leaves), then to every other convolution alone.
 
 A run is a convolution and the children after it, stepping over eval-mode identities
-(Identity, Dropout); each absorbed child is replaced by ``nn.Identity``. A module that appears
-at several places in the model is left alone. Residual adds are calls in some ``forward``,
-never children, so the patterns with an add do not match here.
+(Identity, Dropout); each absorbed child is replaced by ``nn.Identity``. A convolution that
+appears at several places in the model is left alone, and a run ends before a child its forward
+calls twice. Residual adds are calls in some ``forward``, never children, so the patterns
+with an add do not match here.
 
 Example:
     >>> import torch
@@ -19,9 +22,10 @@ Example:
 from __future__ import annotations
 
 import collections
+import copy
 from typing import Any, Optional
 
-from torch import nn
+from torch import fx, nn
 
 from channels_last_algo.core.fuse.patterns import (
     LONGEST_PATTERN,
@@ -38,6 +42,50 @@ __all__ = ['fuse_modules']
 
 def _plain_sequential(module: nn.Module) -> bool:
     return isinstance(module, nn.Sequential) and type(module).forward is nn.Sequential.forward
+
+
+class _ChildrenAsLeaves(fx.Tracer):
+    """fx's tracer for one module's own forward: every child call is a leaf."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return True
+
+
+def _called_children(module: nn.Module) -> Optional[fx.Graph]:
+    """The graph of ``module``'s own forward, its children as leaves; None where it does not trace.
+    It traces a shallow copy, so that what the forward assigns to attributes (a proxy) stays there."""
+    shell = copy.copy(module)
+    for key in ('_modules', '_parameters', '_buffers'):
+        shell.__dict__[key] = dict(module.__dict__[key])
+    try:
+        return _ChildrenAsLeaves().trace(shell)
+    except Exception:  # any forward can fail on proxies (control flow on values, list arguments)
+        return None
+
+
+def _runs_of_children(module: nn.Module) -> list[list[str]]:
+    """The runs of children ``module``'s forward calls one into the next, by name: each call the only
+    user of the one before, and each child called only there (a ReLU called twice ends a run)."""
+    graph = _called_children(module)
+    if graph is None:
+        return []
+    calls = [node for node in graph.nodes if node.op == 'call_module']
+    counts = collections.Counter(node.target for node in calls)
+
+    def once(node: fx.Node) -> bool:  # its slot is this call's alone (a grandchild's is not this module's)
+        return node.op == 'call_module' and counts[node.target] == 1 and '.' not in str(node.target)
+
+    runs, absorbed = [], set()
+    for node in calls:
+        if node in absorbed or not once(node):
+            continue
+        run = [node]
+        while len(run[-1].users) == 1 and once(user := next(iter(run[-1].users))):
+            run.append(user)
+        absorbed.update(run)
+        if len(run) > 1:
+            runs.append([str(step.target) for step in run])
+    return runs
 
 
 class _ModuleFuser:
@@ -82,17 +130,27 @@ class _ModuleFuser:
         return fuse_chain(lambda: [self.model.get_submodule(path)], self.value_of, replace, self.prepack)
 
 
-def fuse_modules(model: nn.Module, prepack: bool) -> FusionSummary:
-    """Fold and fuse the patterns in ``model``'s ``nn.Sequential`` containers and turn every
-    other convolution into a :class:`~channels_last_algo.core.fuse.conv.FusedConv2d`, in place."""
+def _traced(module: nn.Module) -> bool:
+    """Whether the runs of ``module``'s children are found by tracing its forward: a module with
+    children of its own, not a plain ``nn.Sequential`` (its children are one run) or a container."""
+    containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+    return len(module._modules) > 1 and not _plain_sequential(module) and not isinstance(module, containers)
+
+
+def fuse_modules(model: nn.Module, prepack: bool, traced: bool = True) -> FusionSummary:
+    """Fold and fuse the patterns in ``model``'s ``nn.Sequential`` containers and, ``traced``, in the runs of
+    children each other module's forward calls, and turn every other convolution into a
+    :class:`~channels_last_algo.core.fuse.conv.FusedConv2d`, in place."""
     summary = FusionSummary(route='modules')
     fuser = _ModuleFuser(model, prepack)
-    for prefix, container in list(model.named_modules()):
-        if not _plain_sequential(container):
-            continue
-        names = list(container._modules)
+    modules = list(model.named_modules())
+    runs = [(prefix, list(container._modules)) for prefix, container in modules if _plain_sequential(container)]
+    if traced:
+        runs += [(prefix, run) for prefix, module in modules if _traced(module) for run in _runs_of_children(module)]
+    for prefix, names in runs:
+        slots = model.get_submodule(prefix)._modules
         for index, name in enumerate(names):
-            description = fuser.fuse_slot(container._modules, names, index)
+            description = fuser.fuse_slot(slots, names, index)
             if description is not None:
                 summary.fused[f'{prefix}.{name}' if prefix else name] = description
     for path, _ in list(model.named_modules())[1:]:  # not the model itself: it has no slot to replace
