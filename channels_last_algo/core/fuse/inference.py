@@ -250,11 +250,10 @@ def fuse_for_inference(
     Args:
         model: a conv net in eval mode. Not modified. Its parameters may require grad: the copy's do not.
         example_input: an input (a tensor, or a tuple of positional arguments) the copy is checked on: the
-            fx route's traced graph must run on it and its output match ``model``'s within ``rtol`` of the
-            largest output magnitude, else the module route is taken, and its output must match too, else
-            ``RuntimeError``. It also prepacks the weights for its shape, finds the convolutions whose
-            fused kernel refuses that shape (``summary.refused``), and compiles the copy
-            (``backend='inductor'``). None: nothing runs.
+            fx route's graph must run on it and match ``model``'s output within ``rtol`` of its largest
+            magnitude, else the module route is taken, which must match, else ``RuntimeError``. It also
+            prepacks the weights for its shape, finds the convolutions whose fused kernel refuses that
+            shape (``summary.refused``), and compiles the copy (``backend='inductor'``). None: nothing runs.
         traceable: keep plain weights (no oneDNN prepacking) and out-of-place residual adds, as
             ``torch.export`` needs them; slower in eager mode.
         rtol: the tolerance of the ``example_input`` check, relative to the largest output.
