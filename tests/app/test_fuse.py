@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -273,6 +274,48 @@ def test_the_copy_refuses_train_mode_and_inputs_needing_grad():
     with torch.no_grad():
         torch.testing.assert_close(fused(x), model(x), rtol=1e-4, atol=1e-5)
     fused(x.detach())  # grad mode on is fine when nothing asks for a gradient
+
+
+class _BatchNormAct(nn.BatchNorm2d):
+    """timm's ``BatchNormAct2d``: a functional ``batch_norm`` on its own statistics after a check of the
+    input's rank, then its dropout and activation children."""
+
+    def __init__(self, channels):
+        super().__init__(channels)
+        self.drop, self.act = nn.Identity(), nn.SiLU()
+
+    def forward(self, x):
+        torch._assert(x.ndim == 4, f'expected 4D input (got {x.ndim}D input)')
+        x = F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        return self.act(self.drop(x))
+
+
+def test_fx_route_folds_functional_batchnorms_on_a_modules_own_statistics():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), _BatchNormAct(8), nn.Conv2d(8, 4, 1), _BatchNormAct(4))
+    model = _randomize_batchnorm(model).eval()
+    x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    fused = fuse_for_inference(model, x)
+    assert fused.summary.route == 'fx' and fused.summary.unfused == []
+    assert fused.summary.fused == {'0': 'conv+bn+silu', '2': 'conv+bn+silu'}
+    with torch.no_grad():
+        assert _relative_error(fused(x), model(x)) < 1e-5
+
+
+def test_fx_route_names_the_functional_batchnorms_it_leaves():
+    """A BatchNorm before its convolution (pre-activation) stays, named by its module."""
+    model = _randomize_batchnorm(nn.Sequential(_BatchNormAct(3), nn.Conv2d(3, 4, 3))).eval()
+    summary = fuse_for_inference(model, torch.randn(2, 3, 8, 8)).summary
+    assert summary.unfused == ['0'] and summary.fused == {'1': 'conv'}
+
+
+def test_timm_batchnorm_act_layers_fold():
+    timm = pytest.importorskip('timm')
+    model = _randomize_batchnorm(timm.create_model('regnetx_002', pretrained=False, num_classes=10)).eval()
+    x = torch.randn(2, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    fused = fuse_for_inference(model, x)
+    assert fused.summary.route == 'fx' and fused.summary.unfused == [] and fused.summary.count('bn') == 44
+    with torch.no_grad():
+        assert _relative_error(fused(x), model(x)) < 1e-4
 
 
 class _DataDependent(nn.Module):

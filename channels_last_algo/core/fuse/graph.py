@@ -5,13 +5,16 @@ A submodule whose forward symbolic tracing cannot follow (control flow on a shap
 Composer's ``BlurMaxPool2d``) is kept whole, as a leaf that runs as it is, and a functional
 ``conv2d`` that is exactly an ``nn.Conv2d``'s forward on its own parameters (a convolution
 called through ``.forward``, as Composer's ``BlurConv2d`` calls its ``.conv``) becomes a call
-of that module, so the patterns see it. The BatchNorms left in the network are reported.
+of that module, so the patterns see it; so does an eval-mode functional ``batch_norm`` on a module's
+own statistics (timm's ``BatchNormAct2d``, which calls it and then its activation): a call of an
+``nn.BatchNorm2d`` holding them. The BatchNorms left in the network are reported.
 
 Before matching, the nodes that are the identity in eval mode (Dropout, StochasticDepth,
 Identity) are removed, so that a conv and the add after them can fuse. A run of nodes
 matches a pattern when each node after the first is the only user of the one before, reads
 it as its input, and calls what the pattern's element accepts; a module called from several
-nodes is left alone.
+nodes is left alone. Reads of a node's shape, rank, dtype or device (timm's
+``_assert(x.ndim == 4)``) are not uses: they read the fused node instead, which has the same.
 
 Example:
     >>> import torch
@@ -24,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any, Optional
@@ -37,7 +41,6 @@ from channels_last_algo.core.fuse.patterns import (
     LONGEST_PATTERN,
     Element,
     Match,
-    batchnorm_paths,
     fuse_chain,
     is_eval_identity,
 )
@@ -117,6 +120,87 @@ def _call_convolutions_as_modules(graph: fx.Graph, modules: dict[str, nn.Module]
             graph.erase_node(node)
 
 
+_METADATA_ATTRIBUTES = frozenset({'shape', 'ndim', 'dtype', 'device'})
+_METADATA_METHODS = frozenset({'size', 'dim', 'ndimension'})
+
+
+def _reads_metadata(node: fx.Node) -> bool:
+    """Whether ``node`` reads only its input's shape, rank, dtype or device, which a fused run's output shares."""
+    if node.op == 'call_function' and node.target is getattr:
+        return len(node.args) == 2 and node.args[1] in _METADATA_ATTRIBUTES
+    return node.op == 'call_method' and node.target in _METADATA_METHODS
+
+
+def _value_users(node: fx.Node) -> list[fx.Node]:
+    return [user for user in node.users if not _reads_metadata(user)]
+
+
+_BATCH_NORM_ARGUMENTS = inspect.signature(F.batch_norm)
+
+
+def _attribute(root: nn.Module, target: str) -> Any:
+    path, _, name = target.rpartition('.')
+    return getattr(root.get_submodule(path), name)
+
+
+def _free_name(root: nn.Module, owner: str) -> str:
+    module, index = root.get_submodule(owner), 0
+    while hasattr(module, f'batch_norm{index or ""}'):
+        index += 1
+    return f'{owner}.batch_norm{index or ""}' if owner else f'batch_norm{index or ""}'
+
+
+def _call_batchnorms_as_modules(graph_module: fx.GraphModule, modules: dict[str, nn.Module]) -> dict[str, str]:
+    """Replace each eval-mode ``F.batch_norm`` of a convolution's output, on one module's own running
+    statistics and affine parameters, with a call of an ``nn.BatchNorm2d`` holding them, put in that
+    module; return each such module's path -> the path of the module whose statistics it holds."""
+    owners = {}
+    for node in list(graph_module.graph.nodes):
+        if node.op != 'call_function' or node.target is not F.batch_norm:
+            continue
+        try:
+            given = _BATCH_NORM_ARGUMENTS.bind(*node.args, **node.kwargs).arguments
+        except TypeError:
+            continue
+        source = given['input']
+        of_conv = source.op == 'call_module' and FusedConv2d.accepts(modules.get(source.target))
+        reads = [given.get(key) for key in ('running_mean', 'running_var', 'weight', 'bias')]
+        constants = all(getattr(read, 'op', None) == 'get_attr' for read in reads[:2]) and all(
+            read is None or getattr(read, 'op', None) == 'get_attr' for read in reads[2:]
+        )
+        owner = {read.target.rpartition('.')[0] for read in reads if read is not None}
+        plain = given.get('training', False) is False and isinstance(given.get('eps', 1e-5), float)
+        if not (of_conv and constants and plain and len(owner) == 1 and (reads[2] is None) == (reads[3] is None)):
+            continue
+        mean, var, weight, bias = (None if read is None else _attribute(graph_module, read.target) for read in reads)
+        batch_norm = nn.BatchNorm2d(mean.numel(), eps=given.get('eps', 1e-5), affine=weight is not None).eval()
+        batch_norm.running_mean, batch_norm.running_var = mean, var
+        if weight is not None:
+            batch_norm.weight, batch_norm.bias = (nn.Parameter(t, requires_grad=False) for t in (weight, bias))
+        name = _free_name(graph_module, owner.pop())
+        graph_module.add_submodule(name, batch_norm)
+        modules[name], owners[name] = batch_norm, name.rpartition('.')[0]
+        with graph_module.graph.inserting_after(node):
+            call = graph_module.graph.call_module(name, (source,))
+        node.replace_all_uses_with(call)
+        graph_module.graph.erase_node(node)
+    return owners
+
+
+def _batchnorms_left(graph_module: fx.GraphModule, owners: dict[str, str]) -> list[str]:
+    """The paths of the BatchNorms the fused graph still runs: those it calls (a functional one by the
+    module whose statistics it reads) and those inside the modules it calls whole."""
+    modules, left = dict(graph_module.named_modules()), []
+    for node in graph_module.graph.nodes:
+        if node.op == 'call_module':
+            inside = modules[node.target].named_modules(prefix=owners.get(node.target, node.target))
+            left += [path for path, module in inside if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+        elif node.op == 'call_function' and node.target is F.batch_norm:
+            statistics = node.args[1] if len(node.args) > 1 else node.kwargs.get('running_mean')
+            left.append(statistics.target.rpartition('.')[0] if isinstance(statistics, fx.Node) else node.name)
+    return list(dict.fromkeys(left))
+
+
 def _eval_identity_functions() -> dict[Any, int]:
     """Functions that return their input when their ``training`` argument (at this
     position) is False."""
@@ -192,17 +276,37 @@ class _GraphFuser:
         with self.graph.inserting_after(last):
             fused = self.graph.call_module(first.target, (first.args[0], *match.operands))
         last.replace_all_uses_with(fused)
+        _read_metadata_of(fused, match.items[:-1])
         for node in reversed(match.items):
             self.graph.erase_node(node)
         self.erased.update(match.items)
         return fused
 
 
+def _read_metadata_of(fused: fx.Node, inner: list[fx.Node]) -> None:
+    """Let the reads of ``inner`` nodes' shapes read ``fused``'s (the same) instead, and move them, and
+    the nodes that depend on them, after ``fused``."""
+    readers = {user for node in inner for user in node.users if user not in inner}
+    if not readers:
+        return
+    for reader in readers:
+        for node in inner:
+            reader.replace_input_with(node, fused)
+    moved, cursor = set(readers), fused
+    for node in list(inner[0].graph.nodes):
+        if node is fused:
+            break
+        if node in moved or any(source in moved for source in node.all_input_nodes):
+            moved.add(node)
+            cursor.append(node)
+            cursor = node
+
+
 def _run_from(first: fx.Node) -> list[fx.Node]:
-    """The run of nodes from ``first``: each after it the only user of the one before."""
+    """The run of nodes from ``first``: each after it the only user of the one before (reads of its shape aside)."""
     run = [first]
-    while len(run) < LONGEST_PATTERN and len(run[-1].users) == 1:
-        run.append(next(iter(run[-1].users)))
+    while len(run) < LONGEST_PATTERN and len(users := _value_users(run[-1])) == 1:
+        run.append(users[0])
     return run
 
 
@@ -214,6 +318,8 @@ def fuse_graph(graph_module: fx.GraphModule, prepack: bool) -> FusionSummary:
         prepack: prepacked oneDNN weights and in-place residual adds (off for ``torch.export``).
     """
     fuser = _GraphFuser(graph_module, prepack)
+    owners = _call_batchnorms_as_modules(graph_module, fuser.modules)
+    fuser.calls.update(owners.keys())  # each called once
     _drop_eval_identities(fuser.graph, fuser.modules)
     summary = FusionSummary(route='fx')
     for start in list(fuser.graph.nodes):
@@ -225,7 +331,7 @@ def fuse_graph(graph_module: fx.GraphModule, prepack: bool) -> FusionSummary:
     fuser.graph.lint()
     graph_module.delete_all_unused_submodules()
     graph_module.recompile()
-    summary.unfused = batchnorm_paths(graph_module)
+    summary.unfused = _batchnorms_left(graph_module, owners)
     return summary
 
 
