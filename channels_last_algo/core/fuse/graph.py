@@ -41,6 +41,7 @@ from channels_last_algo.core.fuse.patterns import (
     LONGEST_PATTERN,
     Element,
     Match,
+    batchnorm_paths,
     fuse_chain,
     is_eval_identity,
 )
@@ -193,8 +194,8 @@ def _batchnorms_left(graph_module: fx.GraphModule, owners: dict[str, str]) -> li
     modules, left = dict(graph_module.named_modules()), []
     for node in graph_module.graph.nodes:
         if node.op == 'call_module':
-            inside = modules[node.target].named_modules(prefix=owners.get(node.target, node.target))
-            left += [path for path, module in inside if isinstance(module, nn.modules.batchnorm._BatchNorm)]
+            prefix = owners.get(node.target, node.target)
+            left += [f'{prefix}.{path}' if path else prefix for path in batchnorm_paths(modules[node.target])]
         elif node.op == 'call_function' and node.target is F.batch_norm:
             statistics = node.args[1] if len(node.args) > 1 else node.kwargs.get('running_mean')
             left.append(statistics.target.rpartition('.')[0] if isinstance(statistics, fx.Node) else node.name)
