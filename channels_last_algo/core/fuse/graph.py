@@ -2,12 +2,10 @@
 every convolution node, and let a fused residual add write into its input where that is safe.
 
 A submodule whose forward symbolic tracing cannot follow (control flow on a shape, as in
-Composer's ``BlurMaxPool2d``) is kept whole, as a leaf that runs as it is, and a functional
-``conv2d`` that is exactly an ``nn.Conv2d``'s forward on its own parameters (a convolution
-called through ``.forward``, as Composer's ``BlurConv2d`` calls its ``.conv``) becomes a call
-of that module, so the patterns see it; so does an eval-mode functional ``batch_norm`` on a module's
-own statistics (timm's ``BatchNormAct2d``, which calls it and then its activation): a call of an
-``nn.BatchNorm2d`` holding them. The BatchNorms left in the network are reported.
+Composer's ``BlurMaxPool2d``) is kept whole, as a leaf that runs as it is, and fused inside by the
+module route (:func:`~.modules.fuse_modules`) where it has children. Functional ``conv2d`` and
+``batch_norm`` calls become module calls (:mod:`.functional_calls`), so the patterns see them.
+The BatchNorms left in the network are reported.
 
 Before matching, the nodes that are the identity in eval mode (Dropout, StochasticDepth,
 Identity) are removed, so that a conv and the add after them can fuse. A run of nodes
@@ -27,16 +25,16 @@ Example:
 from __future__ import annotations
 
 import collections
-import inspect
 import logging
 from collections.abc import Callable
 from typing import Any, Optional
 
-import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
 from channels_last_algo.core.fuse.conv import FusedConv2d
+from channels_last_algo.core.fuse.functional_calls import call_batchnorms_as_modules, call_convolutions_as_modules
+from channels_last_algo.core.fuse.modules import fuse_modules
 from channels_last_algo.core.fuse.patterns import (
     LONGEST_PATTERN,
     Element,
@@ -45,11 +43,10 @@ from channels_last_algo.core.fuse.patterns import (
     fuse_chain,
     is_eval_identity,
 )
-from channels_last_algo.core.fuse.postops import has_hooks
 from channels_last_algo.core.fuse.summary import FusionSummary
 from channels_last_algo.core.layers import RULES
 
-__all__ = ['fuse_graph', 'trace']
+__all__ = ['called_whole', 'fuse_graph', 'trace']
 
 log = logging.getLogger(__name__)
 
@@ -91,34 +88,14 @@ def trace(model: nn.Module) -> fx.GraphModule:
     """A ``GraphModule`` of ``model`` (sharing its submodules), with the submodules fx cannot
     trace as leaves; raises what tracing ``model``'s own forward raises."""
     tracer = _Tracer()
-    graph = tracer.trace(model)
-    _call_convolutions_as_modules(graph, dict(model.named_modules()))
-    for node in [node for node in graph.nodes if node.op == 'get_attr' and not node.users]:
-        graph.erase_node(node)
+    graph_module = fx.GraphModule(model, tracer.trace(model))
+    call_convolutions_as_modules(graph_module, model)
+    for node in [node for node in graph_module.graph.nodes if node.op == 'get_attr' and not node.users]:
+        graph_module.graph.erase_node(node)
     for path, error in tracer.untraceable.items():
         log.debug('%s: %s is kept whole (fx cannot trace it: %s)', type(model).__name__, path, error)
-    return fx.GraphModule(model, graph)
-
-
-def _call_convolutions_as_modules(graph: fx.Graph, modules: dict[str, nn.Module]) -> None:
-    """Replace each ``conv2d`` call that computes exactly what an unhooked ``nn.Conv2d`` among
-    ``modules`` does, on its parameters and settings, with a ``call_module`` node of it."""
-    for node in list(graph.nodes):
-        if node.op != 'call_function' or node.target is not torch.conv2d or node.kwargs or len(node.args) != 7:
-            continue
-        x, weight, bias, *settings = node.args
-        if not isinstance(weight, fx.Node) or weight.op != 'get_attr' or not weight.target.endswith('.weight'):
-            continue
-        path = weight.target[: -len('.weight')]
-        conv = modules.get(path)
-        if type(conv) is not nn.Conv2d or conv.padding_mode != 'zeros' or has_hooks(conv):
-            continue
-        own_bias = bias is None if conv.bias is None else getattr(bias, 'target', None) == f'{path}.bias'
-        if own_bias and settings == [conv.stride, conv.padding, conv.dilation, conv.groups]:
-            with graph.inserting_after(node):
-                call = graph.call_module(path, (x,))
-            node.replace_all_uses_with(call)
-            graph.erase_node(node)
+    graph_module.recompile()
+    return graph_module
 
 
 _METADATA_ATTRIBUTES = frozenset({'shape', 'ndim', 'dtype', 'device'})
@@ -136,58 +113,6 @@ def _value_users(node: fx.Node) -> list[fx.Node]:
     return [user for user in node.users if not _reads_metadata(user)]
 
 
-_BATCH_NORM_ARGUMENTS = inspect.signature(F.batch_norm)
-
-
-def _attribute(root: nn.Module, target: str) -> Any:
-    path, _, name = target.rpartition('.')
-    return getattr(root.get_submodule(path), name)
-
-
-def _free_name(root: nn.Module, owner: str) -> str:
-    module, index = root.get_submodule(owner), 0
-    while hasattr(module, f'batch_norm{index or ""}'):
-        index += 1
-    return f'{owner}.batch_norm{index or ""}' if owner else f'batch_norm{index or ""}'
-
-
-def _call_batchnorms_as_modules(graph_module: fx.GraphModule, modules: dict[str, nn.Module]) -> dict[str, str]:
-    """Replace each eval-mode ``F.batch_norm`` of a convolution's output, on one module's own running
-    statistics and affine parameters, with a call of an ``nn.BatchNorm2d`` holding them, put in that
-    module; return each such module's path -> the path of the module whose statistics it holds."""
-    owners = {}
-    for node in list(graph_module.graph.nodes):
-        if node.op != 'call_function' or node.target is not F.batch_norm:
-            continue
-        try:
-            given = _BATCH_NORM_ARGUMENTS.bind(*node.args, **node.kwargs).arguments
-        except TypeError:
-            continue
-        source = given['input']
-        of_conv = source.op == 'call_module' and FusedConv2d.accepts(modules.get(source.target))
-        reads = [given.get(key) for key in ('running_mean', 'running_var', 'weight', 'bias')]
-        constants = all(getattr(read, 'op', None) == 'get_attr' for read in reads[:2]) and all(
-            read is None or getattr(read, 'op', None) == 'get_attr' for read in reads[2:]
-        )
-        owner = {read.target.rpartition('.')[0] for read in reads if read is not None}
-        plain = given.get('training', False) is False and isinstance(given.get('eps', 1e-5), float)
-        if not (of_conv and constants and plain and len(owner) == 1 and (reads[2] is None) == (reads[3] is None)):
-            continue
-        mean, var, weight, bias = (None if read is None else _attribute(graph_module, read.target) for read in reads)
-        batch_norm = nn.BatchNorm2d(mean.numel(), eps=given.get('eps', 1e-5), affine=weight is not None).eval()
-        batch_norm.running_mean, batch_norm.running_var = mean, var
-        if weight is not None:
-            batch_norm.weight, batch_norm.bias = (nn.Parameter(t, requires_grad=False) for t in (weight, bias))
-        name = _free_name(graph_module, owner.pop())
-        graph_module.add_submodule(name, batch_norm)
-        modules[name], owners[name] = batch_norm, name.rpartition('.')[0]
-        with graph_module.graph.inserting_after(node):
-            call = graph_module.graph.call_module(name, (source,))
-        node.replace_all_uses_with(call)
-        graph_module.graph.erase_node(node)
-    return owners
-
-
 def _batchnorms_left(graph_module: fx.GraphModule, owners: dict[str, str]) -> list[str]:
     """The paths of the BatchNorms the fused graph still runs: those it calls (a functional one by the
     module whose statistics it reads) and those inside the modules it calls whole."""
@@ -198,7 +123,8 @@ def _batchnorms_left(graph_module: fx.GraphModule, owners: dict[str, str]) -> li
             left += [f'{prefix}.{path}' if path else prefix for path in batchnorm_paths(modules[node.target])]
         elif node.op == 'call_function' and node.target is F.batch_norm:
             statistics = node.args[1] if len(node.args) > 1 else node.kwargs.get('running_mean')
-            left.append(statistics.target.rpartition('.')[0] if isinstance(statistics, fx.Node) else node.name)
+            if isinstance(statistics, fx.Node):  # without: a weight's standardization (timm's StdConv2d)
+                left.append(statistics.target.rpartition('.')[0] if statistics.op == 'get_attr' else node.name)
     return list(dict.fromkeys(left))
 
 
@@ -311,22 +237,33 @@ def _run_from(first: fx.Node) -> list[fx.Node]:
     return run
 
 
-def fuse_graph(graph_module: fx.GraphModule, prepack: bool) -> FusionSummary:
+def called_whole(graph_module: fx.GraphModule) -> list[str]:
+    """The paths of the modules with children of their own that ``graph_module`` calls as leaves: those
+    whose forward fx could not trace into (``if x.shape[1] != self.channels: raise``)."""
+    paths = dict.fromkeys(node.target for node in graph_module.graph.nodes if node.op == 'call_module')
+    return [path for path in paths if graph_module.get_submodule(path)._modules]
+
+
+def fuse_graph(graph_module: fx.GraphModule, prepack: bool, inside_whole: bool = True) -> FusionSummary:
     """Fold BatchNorms and fuse convolutions in ``graph_module``, in place.
 
     Args:
         graph_module: a traced model.
         prepack: prepacked oneDNN weights and in-place residual adds (off for ``torch.export``).
+        inside_whole: fuse inside the modules the graph calls whole (:func:`called_whole`) by the
+            module route (:func:`~.modules.fuse_modules`).
     """
+    owners = call_batchnorms_as_modules(graph_module)
     fuser = _GraphFuser(graph_module, prepack)
-    owners = _call_batchnorms_as_modules(graph_module, fuser.modules)
-    fuser.calls.update(owners.keys())  # each called once
     _drop_eval_identities(fuser.graph, fuser.modules)
     summary = FusionSummary(route='fx')
     for start in list(fuser.graph.nodes):
         description = None if start in fuser.erased else fuser.fuse_at(start)
         if description is not None:
             summary.fused[start.target] = description
+    for path in called_whole(graph_module) if inside_whole else []:
+        inner = fuse_modules(graph_module.get_submodule(path), prepack)
+        summary.fused.update({f'{path}.{name}': kernel for name, kernel in inner.fused.items()})
     if prepack:
         _mark_in_place_adds(fuser.graph, dict(graph_module.named_modules()))
     fuser.graph.lint()

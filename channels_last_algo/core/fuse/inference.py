@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 from channels_last_algo.core.argument_checks import require_flags, require_module
 from channels_last_algo.core.convert import convert_quietly
 from channels_last_algo.core.fuse.conv import FusedConv2d
-from channels_last_algo.core.fuse.graph import fuse_graph, trace
+from channels_last_algo.core.fuse.graph import called_whole, fuse_graph, trace
 from channels_last_algo.core.fuse.modules import fuse_modules
 from channels_last_algo.core.fuse.summary import FusionSummary
 from channels_last_algo.core.layout import batch_to_channels_last
@@ -206,18 +206,30 @@ def _checked(
 
 
 def _fx_route(model: nn.Module, prepack: bool, check: _ExampleCheck) -> tuple[Optional[InferenceModel], Optional[str]]:
-    """The fx route's copy, or None and why not: the model does not trace, or its copy does not match."""
-    try:
-        graph_module = trace(copy.deepcopy(model))
-    except Exception as error:  # any model code can fail under symbolic tracing
-        return None, _why(error)
-    failure = check.fails(graph_module)
-    if failure is not None:
-        return None, f'the traced graph fails on the example input ({failure})'
-    fused, error = _checked(graph_module, fuse_graph(graph_module, prepack), check)
-    if error is None:
-        return fused, None
-    return None, f'the traced graph output differs from the model by {error:.2e} (relative)'
+    """The fx route's copy, or None and why not: the model does not trace, or its copy does not match,
+    with the modules the graph calls whole fused inside (the module route's runs), and without."""
+    why = None
+    for inside_whole in (True, False):
+        try:
+            graph_module = trace(copy.deepcopy(model))
+        except Exception as error:  # any model code can fail under symbolic tracing
+            return None, _why(error)
+        failure = check.fails(graph_module)
+        if failure is not None:
+            return None, f'the traced graph fails on the example input ({failure})'
+        retry = inside_whole and bool(called_whole(graph_module))
+        try:
+            fused, error = _checked(graph_module, fuse_graph(graph_module, prepack, inside_whole), check)
+        except Exception:  # a run fused inside a module whose forward takes another branch than its trace did
+            if not retry:
+                raise
+            continue
+        if error is None:
+            return fused, None
+        why = f'the traced graph output differs from the model by {error:.2e} (relative)'
+        if not retry:
+            break
+    return None, why
 
 
 def _module_route(model: nn.Module, prepack: bool, check: _ExampleCheck, trace_error: Optional[str]) -> InferenceModel:

@@ -35,7 +35,7 @@ import torch
 from torch import fx, nn
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
-from channels_last_algo.core.fuse.conv import FusedConv2d
+from channels_last_algo.core.fuse.conv import FusedConv2d, as_plain_conv2d
 from channels_last_algo.core.fuse.postops import RELU, PostOp, has_hooks, post_op_of_call, post_op_of_module
 from channels_last_algo.core.layout import to_channels_last
 
@@ -122,7 +122,7 @@ def _residual_of(node: fx.Node, previous: fx.Node) -> Optional[fx.Node]:
     return None
 
 
-CONV = Element('conv', of_module=lambda m: m if FusedConv2d.accepts(m) and not has_hooks(m) else None)
+CONV = Element('conv', of_module=lambda m: None if has_hooks(m) else as_plain_conv2d(m))
 BATCHNORM = Element('bn', of_module=_foldable_batchnorm)
 ACTIVATION = Element('activation', of_module=post_op_of_module, of_call=post_op_of_call, describe=str)
 RELU_ONLY = Element(

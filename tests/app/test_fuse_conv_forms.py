@@ -1,0 +1,136 @@
+"""Fused inference of convolutions that are not a plain ``nn.Conv2d`` call: subclasses keeping its forward,
+``'same'`` padding, functional calls, weights computed from parameters (weight standardization), parametrized
+weights, and the convolutions inside modules that fx calls whole."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_fuse import _randomize_batchnorm, _relative_error
+from torch import nn
+from torch.nn.utils import parametrizations
+
+from channels_last_algo import fuse_for_inference
+from channels_last_algo.core.fuse.graph import trace
+
+
+def _fused_and_checked(model, sizes=(12, 7)):
+    """The summary of ``model``'s fused copy, checked against ``model`` at several sizes."""
+    model = _randomize_batchnorm(model).eval()
+    fused = fuse_for_inference(model, torch.randn(2, 3, sizes[0], sizes[0]))
+    with torch.no_grad():
+        for size in sizes:
+            images = torch.randn(3, 3, size, size)
+            assert _relative_error(fused(images), model(images)) < 1e-5
+    return fused.summary
+
+
+class _Depthwise(nn.Conv2d):
+    """A subclass adding nothing to the math (as transformers' ``EfficientNetDepthwiseConv2d``)."""
+
+    def __init__(self, channels):
+        super().__init__(channels, channels, 3, padding='same', groups=channels, bias=False)
+
+
+class _PaddedByName(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(3, 8, 3, padding='valid'), nn.BatchNorm2d(8), nn.SiLU()
+        self.depthwise, self.depthwise_bn = _Depthwise(8), nn.BatchNorm2d(8)
+        self.even = nn.Conv2d(8, 4, 2, padding='same')  # pads one more on the right: no integer padding says so
+
+    def forward(self, x):
+        x = self.act(self.bn(self.conv(x)))
+        return self.even(torch.relu(self.depthwise_bn(self.depthwise(x))))
+
+
+def test_subclasses_keeping_the_forward_and_padding_by_name_fold_and_fuse():
+    summary = _fused_and_checked(_PaddedByName())
+    assert summary.fused == {'conv': 'conv+bn+silu', 'depthwise': 'conv+bn+relu'}
+    assert summary.unfused == []
+
+
+class _StandardizedConv(nn.Conv2d):
+    """Weight standardization, as timm's ``StdConv2d`` and BiT's ``WeightStandardizedConv2d``."""
+
+    def forward(self, x):
+        weight = F.batch_norm(
+            self.weight.reshape(1, self.out_channels, -1), None, None, training=True, momentum=0.0, eps=1e-6
+        ).reshape_as(self.weight)
+        return F.conv2d(x, weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class _SamePadded(nn.Conv2d):
+    """Pads, then convolves with no padding (timm's ``Conv2dSame`` computes the padding from the shape)."""
+
+    def forward(self, x):
+        return F.conv2d(F.pad(x, (1, 1, 1, 1)), self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+def test_functional_convolutions_on_computed_weights_are_computed_once_and_fused():
+    model = nn.Sequential(
+        _StandardizedConv(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), _SamePadded(8, 8, 3), nn.BatchNorm2d(8)
+    )
+    summary = _fused_and_checked(model)
+    assert summary.fused == {'0.conv2d': 'conv+bn+relu', '3.conv2d': 'conv+bn'}
+    assert summary.unfused == []  # the standardization's batch_norm is not a BatchNorm of the network
+    graph = trace(model).graph
+    assert not [node for node in graph.nodes if node.target in (torch.conv2d, F.batch_norm)]
+
+
+class _Noisy(nn.Conv2d):
+    def forward(self, x):
+        return F.conv2d(x, self.weight + 1e-3 * torch.randn_like(self.weight), self.bias, padding=1)
+
+
+class _Observed(nn.Conv2d):
+    """Scales its weight by its input's range, kept in a buffer (as a quantization observer)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer('range', torch.ones(()))
+
+    def forward(self, x):
+        self.range.copy_(x.detach().abs().amax())
+        return F.conv2d(x, self.weight / self.range, self.bias, padding=1)
+
+
+@pytest.mark.parametrize('conv', [_Noisy, _Observed], ids=['random', 'written'])
+def test_weights_that_change_between_calls_stay_functional_calls(conv):
+    graph = trace(nn.Sequential(conv(3, 8, 3), nn.ReLU())).graph
+    assert [node for node in graph.nodes if node.target is torch.conv2d]
+    assert not [node for node in graph.nodes if node.op == 'call_module' and node.target.startswith('0')]
+
+
+def test_a_parametrized_convolution_folds_its_batchnorm():
+    model = nn.Sequential(parametrizations.weight_norm(nn.Conv2d(3, 8, 3, padding=1)), nn.BatchNorm2d(8), nn.ReLU())
+    assert _fused_and_checked(model).fused == {'0': 'conv+bn+relu'}
+
+
+class _ConvBnRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(x)))
+
+
+class _ChecksChannels(nn.Module):
+    """Checks its input first, as transformers' patch embeddings do: fx calls it whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = _ConvBnRelu()
+
+    def forward(self, x):
+        if x.shape[1] != 3:
+            raise ValueError('expected 3 channels')
+        return self.embed(x)
+
+
+def test_modules_fx_calls_whole_are_fused_inside_by_the_module_route():
+    model = nn.Sequential(_ChecksChannels(), nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8))
+    summary = _fused_and_checked(model)
+    assert summary.route == 'fx'
+    assert summary.fused == {'1': 'conv+bn', '0.embed.conv': 'conv+bn+relu'}
+    assert summary.unfused == []
