@@ -1,10 +1,11 @@
 """Fused inference of convolutions that are not a plain ``nn.Conv2d`` call: subclasses keeping its forward,
 ``'same'`` padding, functional calls, weights computed from parameters (weight standardization), parametrized
-weights, and the convolutions inside modules that fx calls whole."""
+weights, padding computed from the input's shape, and the convolutions inside modules that fx calls whole."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from same_padding import pad_same
 from test_fuse import _randomize_batchnorm, _relative_error
 from torch import nn
 from torch.nn.utils import parametrizations
@@ -134,3 +135,39 @@ def test_modules_fx_calls_whole_are_fused_inside_by_the_module_route():
     assert summary.route == 'fx'
     assert summary.fused == {'1': 'conv+bn', '0.embed.conv': 'conv+bn+relu'}
     assert summary.unfused == []
+
+
+class _TensorFlowSame(nn.Module):
+    """A strided convolution padded as TensorFlow's ``'SAME'``, from the input's shape (as transformers'
+    ``MobileNetV2ConvLayer`` and timm's ``Conv2dSame``), then its BatchNorm and ReLU6."""
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv, self.bn, self.act = nn.Conv2d(cin, cout, 3, stride=2), nn.BatchNorm2d(cout), nn.ReLU6()
+
+    def forward(self, x):
+        return self.act(self.bn(self.conv(pad_same(x, 3, 2))))
+
+
+class _DecidesOnValues(nn.Module):
+    """fx cannot trace its own forward: the module route is taken."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = _TensorFlowSame(3, 8), _TensorFlowSame(8, 8)
+
+    def forward(self, x):
+        x = self.first(x)
+        return self.second(x) if x.sum() > -1e9 else x
+
+
+@pytest.mark.parametrize(
+    'model, route',
+    [(lambda: nn.Sequential(_TensorFlowSame(3, 8), _TensorFlowSame(8, 8)), 'fx'), (_DecidesOnValues, 'modules')],
+    ids=['fx', 'modules'],
+)
+def test_padding_computed_from_the_shape_runs_whole_and_the_convolutions_fuse(model, route):
+    summary = _fused_and_checked(model(), sizes=(12, 7, 9))  # odd sizes pad one side more
+    assert summary.route == route
+    prefixes = ('0', '1') if route == 'fx' else ('first', 'second')
+    assert summary.fused == {f'{prefix}.conv': 'conv+bn+relu6' for prefix in prefixes}

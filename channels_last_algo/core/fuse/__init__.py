@@ -13,8 +13,9 @@ the model accepts. ``backend='inductor'`` compiles the fused copy with ``torch.c
 and inductor's freezing instead. :func:`export_for_inference` saves it with ``torch.export``.
 
 Modules: :mod:`.postops` (activations), :mod:`.conv` (the fused convolution),
-:mod:`.patterns` (the table), :mod:`.graph` (the fx route), :mod:`.functional_calls` (functional
-convolutions and BatchNorms as module calls), :mod:`.modules` (the module route), :mod:`.summary`,
+:mod:`.patterns` (the table), :mod:`.tracing` (symbolic tracing that calls failing functions
+whole), :mod:`.graph` (the fx route), :mod:`.functional_calls` (functional convolutions and
+BatchNorms as module calls), :mod:`.modules` (the module route), :mod:`.summary`,
 :mod:`.inference` (the public function), :mod:`.export`, :mod:`.evaluation` (the swap behind the
 integrations' ``fuse_eval``).
 Measurements and background: ``docs/fuse.md``.

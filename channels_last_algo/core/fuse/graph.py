@@ -1,9 +1,10 @@
 """The fx route: trace the model symbolically, apply :data:`~.patterns.FUSION_PATTERNS` at
 every convolution node, and let a fused residual add write into its input where that is safe.
 
-A submodule whose forward symbolic tracing cannot follow (control flow on a shape, as in
-Composer's ``BlurMaxPool2d``) is kept whole, as a leaf that runs as it is, and fused inside by the
-module route (:func:`~.modules.fuse_modules`) where it has children. Functional ``conv2d`` and
+A module-level function that fails on tracing proxies (Composer's ``blur_2d`` sizes its filter from
+the input's channels) is called whole (:mod:`.tracing`). A submodule whose own forward symbolic
+tracing cannot follow (control flow on a value) is kept whole, as a leaf that runs as it is, and fused
+inside by the module route (:func:`~.modules.fuse_modules`) where it has children. Functional ``conv2d`` and
 ``batch_norm`` calls become module calls (:mod:`.functional_calls`), so the patterns see them.
 The BatchNorms left in the network are reported.
 
@@ -44,6 +45,7 @@ from channels_last_algo.core.fuse.patterns import (
     is_eval_identity,
 )
 from channels_last_algo.core.fuse.summary import FusionSummary
+from channels_last_algo.core.fuse.tracing import trace_wrapping_failures
 from channels_last_algo.core.layers import RULES
 
 __all__ = ['called_whole', 'fuse_graph', 'trace']
@@ -58,9 +60,10 @@ class _Tracer(fx.Tracer):
     as the built-in layers they replace are, and every module that tracing into fails: the nodes of
     the failed attempt are removed and the module is called whole (``untraceable``: path -> why)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, autowrap_functions: tuple[Callable[..., Any], ...] = ()) -> None:
+        super().__init__(autowrap_functions=autowrap_functions)
         self.untraceable: dict[str, str] = {}
+        self.errors: list[Exception] = []
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         leaf = qualified_name in self.untraceable or isinstance(module, _REPAIRED_LAYERS)
@@ -81,14 +84,15 @@ class _Tracer(fx.Tracer):
             self.module_stack.update(stack)
             self.num_calls = calls
             self.untraceable[path] = f'{type(error).__name__}: {error}'.splitlines()[0]
+            self.errors.append(error)
             return super().call_module(m, forward, args, kwargs)
 
 
 def trace(model: nn.Module) -> fx.GraphModule:
     """A ``GraphModule`` of ``model`` (sharing its submodules), with the submodules fx cannot
     trace as leaves; raises what tracing ``model``'s own forward raises."""
-    tracer = _Tracer()
-    graph_module = fx.GraphModule(model, tracer.trace(model))
+    tracer, graph = trace_wrapping_failures(_Tracer, model)
+    graph_module = fx.GraphModule(model, graph)
     call_convolutions_as_modules(graph_module, model)
     for node in [node for node in graph_module.graph.nodes if node.op == 'get_attr' and not node.users]:
         graph_module.graph.erase_node(node)

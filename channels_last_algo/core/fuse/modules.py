@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import copy
+from collections.abc import Callable
 from typing import Any, Optional
 
 from torch import fx, nn
@@ -36,6 +37,7 @@ from channels_last_algo.core.fuse.patterns import (
     is_eval_identity,
 )
 from channels_last_algo.core.fuse.summary import FusionSummary
+from channels_last_algo.core.fuse.tracing import trace_wrapping_failures
 
 __all__ = ['fuse_modules']
 
@@ -45,7 +47,11 @@ def _plain_sequential(module: nn.Module) -> bool:
 
 
 class _ChildrenAsLeaves(fx.Tracer):
-    """fx's tracer for one module's own forward: every child call is a leaf."""
+    """fx's tracer for one module's own forward: every child call is a leaf (the functions failing
+    on proxies too: :func:`~.tracing.trace_wrapping_failures`)."""
+
+    def __init__(self, autowrap_functions: tuple[Callable[..., Any], ...] = ()) -> None:
+        super().__init__(autowrap_functions=autowrap_functions)
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
         return True
@@ -58,7 +64,7 @@ def _called_children(module: nn.Module) -> Optional[fx.Graph]:
     for key in ('_modules', '_parameters', '_buffers'):
         shell.__dict__[key] = dict(module.__dict__[key])
     try:
-        return _ChildrenAsLeaves().trace(shell)
+        return trace_wrapping_failures(_ChildrenAsLeaves, shell)[1]
     except Exception:  # any forward can fail on proxies (control flow on values, list arguments)
         return None
 
