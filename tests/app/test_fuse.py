@@ -457,6 +457,30 @@ def test_module_route_without_the_runs_where_other_code_calls_their_children():
         assert _relative_error(fused(x), model(x)) < 1e-5
 
 
+class _Swish(nn.Module):
+    """An activation from outside torch.nn, its forward one functional call (transformers' ``SiLUActivation``)."""
+
+    def forward(self, x):
+        return F.silu(x)
+
+
+class _Doubles(nn.Module):
+    def forward(self, x):
+        return x * 2
+
+
+def test_activation_modules_from_outside_torch_fuse_where_their_forward_is_one_activation_call():
+    model = _randomize_batchnorm(
+        nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), _Swish(), nn.Conv2d(8, 8, 3), _Doubles())
+    ).eval()
+    network = copy.deepcopy(model)
+    assert fuse_modules(network, prepack=True).fused == {'0': 'conv+bn+silu', '3': 'conv'}  # the module route
+    assert isinstance(network[2], nn.Identity) and isinstance(network[4], _Doubles)
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert _relative_error(network(x), model(x)) < 1e-5
+
+
 def test_example_input_catches_a_wrong_trace_and_takes_the_module_route():
     model = _TracesWrong().eval()
     x = torch.randn(2, 3, 8, 8)

@@ -114,9 +114,28 @@ def has_hooks(module: nn.Module) -> bool:
 
 
 def post_op_of_module(module: nn.Module) -> Optional[PostOp]:
-    """The post-op an activation module computes, or None (not one, or hooked)."""
+    """The post-op an activation module computes, or None (not one, or hooked): a ``torch.nn`` activation,
+    or a module from elsewhere whose forward is one activation call on its input (transformers'
+    ``SiLUActivation`` calls ``F.silu``)."""
+    if has_hooks(module):
+        return None
     make = _MODULES.get(type(module))
-    return make(module) if make is not None and not has_hooks(module) else None
+    if make is not None:
+        return make(module)
+    stateless = not (module._modules or module._parameters or module._buffers)
+    return _one_call_post_op(module) if stateless and not type(module).__module__.startswith('torch.') else None
+
+
+def _one_call_post_op(module: nn.Module) -> Optional[PostOp]:
+    """The post-op of ``module``'s forward where, traced, it is one call on its one input, returned."""
+    try:
+        nodes = list(fx.Tracer().trace(module).nodes)
+    except Exception:  # any forward can fail on proxies
+        return None
+    ops = [node.op for node in nodes]
+    if ops[:1] != ['placeholder'] or ops[1:] not in (['call_function', 'output'], ['call_method', 'output']):
+        return None
+    return post_op_of_call(nodes[1], nodes[0]) if nodes[2].args[0] is nodes[1] else None
 
 
 def post_op_of_call(node: fx.Node, source: fx.Node) -> Optional[PostOp]:
