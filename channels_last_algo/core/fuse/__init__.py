@@ -16,7 +16,8 @@ Modules: :mod:`.postops` (activations), :mod:`.conv` (the fused convolution),
 :mod:`.patterns` (the table), :mod:`.tracing` (symbolic tracing that calls failing functions
 whole), :mod:`.graph` (the fx route), :mod:`.functional_calls` (functional convolutions and
 BatchNorms as module calls), :mod:`.modules` (the module route), :mod:`.summary`,
-:mod:`.inference` (the public function), :mod:`.export`, :mod:`.evaluation` (the swap behind the
+:mod:`.example_check` (the copy checked on the example input), :mod:`.inference` (the public
+function), :mod:`.export`, :mod:`.evaluation` (the swap behind the
 integrations' ``fuse_eval``).
 Measurements and background: ``docs/fuse.md``.
 

@@ -19,17 +19,20 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
 from channels_last_algo.core.argument_checks import require_flags, require_module
 from channels_last_algo.core.convert import convert_quietly
 from channels_last_algo.core.fuse.conv import FusedConv2d
+from channels_last_algo.core.fuse.example_check import ExampleCheck, why
 from channels_last_algo.core.fuse.graph import called_whole, fuse_graph, trace
 from channels_last_algo.core.fuse.modules import fuse_modules
 from channels_last_algo.core.fuse.summary import FusionSummary
@@ -84,19 +87,6 @@ class InferenceModel(nn.Module):
         return self.module(*args, **kwargs)
 
 
-def _max_relative_error(actual: Any, expected: Any) -> float:
-    errors = []
-    for a, e in zip(tree_flatten(actual)[0], tree_flatten(expected)[0]):
-        if isinstance(e, torch.Tensor) and e.is_floating_point():
-            scale = e.detach().abs().max().item() or 1.0
-            errors.append((a.detach().float() - e.detach().float()).abs().max().item() / scale)
-    return max(errors, default=0.0)
-
-
-def _why(error: BaseException) -> str:
-    return f'{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ""}'
-
-
 def _check_arguments(model: nn.Module, traceable: bool, backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f'fuse_for_inference: backend must be one of {BACKENDS}, got {backend!r}')
@@ -138,53 +128,6 @@ def _report(model: nn.Module, summary: FusionSummary) -> None:
         )
 
 
-class _ExampleCheck:
-    """The check of a fused copy on the example input: its largest error relative to the model's
-    largest output, the model's output computed once."""
-
-    def __init__(self, model: nn.Module, example_input: Any, backend: str, rtol: float) -> None:
-        self.model = model
-        self.inputs = example_input if isinstance(example_input, tuple) or example_input is None else (example_input,)
-        self.backend = backend
-        self.rtol = rtol
-        self._expected: list[Any] = []
-
-    def fails(self, network: nn.Module) -> Optional[str]:
-        """Why ``network`` raises on the example input (a trace that took a branch the model does not
-        take: ``isinstance(skip, Tensor)`` is False for a tracing proxy), or None."""
-        if self.inputs is None:
-            return None
-        try:
-            with torch.no_grad():
-                network(*self.inputs)
-        except Exception as error:  # any op of the traced graph may refuse what the wrong branch gives it
-            return _why(error)
-        return None
-
-    def mismatch(self, fused: InferenceModel) -> Optional[float]:
-        """The relative error of ``fused`` when over ``rtol``; None when within it, or with no example."""
-        if self.inputs is None:
-            return None
-        with torch.no_grad():
-            if not self._expected:
-                self._expected.append(self.model(*self.inputs))
-            error = _max_relative_error(self._run(fused), self._expected[0])
-        return error if not error <= self.rtol else None
-
-    def _run(self, fused: InferenceModel) -> Any:
-        """``fused`` on the example input; a ``torch.compile`` failure (inductor) as one RuntimeError."""
-        try:
-            return fused(*self.inputs)
-        except Exception as error:  # what torch.compile raises is any of dynamo's and inductor's errors
-            if self.backend == 'eager':
-                raise
-            raise RuntimeError(
-                f'fuse_for_inference(backend={self.backend!r}): torch.compile failed on the fused '
-                f'{type(self.model).__name__}: {type(error).__name__}: {str(error).strip().splitlines()[0]}; '
-                "use backend='eager' (the fused kernels without compiling)"
-            ) from error
-
-
 def _finish(network: nn.Module, summary: FusionSummary, backend: str) -> InferenceModel:
     """``network`` restrided to NHWC and wrapped (compiled for inductor): eval mode, nothing requiring grad."""
     with torch.no_grad():
@@ -196,43 +139,57 @@ def _finish(network: nn.Module, summary: FusionSummary, backend: str) -> Inferen
 
 
 def _checked(
-    network: nn.Module, summary: FusionSummary, check: _ExampleCheck
+    network: nn.Module, summary: FusionSummary, check: ExampleCheck, remake: Callable[[nn.Module], nn.Module]
 ) -> tuple[InferenceModel, Optional[float]]:
-    """The finished copy of ``network`` and its mismatch on the example; the refused shapes noted."""
+    """The finished copy of ``network`` and its mismatch on the example (``remake(model)``: the same fused
+    network made from another copy of the model, for the float64 check); the refused shapes noted."""
     fused = _finish(network, summary, check.backend)
-    error = check.mismatch(fused)
+    error = check.mismatch(fused, remake, by_module=summary.route == 'modules')
     summary.refused = _refused_at_example(network)
     return fused, error
 
 
-def _fx_route(model: nn.Module, prepack: bool, check: _ExampleCheck) -> tuple[Optional[InferenceModel], Optional[str]]:
+def _fx_network(model: nn.Module, prepack: bool, inside_whole: bool) -> fx.GraphModule:
+    graph_module = trace(model)
+    fuse_graph(graph_module, prepack, inside_whole)
+    return graph_module
+
+
+def _fx_route(model: nn.Module, prepack: bool, check: ExampleCheck) -> tuple[Optional[InferenceModel], Optional[str]]:
     """The fx route's copy, or None and why not: the model does not trace, or its copy does not match,
     with the modules the graph calls whole fused inside (the module route's runs), and without."""
-    why = None
+    reason = None
     for inside_whole in (True, False):
         try:
             graph_module = trace(copy.deepcopy(model))
         except Exception as error:  # any model code can fail under symbolic tracing
-            return None, _why(error)
+            return None, why(error)
         failure = check.fails(graph_module)
         if failure is not None:
             return None, f'the traced graph fails on the example input ({failure})'
         retry = inside_whole and bool(called_whole(graph_module))
+        remake = functools.partial(_fx_network, prepack=False, inside_whole=inside_whole)
         try:
-            fused, error = _checked(graph_module, fuse_graph(graph_module, prepack, inside_whole), check)
+            summary = fuse_graph(graph_module, prepack, inside_whole)
+            fused, error = _checked(graph_module, summary, check, remake)
         except Exception:  # a run fused inside a module whose forward takes another branch than its trace did
             if not retry:
                 raise
             continue
         if error is None:
             return fused, None
-        why = f'the traced graph output differs from the model by {error:.2e} (relative)'
+        reason = f'the traced graph output differs from the model by {error:.2e} (relative)'
         if not retry:
             break
-    return None, why
+    return None, reason
 
 
-def _module_route(model: nn.Module, prepack: bool, check: _ExampleCheck, trace_error: Optional[str]) -> InferenceModel:
+def _module_network(model: nn.Module, prepack: bool, traced: bool) -> nn.Module:
+    fuse_modules(model, prepack, traced=traced)
+    return model
+
+
+def _module_route(model: nn.Module, prepack: bool, check: ExampleCheck, trace_error: Optional[str]) -> InferenceModel:
     """The module route's copy, which must match the model on the example input: with the runs of children
     found by tracing each module's forward, else without them (a run whose middle child some other code
     calls too)."""
@@ -240,8 +197,9 @@ def _module_route(model: nn.Module, prepack: bool, check: _ExampleCheck, trace_e
         network = copy.deepcopy(model)
         summary = fuse_modules(network, prepack, traced=traced)
         summary.trace_error = trace_error
+        remake = functools.partial(_module_network, prepack=False, traced=traced)
         try:
-            fused, error = _checked(network, summary, check)
+            fused, error = _checked(network, summary, check, remake)
         except Exception:  # a run fused where the forward takes another branch than its trace did
             if not traced:
                 raise
@@ -250,7 +208,7 @@ def _module_route(model: nn.Module, prepack: bool, check: _ExampleCheck, trace_e
             return fused
     raise RuntimeError(
         f'the fused copy of {type(model).__name__} differs from it by {error:.2e} relative to its '
-        f'largest output (> rtol={check.rtol}) on the example input; please report this model'
+        f'largest output (> rtol={check.rtol}) on the example input, and in float64 too; please report this model'
     )
 
 
@@ -262,13 +220,13 @@ def fuse_for_inference(
     Args:
         model: a conv net in eval mode. Not modified. Its parameters may require grad: the copy's do not.
         example_input: an input (a tensor, or a tuple of positional arguments) the copy is checked on: the
-            fx route's graph must run on it and match ``model``'s output within ``rtol`` of its largest
-            magnitude, else the module route is taken, which must match, else ``RuntimeError``. It also
+            fx route's graph must run on it and match ``model``'s output (:mod:`.example_check`), else
+            the module route is taken, which must match, else ``RuntimeError``. It also
             prepacks the weights for its shape, finds the convolutions whose fused kernel refuses that
             shape (``summary.refused``), and compiles the copy (``backend='inductor'``). None: nothing runs.
         traceable: keep plain weights (no oneDNN prepacking) and out-of-place residual adds, as
             ``torch.export`` needs them; slower in eager mode.
-        rtol: the tolerance of the ``example_input`` check, relative to the largest output.
+        rtol: the tolerance of the ``example_input`` check, relative to each output's largest magnitude.
         backend: ``'eager'``: the fused oneDNN / cuDNN kernels, called from Python. ``'inductor'``: the
             fused network (BatchNorm folded) compiled by ``torch.compile`` with inductor's freezing, which
             fuses, prepacks and generates the rest itself; compiling takes minutes for a ResNet-50 on a
@@ -288,7 +246,7 @@ def fuse_for_inference(
     require_flags('fuse_for_inference', traceable=traceable)
     _check_arguments(model, traceable, backend)
     prepack = not traceable and backend == 'eager'
-    check = _ExampleCheck(model, example_input, backend, rtol)
+    check = ExampleCheck(model, example_input, backend, rtol)
     fused, trace_error = _fx_route(model, prepack, check)
     if fused is None:
         fused = _module_route(model, prepack, check, trace_error)
