@@ -171,3 +171,26 @@ def test_padding_computed_from_the_shape_runs_whole_and_the_convolutions_fuse(mo
     assert summary.route == route
     prefixes = ('0', '1') if route == 'fx' else ('first', 'second')
     assert summary.fused == {f'{prefix}.conv': 'conv+bn+relu6' for prefix in prefixes}
+
+
+class _Conv3DSimple(nn.Conv3d):
+    """A subclass setting its arguments only (torchvision's video ResNets): fx traces into it."""
+
+    def __init__(self, cin, cout):
+        super().__init__(cin, cout, (3, 3, 3), padding=(1, 1, 1), bias=False)
+
+
+def test_a_conv3d_folds_its_batchnorm_and_stays_a_channels_last_3d_convolution():
+    model = nn.Sequential(_Conv3DSimple(3, 8), nn.BatchNorm3d(8), nn.ReLU(), nn.Conv3d(8, 4, 1), nn.BatchNorm3d(4))
+    with torch.no_grad():
+        for bn in (model[1], model[4]):
+            bn.running_mean.uniform_(-0.5, 0.5), bn.running_var.uniform_(0.5, 2.0)
+    model.eval()
+    fused = fuse_for_inference(model, torch.randn(2, 3, 4, 6, 6))
+    assert fused.summary.fused == {'0': 'conv3d+bn', '3': 'conv3d+bn'} and fused.summary.unfused == []
+    folded = fused.module.get_submodule('0')
+    assert isinstance(folded, nn.Conv3d) and folded.weight.is_contiguous(memory_format=torch.channels_last_3d)
+    with torch.no_grad():
+        for shape in ((2, 3, 4, 6, 6), (1, 3, 5, 7, 3)):
+            clip = torch.randn(shape)
+            assert _relative_error(fused(clip), model(clip)) < 1e-5

@@ -12,13 +12,13 @@ convolution computes the same math with the plain ops, so the copy runs at every
 the model accepts. ``backend='inductor'`` compiles the fused copy with ``torch.compile``
 and inductor's freezing instead. :func:`export_for_inference` saves it with ``torch.export``.
 
-Modules: :mod:`.postops` (activations), :mod:`.conv` (the fused convolution),
-:mod:`.patterns` (the table), :mod:`.tracing` (symbolic tracing that calls failing functions
-whole), :mod:`.graph` (the fx route), :mod:`.functional_calls` (functional convolutions and
-BatchNorms as module calls), :mod:`.modules` (the module route), :mod:`.summary`,
-:mod:`.example_check` (the copy checked on the example input), :mod:`.inference` (the public
-function), :mod:`.export`, :mod:`.evaluation` (the swap behind the
-integrations' ``fuse_eval``).
+Modules: :mod:`.postops` (activations), :mod:`.conv` (the fused convolution), :mod:`.plain_convs`
+(other forms of convolution as plain ones), :mod:`.patterns` (the table), :mod:`.tracing` (symbolic
+tracing that calls failing functions whole), :mod:`.graph` (the fx route), :mod:`.functional_calls`
+(functional convolutions and BatchNorms as module calls), :mod:`.modules` (the module route),
+:mod:`.summary`, :mod:`.example_check` (the copy checked on the example input), :mod:`.inference`
+(the public function), :mod:`.export`, :mod:`.evaluation` (the swap behind the integrations'
+``fuse_eval``).
 Measurements and background: ``docs/fuse.md``.
 
 Contract: the model must be in eval mode (a submodule in train mode is refused with

@@ -19,12 +19,11 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.utils import _pair
 
 from channels_last_algo.core.fuse.postops import RELU, PostOp
 from channels_last_algo.core.layout import to_channels_last
 
-__all__ = ['FusedConv2d', 'as_plain_conv2d', 'integer_padding', 'plain_conv2d']
+__all__ = ['FusedConv2d']
 
 log = logging.getLogger(__name__)
 
@@ -53,70 +52,6 @@ def _scalars(post_op: Optional[PostOp]) -> list:
     # A one-element [None] for post-ops without parameters: oneDNN ignores it, and
     # torch.export's serializer cannot write an empty Scalar?[] list.
     return list(post_op.scalars) if post_op is not None and post_op.scalars else [None]
-
-
-def integer_padding(padding: Any, kernel_size: Any, dilation: Any, stride: Any) -> Optional[tuple[int, int]]:
-    """``conv2d``'s ``padding`` as a pair of integers; None where it pads asymmetrically (``'same'``
-    with an even extent) or is not a constant.
-
-    Example:
-        >>> integer_padding('same', (3, 5), 1, 1), integer_padding('valid', 3, 1, 2), integer_padding('same', 2, 1, 1)
-        ((1, 2), (0, 0), None)
-    """
-    kernel_size, dilation, stride = _pair(kernel_size), _pair(dilation), _pair(stride)
-    if padding == 'valid':
-        return (0, 0)
-    if padding == 'same':
-        extents = [d * (k - 1) for d, k in zip(dilation, kernel_size)]
-        if stride != (1, 1) or any(extent % 2 for extent in extents):
-            return None
-        return (extents[0] // 2, extents[1] // 2)
-    padding = _pair(padding)
-    return tuple(padding) if all(type(side) is int for side in padding) else None
-
-
-def plain_conv2d(
-    weight: torch.Tensor, bias: Optional[torch.Tensor], stride: Any, padding: Any, dilation: Any, groups: int
-) -> nn.Conv2d:
-    """An ``nn.Conv2d`` holding ``weight`` and ``bias`` (not copied, not requiring grad) that computes
-    ``F.conv2d(x, weight, bias, stride, padding, dilation, groups)``."""
-    out_channels, group_channels, *kernel_size = weight.shape
-    conv = nn.Conv2d(
-        group_channels * groups,
-        out_channels,
-        tuple(kernel_size),
-        _pair(stride),
-        padding,
-        _pair(dilation),
-        groups,
-        bias=bias is not None,
-        device='meta',
-    )
-    conv.weight = nn.Parameter(weight.detach(), requires_grad=False)
-    conv.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-    return conv
-
-
-def as_plain_conv2d(module: Any) -> Optional[nn.Conv2d]:
-    """``module`` as a convolution :class:`FusedConv2d` takes: itself when it is one; a plain copy
-    of a subclass that keeps ``nn.Conv2d``'s forward (a parametrized weight, a subclass adding only
-    attributes) or pads ``'same'`` / ``'valid'``; None where the math may differ (an own forward,
-    a padding mode other than zeros, asymmetric padding).
-
-    Example:
-        >>> as_plain_conv2d(torch.nn.Conv2d(3, 8, 3, padding='same')).padding
-        (1, 1)
-    """
-    if not isinstance(module, nn.Conv2d) or module.padding_mode != 'zeros':
-        return None
-    if type(module).forward is not nn.Conv2d.forward or type(module)._conv_forward is not nn.Conv2d._conv_forward:
-        return None
-    if FusedConv2d.accepts(module):
-        return module
-    padding = integer_padding(module.padding, module.kernel_size, module.dilation, module.stride)
-    if padding is None:
-        return None
-    return plain_conv2d(module.weight, module.bias, module.stride, padding, module.dilation, module.groups)
 
 
 class FusedConv2d(nn.Module):

@@ -1,13 +1,13 @@
 """Functional convolutions and BatchNorms in a traced graph as module calls, so that the fusion
 patterns, which match ``nn.Conv2d`` and ``nn.BatchNorm2d`` calls, see them.
 
-A ``conv2d`` call on weights that are constant in eval mode becomes a call of an ``nn.Conv2d``
-computing exactly it: of the module that owns the weight where the call is that module's own
-forward (Composer's ``BlurConv2d`` calls its ``.conv`` through ``.forward``), else of a new one
-holding the tensors, put in the owner (timm's ``Conv2dSame`` pads, then calls ``conv2d``). A weight
-computed from parameters alone (weight standardization: timm's ``StdConv2d`` and
-``ScaledStdConv2d``, BiT's ``WeightStandardizedConv2d``) is computed once, here. An eval-mode
-``batch_norm`` of a convolution's output on one module's own statistics (timm's
+A ``conv2d`` (``conv3d``) call on weights that are constant in eval mode becomes a call of an
+``nn.Conv2d`` (``nn.Conv3d``) computing exactly it: of the module that owns the weight where the
+call is that module's own forward (Composer's ``BlurConv2d`` calls its ``.conv`` through
+``.forward``), else of a new one holding the tensors, put in the owner (timm's ``Conv2dSame`` pads,
+then calls ``conv2d``). A weight computed from parameters alone (weight standardization: timm's
+``StdConv2d`` and ``ScaledStdConv2d``, BiT's ``WeightStandardizedConv2d``) is computed once, here.
+An eval-mode ``batch_norm`` of a convolution's output on one module's own statistics (timm's
 ``BatchNormAct2d``) becomes a call of an ``nn.BatchNorm2d`` holding them.
 
 Example:
@@ -32,13 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from channels_last_algo.core.fuse.conv import as_plain_conv2d, integer_padding, plain_conv2d
+from channels_last_algo.core.fuse.plain_convs import as_plain_conv2d, integer_padding, keeps_conv_forward, plain_conv
 from channels_last_algo.core.fuse.postops import has_hooks
 
 __all__ = ['call_batchnorms_as_modules', 'call_convolutions_as_modules']
 
-_CONV2D_PARAMETERS = ('input', 'weight', 'bias', 'stride', 'padding', 'dilation', 'groups')
-_CONV2D_DEFAULTS = dict(bias=None, stride=1, padding=0, dilation=1, groups=1)
+_CONV_PARAMETERS = ('input', 'weight', 'bias', 'stride', 'padding', 'dilation', 'groups')
+_CONV_DEFAULTS = dict(bias=None, stride=1, padding=0, dilation=1, groups=1)
+_CONV_DIMS = {torch.conv2d: 2, torch.conv3d: 3}
 _BATCH_NORM_ARGUMENTS = inspect.signature(F.batch_norm)
 
 
@@ -62,12 +63,14 @@ def _call_module_instead(graph_module: fx.GraphModule, node: fx.Node, path: str,
     graph_module.graph.erase_node(node)
 
 
-def _conv2d_arguments(node: fx.Node) -> Optional[dict[str, Any]]:
-    """The arguments of a ``conv2d`` call node by name, defaults filled in; None for other nodes."""
-    if node.op != 'call_function' or node.target is not torch.conv2d or len(node.args) > len(_CONV2D_PARAMETERS):
+def _conv_arguments(node: fx.Node) -> Optional[dict[str, Any]]:
+    """The arguments of a ``conv2d`` or ``conv3d`` call node by name, defaults filled in, and its number of
+    spatial dimensions (``dims``); None for other nodes."""
+    dims = _CONV_DIMS.get(node.target) if node.op == 'call_function' else None
+    if dims is None or len(node.args) > len(_CONV_PARAMETERS):
         return None
-    given = {**_CONV2D_DEFAULTS, **dict(zip(_CONV2D_PARAMETERS, node.args)), **node.kwargs}
-    return given if set(given) == set(_CONV2D_PARAMETERS) else None
+    given = {**_CONV_DEFAULTS, **dict(zip(_CONV_PARAMETERS, node.args)), **node.kwargs}
+    return {**given, 'dims': dims} if set(given) == set(_CONV_PARAMETERS) else None
 
 
 def _writes(node: fx.Node) -> bool:
@@ -181,8 +184,8 @@ def _owner(sources: list[fx.Node]) -> str:
 
 
 def _as_module_call(node: fx.Node, given: dict[str, Any], constants: _Constants, modules: dict[str, nn.Module]) -> None:
-    """Put a module call in place of the ``conv2d`` call ``node``, where its weights are constants."""
-    graph_module = constants.graph_module
+    """Put a module call in place of the ``conv2d`` / ``conv3d`` call ``node``, where its weights are constants."""
+    graph_module, dims = constants.graph_module, given['dims']
     weight, bias = given['weight'], given['bias']
     if not isinstance(weight, fx.Node) or (bias is not None and not isinstance(bias, fx.Node)):
         return
@@ -191,20 +194,20 @@ def _as_module_call(node: fx.Node, given: dict[str, Any], constants: _Constants,
         module = modules.get(path)
         own_bias = getattr(bias, 'target', None) == f'{path}.bias' if bias is not None else module.bias is None
         settings = [given[key] for key in ('stride', 'padding', 'dilation', 'groups')]
-        if as_plain_conv2d(module) is not None and not has_hooks(module) and own_bias:
+        if keeps_conv_forward(module) and module.weight.dim() == dims + 2 and not has_hooks(module) and own_bias:
             if settings == [module.stride, module.padding, module.dilation, module.groups]:
                 graph_module.add_submodule(path, module)  # the traced copy holds only the tensors it read
                 return _call_module_instead(graph_module, node, path, given['input'])
     values = constants.value(weight), constants.value(bias)
-    if values[0] is None or values[0].dim() != 4 or (bias is not None and values[1] is None):
+    if values[0] is None or values[0].dim() != dims + 2 or (bias is not None and values[1] is None):
         return
-    padding = integer_padding(given['padding'], values[0].shape[2:], given['dilation'], given['stride'])
+    padding = integer_padding(given['padding'], values[0].shape[2:], given['dilation'], given['stride'], dims)
     settings = (given[key] for key in ('stride', 'dilation', 'groups'))
     if padding is None or not all(isinstance(setting, (int, tuple, list)) for setting in settings):
         return
-    conv = plain_conv2d(values[0], values[1], given['stride'], padding, given['dilation'], given['groups'])
+    conv = plain_conv(values[0], values[1], given['stride'], padding, given['dilation'], given['groups'])
     sources = constants.sources(weight) + (constants.sources(bias) if bias is not None else [])
-    name = _free_name(graph_module, _owner(sources), 'conv2d')
+    name = _free_name(graph_module, _owner(sources), f'conv{dims}d')
     graph_module.add_submodule(name, conv)
     _call_module_instead(graph_module, node, name, given['input'])
     for source in sorted(set(sources), key=constants.position.__getitem__, reverse=True):
@@ -213,11 +216,12 @@ def _as_module_call(node: fx.Node, given: dict[str, Any], constants: _Constants,
 
 
 def call_convolutions_as_modules(graph_module: fx.GraphModule, model: nn.Module) -> None:
-    """Replace each ``conv2d`` call on weights constant in eval mode with a call of an ``nn.Conv2d``
-    computing exactly it, in ``graph_module``, traced from ``model`` (see the module's description)."""
+    """Replace each ``conv2d`` (``conv3d``) call on weights constant in eval mode with a call of an
+    ``nn.Conv2d`` (``nn.Conv3d``) computing exactly it, in ``graph_module``, traced from ``model`` (see the
+    module's description)."""
     constants, modules = _Constants(graph_module), dict(model.named_modules())
     for node in list(graph_module.graph.nodes):
-        given = _conv2d_arguments(node)
+        given = _conv_arguments(node)
         if given is not None:
             _as_module_call(node, given, constants, modules)
 

@@ -6,8 +6,9 @@ to its fuser method, in the manner of ``torch.ao.quantization``'s fuser method m
 fuser takes what each element matched and returns the module that replaces the run. At a
 convolution the first pattern in the table that matches wins; a fuser that returns a plain
 ``nn.Conv2d`` (BatchNorm folding) leaves it to be matched again, so ``conv -> bn -> relu``
-becomes a fold and then a conv + ReLU kernel. Every fusable convolution ends as a
-:class:`~channels_last_algo.core.fuse.conv.FusedConv2d`, with the last pattern at least.
+becomes a fold and then a conv + ReLU kernel. Every fusable 2D convolution ends as a
+:class:`~channels_last_algo.core.fuse.conv.FusedConv2d`, with the last pattern at least; a 3D
+convolution (video, volumes) folds its BatchNorm and stays an ``nn.Conv3d``, channels last 3D.
 
 An element sees either a module (:attr:`Element.of_module`: an ``nn.Sequential`` child, or
 the module an fx ``call_module`` node calls) or an fx ``call_function`` / ``call_method``
@@ -16,7 +17,7 @@ never sees an add, so the patterns with one are the fx route's alone.
 
 Example:
     >>> [' -> '.join(element.name for element in pattern) for pattern in FUSION_PATTERNS]
-    ['conv -> bn', 'conv -> add -> relu', 'conv -> add', 'conv -> activation', 'conv']
+    ['conv -> bn', 'conv3d -> bn', 'conv -> add -> relu', 'conv -> add', 'conv -> activation', 'conv']
     >>> conv, bn = torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8).eval()
     >>> match = match_pattern([conv, bn], lambda element, module, previous: element.of_module(module))
     >>> match.names, type(match.fuse(prepack=True)).__name__
@@ -35,7 +36,8 @@ import torch
 from torch import fx, nn
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
-from channels_last_algo.core.fuse.conv import FusedConv2d, as_plain_conv2d
+from channels_last_algo.core.fuse.conv import FusedConv2d
+from channels_last_algo.core.fuse.plain_convs import as_plain_conv2d, keeps_conv_forward
 from channels_last_algo.core.fuse.postops import RELU, PostOp, has_hooks, post_op_of_call, post_op_of_module
 from channels_last_algo.core.layout import to_channels_last
 
@@ -80,7 +82,7 @@ class Element:
 
 def _foldable_batchnorm(module: nn.Module) -> Optional[nn.Module]:
     foldable = (
-        type(module) in (nn.BatchNorm2d, nn.SyncBatchNorm)
+        type(module) in (nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
         and module.track_running_stats
         and module.running_mean is not None
         and not has_hooks(module)
@@ -123,6 +125,9 @@ def _residual_of(node: fx.Node, previous: fx.Node) -> Optional[fx.Node]:
 
 
 CONV = Element('conv', of_module=lambda m: None if has_hooks(m) else as_plain_conv2d(m))
+CONV3D = Element(
+    'conv3d', of_module=lambda m: m if isinstance(m, nn.Conv3d) and keeps_conv_forward(m) and not has_hooks(m) else None
+)
 BATCHNORM = Element('bn', of_module=_foldable_batchnorm)
 ACTIVATION = Element('activation', of_module=post_op_of_module, of_call=post_op_of_call, describe=str)
 RELU_ONLY = Element(
@@ -134,7 +139,7 @@ RELU_ONLY = Element(
 ADD = Element('add', of_call=_residual_of, operand=True)
 
 
-def fold_batchnorm(conv: nn.Conv2d, bn: nn.Module, *, prepack: bool) -> nn.Conv2d:
+def fold_batchnorm(conv: nn.Module, bn: nn.Module, *, prepack: bool) -> nn.Module:
     """A copy of ``conv`` with ``bn`` (eval mode: running statistics) folded in, computed in
     float64, weight channels last; matched again (``prepack`` is for the fused op it becomes)."""
     del prepack
@@ -175,6 +180,7 @@ Fuser = Callable[..., nn.Module]
 # pattern (ops in the order they run) -> the fuser method that builds its replacement
 FUSION_PATTERNS: dict[tuple[Element, ...], Fuser] = {
     (CONV, BATCHNORM): fold_batchnorm,
+    (CONV3D, BATCHNORM): fold_batchnorm,  # then the plain NDHWC conv3d: no fused kernel takes it here
     (CONV, ADD, RELU_ONLY): fuse_conv_add_relu,
     (CONV, ADD): fuse_conv_add,
     (CONV, ACTIVATION): fuse_conv_activation,
