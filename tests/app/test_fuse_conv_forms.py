@@ -95,7 +95,17 @@ class _Observed(nn.Conv2d):
         return F.conv2d(x, self.weight / self.range, self.bias, padding=1)
 
 
-@pytest.mark.parametrize('conv', [_Noisy, _Observed], ids=['random', 'written'])
+class _Accumulated(_Observed):
+    """Adds its input's mean to the buffer its weight is scaled by, through a view (``+=`` on a proxy:
+    ``operator.iadd``)."""
+
+    def forward(self, x):
+        total = self.range.view(1)
+        total += x.detach().mean()
+        return F.conv2d(x, self.weight * self.range, self.bias, padding=1)
+
+
+@pytest.mark.parametrize('conv', [_Noisy, _Observed, _Accumulated], ids=['random', 'written', 'added to'])
 def test_weights_that_change_between_calls_stay_functional_calls(conv):
     graph = trace(nn.Sequential(conv(3, 8, 3), nn.ReLU())).graph
     assert [node for node in graph.nodes if node.target is torch.conv2d]

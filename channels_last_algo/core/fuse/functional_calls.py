@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import Any, Optional
 
 import torch
@@ -73,11 +74,19 @@ def _conv_arguments(node: fx.Node) -> Optional[dict[str, Any]]:
     return {**given, 'dims': dims} if set(given) == set(_CONV_PARAMETERS) else None
 
 
+_IN_PLACE_OPERATORS = frozenset(
+    getattr(operator, f'i{name}') for name in ('add', 'sub', 'mul', 'truediv', 'floordiv', 'mod', 'pow', 'matmul')
+) | frozenset(getattr(operator, f'i{name}') for name in ('and', 'or', 'xor', 'lshift', 'rshift'))
+
+
 def _writes(node: fx.Node) -> bool:
-    """Whether ``node`` may write into one of its inputs (``add_``, ``operator.iadd``, ``out=``)."""
+    """Whether ``node`` may write into one of its inputs (``add_``, ``+=``, ``inplace=True``, ``out=``)."""
+    if node.op not in ('call_method', 'call_function'):
+        return False
     name = node.target if node.op == 'call_method' else getattr(node.target, '__name__', '')
-    in_place = isinstance(name, str) and (name.endswith('_') and not name.endswith('__') or name.startswith('__i'))
-    return node.op in ('call_method', 'call_function') and (in_place or 'out' in node.kwargs)
+    trailing = isinstance(name, str) and name.endswith('_') and not name.endswith('__')
+    flagged = node.kwargs.get('inplace') is True or 'out' in node.kwargs
+    return trailing or flagged or (node.op == 'call_function' and node.target in _IN_PLACE_OPERATORS)
 
 
 def _evaluate(nodes: list[fx.Node], root: nn.Module) -> Any:
@@ -139,14 +148,21 @@ def _written_attributes(graph: fx.Graph) -> set[str]:
     return written
 
 
+def _storage(root: nn.Module, target: str) -> Optional[int]:
+    """Where the tensor at ``target`` keeps its elements (None for another value)."""
+    value = _attribute(root, target)
+    return value.untyped_storage().data_ptr() if isinstance(value, torch.Tensor) else None
+
+
 class _Constants:
     """The values in a traced graph computed from its model's parameters and buffers alone, by
-    functions and methods that write nothing, into tensors nothing in the graph writes."""
+    functions and methods that write nothing, from tensors nothing in the graph writes (into them or
+    into a tensor sharing their storage)."""
 
     def __init__(self, graph_module: fx.GraphModule) -> None:
         self.graph_module = graph_module
         self.position = {node: index for index, node in enumerate(graph_module.graph.nodes)}
-        self.written = _written_attributes(graph_module.graph)
+        self.written = {_storage(graph_module, target) for target in _written_attributes(graph_module.graph)}
 
     def sources(self, node: Optional[fx.Node]) -> Optional[list[fx.Node]]:
         """The nodes ``node`` is computed from, itself included, in graph order; None where it is not a constant."""
@@ -157,8 +173,8 @@ class _Constants:
                 continue
             if current.op not in ('get_attr', 'call_function', 'call_method') or _writes(current):
                 return None
-            if current.op == 'get_attr' and current.target in self.written:
-                return None
+            if current.op == 'get_attr' and _storage(self.graph_module, current.target) in self.written:
+                return None  # a view fx made a constant of shares it: the storage says
             seen.add(current)
             stack.extend(current.all_input_nodes)
         return sorted(seen, key=self.position.__getitem__)
@@ -176,7 +192,7 @@ class _Constants:
         except Exception:  # any function may refuse what it is given outside the model's forward
             return None
         same = isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and torch.equal(first, second)
-        return first.detach().clone() if same else None
+        return first.detach() if same else None
 
 
 def _owner(sources: list[fx.Node]) -> str:
