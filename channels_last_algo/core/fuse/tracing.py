@@ -34,14 +34,16 @@ MOST_WRAPPED = 16
 
 
 def failing_functions(error: BaseException) -> list[Callable[..., Any]]:
-    """The module-level Python functions in ``error``'s traceback, outside fx, the innermost first;
-    none where the failure is in a forward's own code."""
+    """The module-level Python functions in ``error``'s traceback outside torch (whose functions take
+    proxies through ``__torch_function__``, and are called as attributes, which fx cannot wrap), the
+    innermost first; none where the failure is in a forward's own code."""
     found, frame = [], error.__traceback__
     while frame is not None:
         code = frame.tb_frame.f_code
         function = frame.tb_frame.f_globals.get(code.co_name)
         if inspect.isfunction(function) and function.__code__ is code:
-            if not (function.__module__ or '').startswith('torch.fx'):
+            module = function.__module__ or ''
+            if module != 'torch' and not module.startswith('torch.'):
                 found.insert(0, function)
         frame = frame.tb_next
     return found
