@@ -86,3 +86,25 @@ def test_outputs_of_no_boxes_and_of_other_counts_compare():
         )
         == 0.0
     )
+
+
+class _ChecksItsConvolution(nn.Module):
+    """Checks its convolution's class in a forward fx cannot trace (it decides on values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+
+    def forward(self, x):
+        if not isinstance(self.conv, nn.Conv2d):
+            raise TypeError(f'conv must be an nn.Conv2d, got {type(self.conv).__name__}')
+        y = self.conv(x)
+        return y if y.sum() > -1e9 else -y
+
+
+def test_a_copy_that_fails_on_the_example_is_refused_in_one_line_naming_the_model():
+    with pytest.raises(
+        RuntimeError, match=r'^the fused copy of _ChecksItsConvolution fails on the example input \('
+    ) as raised:
+        fuse_for_inference(_ChecksItsConvolution().eval(), torch.randn(1, 3, 8, 8))
+    assert 'TypeError: conv must be an nn.Conv2d, got FusedConv2d' in str(raised.value)

@@ -200,10 +200,16 @@ def _module_route(model: nn.Module, prepack: bool, check: ExampleCheck, trace_er
         remake = functools.partial(_module_network, prepack=False, traced=traced)
         try:
             fused, error = _checked(network, summary, check, remake)
-        except Exception:  # a run fused where the forward takes another branch than its trace did
-            if not traced:
+        except Exception as failure:  # a run fused where the forward takes another branch than its trace did
+            if traced:
+                continue
+            if check.backend != 'eager':  # torch.compile's failure, said in one line already
                 raise
-            continue
+            raise RuntimeError(
+                f'the fused copy of {type(model).__name__} fails on the example input ({why(failure)}); code in '
+                'its forward may read a convolution as an object (isinstance, an attribute nn.Conv2d has and the '
+                'fused convolution has not); please report this model'
+            ) from failure
         if error is None:
             return fused
     raise RuntimeError(
