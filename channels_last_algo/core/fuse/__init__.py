@@ -5,7 +5,8 @@ modified) in which every run of ops that :data:`~.patterns.FUSION_PATTERNS` list
 one :class:`FusedConv2d`: ``Conv2d -> BatchNorm2d`` is folded (in float64, weights channels
 last), and a convolution absorbs the activation after it (ReLU, ReLU6/Hardtanh, SiLU,
 Hardswish, Sigmoid, Hardsigmoid, Tanh, GELU, LeakyReLU), or the residual add after it and a
-ReLU after that add. On CPU each runs as one prepacked oneDNN convolution with post-ops, on
+ReLU after that add (a ``Conv3d`` folds its ``BatchNorm3d`` and stays a plain channels-last-3D
+convolution). On CPU each runs as one prepacked oneDNN convolution with post-ops, on
 CUDA conv (+ add) + ReLU as cuDNN's fused convolution; everything else stays as it was,
 restrided to channels last. Where a fused kernel does not apply or refuses a shape, that
 convolution computes the same math with the plain ops, so the copy runs at every input size
