@@ -204,3 +204,37 @@ def test_a_conv3d_folds_its_batchnorm_and_stays_a_channels_last_3d_convolution()
         for shape in ((2, 3, 4, 6, 6), (1, 3, 5, 7, 3)):
             clip = torch.randn(shape)
             assert _relative_error(fused(clip), model(clip)) < 1e-5
+
+
+class _MixedKernels(nn.Module):
+    """timm's ``MixedConv2d``: the channels split, a convolution of each kernel size, concatenated; then
+    its BatchNorm and activation (``reuse``: the concatenation is read again, so nothing folds)."""
+
+    def __init__(self, reuse=False):
+        super().__init__()
+        self.convs = nn.ModuleList([nn.Conv2d(4, 2, 3, padding=1), nn.Conv2d(4, 6, 5, padding=2, bias=False)])
+        self.bn, self.reuse = nn.BatchNorm2d(8), reuse
+
+    def forward(self, x):
+        parts = torch.split(x, [4, 4], 1)
+        mixed = torch.cat([conv(parts[index]) for index, conv in enumerate(self.convs)], 1)
+        torch._assert(mixed.ndim == 4, 'a 4D input')  # a read of its rank, as timm's BatchNormAct2d makes
+        y = torch.relu(self.bn(mixed))
+        return y + mixed if self.reuse else y
+
+
+@pytest.mark.parametrize('reuse', [False, True], ids=['folded', 'read again'])
+def test_a_batchnorm_after_concatenated_convolutions_folds_slice_by_slice(reuse):
+    model = _randomize_batchnorm(_MixedKernels(reuse)).eval()
+    x = torch.randn(2, 8, 9, 9)
+    fused = fuse_for_inference(model, x)
+    if reuse:
+        assert fused.summary.unfused == ['bn'] and 'conv+bn' not in fused.summary.fused.values()
+    else:
+        assert fused.summary.fused == {'convs.0': 'conv+bn', 'convs.1': 'conv+bn'}
+        assert fused.summary.split == {'bn': ['convs.0', 'convs.1']} and fused.summary.unfused == []
+        assert str(fused.summary).startswith('fx: 2 convolutions fused, 1 of 1 BatchNorms folded')
+    with torch.no_grad():
+        for size in (9, 6):
+            images = torch.randn(3, 8, size, size)
+            assert _relative_error(fused(images), model(images)) < 1e-5

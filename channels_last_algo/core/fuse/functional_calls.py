@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from channels_last_algo.core.fuse.concatenations import concatenated_convolutions
 from channels_last_algo.core.fuse.plain_convs import as_plain_conv2d, integer_padding, keeps_conv_forward, plain_conv
 from channels_last_algo.core.fuse.postops import has_hooks
 
@@ -255,7 +256,9 @@ def call_batchnorms_as_modules(graph_module: fx.GraphModule) -> dict[str, str]:
         except TypeError:
             continue
         source = given['input']
-        of_conv = source.op == 'call_module' and as_plain_conv2d(graph_module.get_submodule(source.target)) is not None
+        of_conv = (
+            source.op == 'call_module' and as_plain_conv2d(graph_module.get_submodule(source.target)) is not None
+        ) or (concatenated_convolutions(source, graph_module) is not None)
         reads = [given.get(key) for key in ('running_mean', 'running_var', 'weight', 'bias')]
         constants = all(getattr(read, 'op', None) == 'get_attr' for read in reads[:2]) and all(
             read is None or getattr(read, 'op', None) == 'get_attr' for read in reads[2:]

@@ -33,9 +33,11 @@ from typing import Any, Optional
 import torch.nn.functional as F
 from torch import fx, nn
 
+from channels_last_algo.core.fuse.concatenations import fold_through_concatenations
 from channels_last_algo.core.fuse.conv import FusedConv2d
 from channels_last_algo.core.fuse.functional_calls import call_batchnorms_as_modules, call_convolutions_as_modules
 from channels_last_algo.core.fuse.modules import fuse_modules
+from channels_last_algo.core.fuse.node_uses import value_users
 from channels_last_algo.core.fuse.patterns import (
     LONGEST_PATTERN,
     Element,
@@ -100,21 +102,6 @@ def trace(model: nn.Module) -> fx.GraphModule:
         log.debug('%s: %s is kept whole (fx cannot trace it: %s)', type(model).__name__, path, error)
     graph_module.recompile()
     return graph_module
-
-
-_METADATA_ATTRIBUTES = frozenset({'shape', 'ndim', 'dtype', 'device'})
-_METADATA_METHODS = frozenset({'size', 'dim', 'ndimension'})
-
-
-def _reads_metadata(node: fx.Node) -> bool:
-    """Whether ``node`` reads only its input's shape, rank, dtype or device, which a fused run's output shares."""
-    if node.op == 'call_function' and node.target is getattr:
-        return len(node.args) == 2 and node.args[1] in _METADATA_ATTRIBUTES
-    return node.op == 'call_method' and node.target in _METADATA_METHODS
-
-
-def _value_users(node: fx.Node) -> list[fx.Node]:
-    return [user for user in node.users if not _reads_metadata(user)]
 
 
 def _batchnorms_left(graph_module: fx.GraphModule, owners: dict[str, str]) -> list[str]:
@@ -236,7 +223,7 @@ def _read_metadata_of(fused: fx.Node, inner: list[fx.Node]) -> None:
 def _run_from(first: fx.Node) -> list[fx.Node]:
     """The run of nodes from ``first``: each after it the only user of the one before (reads of its shape aside)."""
     run = [first]
-    while len(run) < LONGEST_PATTERN and len(users := _value_users(run[-1])) == 1:
+    while len(run) < LONGEST_PATTERN and len(users := value_users(run[-1])) == 1:
         run.append(users[0])
     return run
 
@@ -258,6 +245,7 @@ def fuse_graph(graph_module: fx.GraphModule, prepack: bool, inside_whole: bool =
             module route (:func:`~.modules.fuse_modules`).
     """
     owners = call_batchnorms_as_modules(graph_module)
+    split = fold_through_concatenations(graph_module, prepack)
     fuser = _GraphFuser(graph_module, prepack)
     _drop_eval_identities(fuser.graph, fuser.modules)
     summary = FusionSummary(route='fx')
@@ -265,6 +253,9 @@ def fuse_graph(graph_module: fx.GraphModule, prepack: bool, inside_whole: bool =
         description = None if start in fuser.erased else fuser.fuse_at(start)
         if description is not None:
             summary.fused[start.target] = description
+    for path in (path for paths in split.values() for path in paths):  # each alone: the cat follows
+        summary.fused[path] = 'conv+bn' + summary.fused.get(path, 'conv')[len('conv') :]
+    summary.split = split
     for path in called_whole(graph_module) if inside_whole else []:
         inner = fuse_modules(graph_module.get_submodule(path), prepack)
         summary.fused.update({f'{path}.{name}': kernel for name, kernel in inner.fused.items()})

@@ -33,6 +33,8 @@ class FusionSummary:
             kernel refused it and the plain ops run instead.
         backend: ``'eager'`` (the fused kernels called from Python) or ``'inductor'``
             (``torch.compile`` with freezing over the fused network).
+        split: path of each BatchNorm folded slice by slice into the convolutions whose outputs it
+            read concatenated -> their paths (each is ``'conv+bn...'`` in ``fused``; it counts once).
     """
 
     route: str
@@ -41,6 +43,7 @@ class FusionSummary:
     trace_error: Optional[str] = None
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     backend: str = 'eager'
+    split: dict[str, list[str]] = dataclasses.field(default_factory=dict)
 
     def count(self, part: str) -> int:
         """How many fused convolutions include ``part`` (``'bn'``, ``'add'``, ``'relu'``...)."""
@@ -48,7 +51,7 @@ class FusionSummary:
 
     def __str__(self) -> str:
         activations = sum(kernel.split('+')[-1] not in ('conv', 'bn', 'add') for kernel in self.fused.values())
-        folded = self.count('bn')
+        folded = self.count('bn') - sum(len(paths) - 1 for paths in self.split.values())
         text = (
             f'{self.route}: {len(self.fused)} convolutions fused, {folded} of {folded + len(self.unfused)} BatchNorms '
             f'folded, {activations} with an activation, {self.count("add")} with a residual add'
