@@ -22,33 +22,39 @@ Example:
 
 from __future__ import annotations
 
+import collections
 from typing import Optional
 
 import torch
 from torch import fx, nn
 
 from channels_last_algo.core.fuse.node_uses import value_users
-from channels_last_algo.core.fuse.patterns import BATCHNORM, fold_batchnorm
+from channels_last_algo.core.fuse.patterns import BATCHNORM, batchnorm_holding, fold_batchnorm
 from channels_last_algo.core.fuse.plain_convs import as_plain_conv2d
 from channels_last_algo.core.fuse.postops import has_hooks
 
-__all__ = ['concatenated_convolutions', 'fold_through_concatenations']
+__all__ = ['concatenated_convolutions', 'fold_through_concatenations', 'module_calls']
 
 _CATS = (torch.cat, torch.concat, torch.concatenate)
 
 
-def concatenated_convolutions(node: fx.Node, root: nn.Module) -> Optional[list[fx.Node]]:
+def module_calls(graph: fx.Graph) -> collections.Counter:
+    """How many nodes of ``graph`` call each module."""
+    return collections.Counter(node.target for node in graph.nodes if node.op == 'call_module')
+
+
+def concatenated_convolutions(node: fx.Node, root: nn.Module, calls: collections.Counter) -> Optional[list[fx.Node]]:
     """The convolution nodes ``node`` concatenates along the channels, where it is such a
-    concatenation of plain 2D convolutions, each called once and read by it alone; else None."""
+    concatenation of plain 2D convolutions, each called once (``calls``: :func:`module_calls`) and
+    read by it alone; else None."""
     if node.op != 'call_function' or node.target not in _CATS or not node.args:
         return None
     dim = node.args[1] if len(node.args) > 1 else node.kwargs.get('dim', 0)
     parts = node.args[0]
     if dim != 1 or not isinstance(parts, (list, tuple)) or len(parts) < 2:
         return None
-    calls = [other.target for other in node.graph.nodes if other.op == 'call_module']
     for part in parts:
-        if not (isinstance(part, fx.Node) and part.op == 'call_module' and calls.count(part.target) == 1):
+        if not (isinstance(part, fx.Node) and part.op == 'call_module' and calls[part.target] == 1):
             return None
         module = root.get_submodule(part.target)
         if as_plain_conv2d(module) is None or has_hooks(module) or value_users(part) != [node]:
@@ -56,27 +62,22 @@ def concatenated_convolutions(node: fx.Node, root: nn.Module) -> Optional[list[f
     return list(parts)
 
 
-def _statistics_slice(bn: nn.Module, start: int, stop: int) -> nn.BatchNorm2d:
+def _channels(bn: nn.Module, start: int, stop: int) -> nn.BatchNorm2d:
     """A BatchNorm holding ``bn``'s statistics and affine parameters of channels ``start:stop``."""
-    part = nn.BatchNorm2d(stop - start, eps=bn.eps, affine=bn.weight is not None).eval()
-    part.running_mean, part.running_var = bn.running_mean[start:stop], bn.running_var[start:stop]
-    if bn.weight is not None:
-        part.weight, part.bias = (
-            nn.Parameter(t.detach()[start:stop], requires_grad=False) for t in (bn.weight, bn.bias)
-        )
-    return part
+    weight, bias = (None if t is None else t[start:stop] for t in (bn.weight, bn.bias))
+    return batchnorm_holding(bn.running_mean[start:stop], bn.running_var[start:stop], bn.eps, weight, bias)
 
 
 def fold_through_concatenations(graph_module: fx.GraphModule, prepack: bool) -> dict[str, list[str]]:
     """Fold each BatchNorm called once on a concatenation of convolutions (:func:`concatenated_convolutions`)
     into them, in place; return each such BatchNorm's path -> the paths of the convolutions it went into."""
     folded = {}
-    calls = [node.target for node in graph_module.graph.nodes if node.op == 'call_module']
+    calls = module_calls(graph_module.graph)
     for node in list(graph_module.graph.nodes):
-        if node.op != 'call_module' or calls.count(node.target) != 1 or len(node.args) != 1 or node.kwargs:
+        if node.op != 'call_module' or calls[node.target] != 1 or len(node.args) != 1 or node.kwargs:
             continue
         bn, source = BATCHNORM.of_module(graph_module.get_submodule(node.target)), node.args[0]
-        parts = concatenated_convolutions(source, graph_module) if isinstance(source, fx.Node) else None
+        parts = concatenated_convolutions(source, graph_module, calls) if isinstance(source, fx.Node) else None
         if bn is None or parts is None or value_users(source) != [node]:
             continue
         convs = [as_plain_conv2d(graph_module.get_submodule(part.target)) for part in parts]
@@ -89,7 +90,7 @@ def fold_through_concatenations(graph_module: fx.GraphModule, prepack: bool) -> 
             setattr(
                 graph_module.get_submodule(owner),
                 name,
-                fold_batchnorm(conv, _statistics_slice(bn, start, stop), prepack=prepack),
+                fold_batchnorm(conv, _channels(bn, start, stop), prepack=prepack),
             )
             start = stop
         node.replace_all_uses_with(source)

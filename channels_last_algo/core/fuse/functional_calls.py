@@ -33,11 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from channels_last_algo.core.fuse.concatenations import concatenated_convolutions
+from channels_last_algo.core.fuse.concatenations import concatenated_convolutions, module_calls
+from channels_last_algo.core.fuse.patterns import batchnorm_holding
 from channels_last_algo.core.fuse.plain_convs import as_plain_conv2d, integer_padding, keeps_conv_forward, plain_conv
 from channels_last_algo.core.fuse.postops import has_hooks
 
-__all__ = ['call_batchnorms_as_modules', 'call_convolutions_as_modules']
+__all__ = ['batch_norm_arguments', 'call_batchnorms_as_modules', 'call_convolutions_as_modules']
 
 _CONV_PARAMETERS = ('input', 'weight', 'bias', 'stride', 'padding', 'dilation', 'groups')
 _CONV_DEFAULTS = dict(bias=None, stride=1, padding=0, dilation=1, groups=1)
@@ -243,22 +244,29 @@ def call_convolutions_as_modules(graph_module: fx.GraphModule, model: nn.Module)
             _as_module_call(node, given, constants, modules)
 
 
+def batch_norm_arguments(node: fx.Node) -> Optional[dict[str, Any]]:
+    """The arguments of an ``F.batch_norm`` call node by name; None for other nodes."""
+    if node.op != 'call_function' or node.target is not F.batch_norm:
+        return None
+    try:
+        return _BATCH_NORM_ARGUMENTS.bind(*node.args, **node.kwargs).arguments
+    except TypeError:
+        return None
+
+
 def call_batchnorms_as_modules(graph_module: fx.GraphModule) -> dict[str, str]:
     """Replace each eval-mode ``F.batch_norm`` of a convolution's output, on one module's own running
     statistics and affine parameters, with a call of an ``nn.BatchNorm2d`` holding them, put in that
     module; return each such module's path -> the path of the module whose statistics it holds."""
-    owners = {}
+    owners, calls = {}, module_calls(graph_module.graph)
     for node in list(graph_module.graph.nodes):
-        if node.op != 'call_function' or node.target is not F.batch_norm:
-            continue
-        try:
-            given = _BATCH_NORM_ARGUMENTS.bind(*node.args, **node.kwargs).arguments
-        except TypeError:
+        given = batch_norm_arguments(node)
+        if given is None:
             continue
         source = given['input']
         of_conv = (
             source.op == 'call_module' and as_plain_conv2d(graph_module.get_submodule(source.target)) is not None
-        ) or (concatenated_convolutions(source, graph_module) is not None)
+        ) or (concatenated_convolutions(source, graph_module, calls) is not None)
         reads = [given.get(key) for key in ('running_mean', 'running_var', 'weight', 'bias')]
         constants = all(getattr(read, 'op', None) == 'get_attr' for read in reads[:2]) and all(
             read is None or getattr(read, 'op', None) == 'get_attr' for read in reads[2:]
@@ -268,10 +276,7 @@ def call_batchnorms_as_modules(graph_module: fx.GraphModule) -> dict[str, str]:
         if not (of_conv and constants and plain and len(owner) == 1 and (reads[2] is None) == (reads[3] is None)):
             continue
         mean, var, weight, bias = (None if read is None else _attribute(graph_module, read.target) for read in reads)
-        batch_norm = nn.BatchNorm2d(mean.numel(), eps=given.get('eps', 1e-5), affine=weight is not None).eval()
-        batch_norm.running_mean, batch_norm.running_var = mean, var
-        if weight is not None:
-            batch_norm.weight, batch_norm.bias = (nn.Parameter(t, requires_grad=False) for t in (weight, bias))
+        batch_norm = batchnorm_holding(mean, var, given.get('eps', 1e-5), weight, bias)
         name = _free_name(graph_module, owner.pop(), 'batch_norm')
         graph_module.add_submodule(name, batch_norm)
         owners[name] = name.rpartition('.')[0]

@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import logging
 from collections.abc import Callable
 from typing import Any, Optional
@@ -33,9 +32,13 @@ from typing import Any, Optional
 import torch.nn.functional as F
 from torch import fx, nn
 
-from channels_last_algo.core.fuse.concatenations import fold_through_concatenations
+from channels_last_algo.core.fuse.concatenations import fold_through_concatenations, module_calls
 from channels_last_algo.core.fuse.conv import FusedConv2d
-from channels_last_algo.core.fuse.functional_calls import call_batchnorms_as_modules, call_convolutions_as_modules
+from channels_last_algo.core.fuse.functional_calls import (
+    batch_norm_arguments,
+    call_batchnorms_as_modules,
+    call_convolutions_as_modules,
+)
 from channels_last_algo.core.fuse.modules import fuse_modules
 from channels_last_algo.core.fuse.node_uses import value_users
 from channels_last_algo.core.fuse.patterns import (
@@ -112,8 +115,8 @@ def _batchnorms_left(graph_module: fx.GraphModule, owners: dict[str, str]) -> li
         if node.op == 'call_module':
             prefix = owners.get(node.target, node.target)
             left += [f'{prefix}.{path}' if path else prefix for path in batchnorm_paths(modules[node.target])]
-        elif node.op == 'call_function' and node.target is F.batch_norm:
-            statistics = node.args[1] if len(node.args) > 1 else node.kwargs.get('running_mean')
+        elif (given := batch_norm_arguments(node)) is not None:
+            statistics = given.get('running_mean')
             if isinstance(statistics, fx.Node):  # without: a weight's standardization (timm's StdConv2d)
                 left.append(statistics.target.rpartition('.')[0] if statistics.op == 'get_attr' else node.name)
     return list(dict.fromkeys(left))
@@ -161,7 +164,7 @@ class _GraphFuser:
         self.graph_module = graph_module
         self.graph = graph_module.graph
         self.modules = dict(graph_module.named_modules())
-        self.calls = collections.Counter(node.target for node in self.graph.nodes if node.op == 'call_module')
+        self.calls = module_calls(self.graph)
         self.prepack = prepack
         self.erased: set[fx.Node] = set()
 

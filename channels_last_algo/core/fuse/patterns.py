@@ -45,6 +45,7 @@ __all__ = [
     'FUSION_PATTERNS',
     'Element',
     'Match',
+    'batchnorm_holding',
     'batchnorm_paths',
     'fold_batchnorm',
     'fuse_chain',
@@ -137,6 +138,22 @@ RELU_ONLY = Element(
     describe=str,
 )
 ADD = Element('add', of_call=_residual_of, operand=True)
+
+
+def batchnorm_holding(
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
+    weight: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+) -> nn.BatchNorm2d:
+    """An eval-mode ``nn.BatchNorm2d`` holding these statistics and affine parameters (not copied): what a
+    functional ``batch_norm`` computes, or a slice of a BatchNorm's channels, to call or to fold."""
+    batch_norm = nn.BatchNorm2d(mean.numel(), eps=eps, affine=weight is not None).eval()
+    batch_norm.running_mean, batch_norm.running_var = mean, var
+    if weight is not None:
+        batch_norm.weight, batch_norm.bias = (nn.Parameter(t.detach(), requires_grad=False) for t in (weight, bias))
+    return batch_norm
 
 
 def fold_batchnorm(conv: nn.Module, bn: nn.Module, *, prepack: bool) -> nn.Module:
