@@ -53,8 +53,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason='needs a CUDA device'))
 
 
+_TORCH_VIEWS = {name: getattr(torch.Tensor, name) for name in ('view', 'view_as')}
+
+
 @pytest.fixture(autouse=True)
 def no_torch_function_mode_left_on():
+    """No test leaves a mode on, nor the late-view wrappers on ``torch.Tensor`` (core/late_views.py)."""
     before = torch._C._len_torch_function_stack()
     yield
     left = [
@@ -62,5 +66,12 @@ def no_torch_function_mode_left_on():
     ]
     while torch._C._len_torch_function_stack() > before:
         torch._C._pop_torch_function_stack()
+    left += [
+        f'a wrapper of Tensor.{name}'
+        for name, method in _TORCH_VIEWS.items()
+        if getattr(torch.Tensor, name) is not method
+    ]
+    for name, method in _TORCH_VIEWS.items():
+        setattr(torch.Tensor, name, method)
     if left:
         pytest.fail(f'the test left torch function modes on: {left}')

@@ -47,6 +47,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from channels_last_algo.core.aliased_copies import AliasedCopies
+from channels_last_algo.core.late_views import original
 from channels_last_algo.core.layout import Layout, layout_of
 from channels_last_algo.core.module_calls import exit_mode
 from channels_last_algo.core.nchw_twins import SHAPE_OPS, NchwTwins
@@ -146,7 +147,7 @@ class _FailingViews(TorchFunctionMode):
         self.twins = NchwTwins()  # the strides NCHW would give what shape ops make of channels-last tensors
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        kwargs, func = kwargs or {}, original(func)  # torch's view, where a late-view wrapper is on
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
         followed = func in SHAPE_OPS and args and isinstance(args[0], torch.Tensor) and self._followed(args[0])

@@ -46,10 +46,11 @@ from channels_last_algo.core.convert import (
     restride,
 )
 from channels_last_algo.core.inputs import Inputs, InputSelection
+from channels_last_algo.core.late_views import explain_unwatched_view
 from channels_last_algo.core.layout import to_channels_first, to_channels_last
 from channels_last_algo.core.options import check_options, options_repr
 from channels_last_algo.core.repair_check import RefusedRepair, RepairCheck
-from channels_last_algo.core.viewed_outputs import ViewedOutputs, explain_unwatched_view
+from channels_last_algo.core.viewed_outputs import ViewedOutputs
 from channels_last_algo.core.weight_layout import OptimizerWatch, WeightLayoutPlan, for_training, weight_layout_for
 
 __all__ = ['LayoutGuard']
@@ -186,8 +187,7 @@ class LayoutGuard:
     def on_init(
         self, model: torch.nn.Module, optimizers: Optimizers = None, weight_layout: Optional[WeightLayoutPlan] = None
     ) -> Optional[ConversionSummary]:
-        """Restride the model (and any optimizer state it already has) to channels last;
-        nothing in mode ``'off'`` (returns None).
+        """Restride the model (and any optimizer state it already has) to channels last; None in mode ``'off'``.
 
         ``weight_layout`` is what the distributed setting allows (see
         :func:`~channels_last_algo.core.weight_layout.weight_layout_for`; by default it is read from the
@@ -311,7 +311,7 @@ class LayoutGuard:
         """The forward of the batch given to :meth:`on_batch` is over: stop following its tensors (which otherwise
         ends after the first outermost module call that runs a convolution); show what a forward-only watch found."""
         self.inputs.finish()
-        if self._viewed is not None and not self._viewed.watching:
+        if self._viewed is not None and not self._viewed.ends_with_step:
             self._end_watch(training=False)
 
     def on_step_start(self) -> None:

@@ -40,6 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from channels_last_algo.core.aliased_copies import AliasedCopies, same_memory
 from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on_contiguous
+from channels_last_algo.core.late_views import original, passing_through
 from channels_last_algo.core.layout import is_4d_or_5d
 from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, SHAPE_OPS, NchwTwins, aliases
 
@@ -62,13 +63,13 @@ def _caller() -> Any:
 
 
 def _op_caller() -> tuple[Any, bool]:
-    """The frame of the code that called the op this watch handles, past the modes that passed it on,
-    and whether another view watch was among them (one entered above this one)."""
+    """The frame of the code that called the op this watch handles, past the modes that passed it on
+    and the late-view wrappers, and whether another view watch was among them (one entered above this one)."""
     frame = sys._getframe(1)
     while frame.f_back is not None and frame.f_code is not _HANDLER:
         frame = frame.f_back
     frame, above = frame.f_back, False
-    while frame.f_back is not None and frame.f_code.co_name == '__torch_function__':
+    while frame.f_back is not None and (frame.f_code.co_name == '__torch_function__' or passing_through(frame.f_code)):
         above = above or frame.f_code is _HANDLER
         frame = frame.f_back
     return frame, above
@@ -173,7 +174,10 @@ class ViewWatch(TorchFunctionMode):
         return self.derived.get(tensor, frozenset())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        kwargs, func = (
+            kwargs or {},
+            original(func),
+        )  # torch's view, where a late-view wrapper is on (core/late_views.py)
         op = extension_op(func) if isinstance(func, OP_TYPES) else None
         if torch.compiler.is_compiling() or (self.light and op is None):  # a compiled graph: not followed
             return func(*args, **kwargs)

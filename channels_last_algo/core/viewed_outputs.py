@@ -20,7 +20,8 @@ modules its viewed output came from. A view of a tensor that no module made (a b
 gradient in a tensor hook, whose layout its consumers decide) cannot be placed so: the watch then
 stays on for every step, at the cost of following each op. An extension op given 4D/5D tensors runs
 as in NCHW (:mod:`~channels_last_algo.core.extension_ops`); a light watch, of extension ops only,
-then stays on for every step.
+then stays on for every step. A view first reached on a later step starts the watch there
+(:mod:`~channels_last_algo.core.late_views`).
 
 Example:
     >>> import torch
@@ -52,6 +53,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.backward_hooks import BackwardHooks
 from channels_last_algo.core.between_batches import BetweenBatches
+from channels_last_algo.core.late_views import arm, disarm
 from channels_last_algo.core.module_calls import (
     compiled_wrapper,
     exit_mode,
@@ -65,12 +67,9 @@ from channels_last_algo.core.saved_state import leaving_no_trace
 from channels_last_algo.core.view_watch import ViewWatch, contiguous_gradient, nhwc
 
 __all__ = [
-    'SCRIPTED_VIEW',
-    'UNWATCHED_VIEW',
     'ViewedOutputs',
     'channels_first_output',
     'channels_first_outputs',
-    'explain_unwatched_view',
 ]
 
 log = logging.getLogger(__name__)
@@ -114,45 +113,6 @@ def _one_tensor_in(module: torch.nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     return len(parameters) == 1 and next(iter(parameters)).kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-
-
-UNWATCHED_VIEW = (
-    'channels last: this .view() of a channels-last tensor ran where no view watch was on (the forward and '
-    'backward of a training step after the first, of an evaluation batch after the first of its loop, and, in '
-    'a plain loop, code after a batch that no guard.on_batch_end() ended). A view of a weight or of a gradient: '
-    "weights='contiguous' keeps them viewable (docs/conversion.md); of an activation: .reshape or .flatten "
-    'instead of .view works in either layout.'
-)
-"""What :func:`explain_unwatched_view` adds to the error of a view that NHWC strides cannot take."""
-
-SCRIPTED_VIEW = (
-    'channels last: this .view() of a channels-last tensor ran inside TorchScript (torch.jit.script), '
-    'which no view watch sees into. There, .reshape or .flatten instead of .view works in either layout; '
-    "a view of a weight: weights='contiguous' keeps them viewable (docs/conversion.md); else mode='off' "
-    'for this model.'
-)
-"""What :func:`explain_unwatched_view` adds instead where the view ran in TorchScript."""
-
-
-def explain_unwatched_view(error: BaseException) -> None:
-    """Add :data:`UNWATCHED_VIEW` (or :data:`SCRIPTED_VIEW`) to ``error`` where it is torch's "view size
-    is not compatible" (once).
-
-    Example:
-        >>> error = RuntimeError("view size is not compatible with input tensor's size and stride")
-        >>> explain_unwatched_view(error)
-        >>> 'weights=' in str(error) or any('weights=' in note for note in getattr(error, '__notes__', []))
-        True
-    """
-    if not isinstance(error, RuntimeError) or 'view size is not compatible' not in str(error):
-        return
-    note = SCRIPTED_VIEW if 'TorchScript' in str(error) else UNWATCHED_VIEW
-    if note in getattr(error, '__notes__', ()) or note in str(error):
-        return
-    if hasattr(error, 'add_note'):  # Python 3.11+: shown under the traceback
-        error.add_note(note)
-    else:
-        error.args = (f'{error.args[0] if error.args else ""}\n{note}', *error.args[1:])
 
 
 def _hook_first(tensor: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> None:
@@ -209,12 +169,21 @@ class ViewedOutputs:
         self._paused_for: Optional[torch.nn.Module] = None  # the compiled wrapper running without the mode
         self._one_tensor_out: weakref.WeakSet = weakref.WeakSet()  # modules seen returning one tensor
         self._rehearsing = False  # a compiled network's eager rehearsal runs
+        self._late_places: set[str] = set()  # where such views ran
+        self._late = False  # the watch began late, inside a step or batch (late_view)
+        self._rearm: set[bool] = set()  # kinds of batch (whole_step) to watch next, for a view first reached late
+        self._armed: Optional[bool] = None  # armed for late views: the kind of batch (whole_step); None: not armed
         self.between = BetweenBatches(self.weight_gradient, weights_viewed, lambda line: self._new.append(line))
 
     @property
     def watching(self) -> bool:
         """Whether a step or a forward is being watched now."""
         return self._mode is not None
+
+    @property
+    def ends_with_step(self) -> bool:
+        """Whether a watch is on, or a training step is armed for late views: the end of a forward ends neither."""
+        return self._mode is not None or self._armed is True
 
     def begin(self, whole_step: bool, loop: Optional[str] = None) -> None:
         """At a batch (``whole_step=False``: its forward; in evaluation, of a named ``loop``: until :meth:`end`)
@@ -229,8 +198,13 @@ class ViewedOutputs:
             if whole_step
             else (training, self.loop) in self._forwards_watched or (training and self._step_watched)
         )
-        if self.unplaced or not seen or self.extensions:
-            self.start(whole_step, light=seen and not self.unplaced)
+        rearm = whole_step in self._rearm
+        if self.unplaced or not seen or self.extensions or rearm:
+            self._rearm.discard(whole_step)
+            self.start(whole_step, light=seen and not self.unplaced and not rearm)
+        if (whole_step or self.loop is not None) and (self._mode is None or self._mode.light):
+            self._armed = whole_step  # a view no watch follows, until the step or batch ends: core/late_views.py
+            arm(self)
 
     def _training(self) -> bool:
         model = self._model()
@@ -249,6 +223,23 @@ class ViewedOutputs:
         found = self.stop()
         self.between.resume()  # where wanted, also over a training step's code after its backward, on every step
         return found
+
+    def late_view(self, tensor: torch.Tensor) -> None:
+        """A view NHWC strides refused where no watch was on (code first run on a later step, or a later batch of a
+        named loop): the watch starts now, for the rest of the step or batch, and takes it (on a copy that writes keep
+        in step, or the weights go contiguous); the next batch of this kind is watched whole, to find what makes it."""
+        self._rearm.add(bool(self._armed))
+        self._late = True
+        if self._mode is None:
+            self._mode, self._depth = ViewWatch(self), 0
+            subscribe(self)
+        self._mode.light, self._whole_step = False, True
+        if not on_mode_stack(self._mode):
+            self._mode.__enter__()
+        if torch._C._current_graph_task_id() == -1:  # not in a backward, whose hook tables must not change
+            self._hooks.watch(self._model(), self)
+        if not nhwc(tensor):  # a view of a channels-last tensor (z.flatten(2)): strided by NHWC
+            self._mode.flattened[tensor] = True
 
     def gradient_hook_found(self, weight: torch.nn.Parameter, how: str) -> None:
         """A hook on ``weight`` uses the gradient it is given as ``how`` says, which takes it contiguous:
@@ -285,7 +276,8 @@ class ViewedOutputs:
 
     def stop(self) -> list[str]:
         """Stop watching; return what was found since the last stop, one line each (paths and code places)."""
-        mode, self._mode, self.lasting = self._mode, None, False
+        mode, self._mode, self.lasting, self._late, self._armed = self._mode, None, False, False, None
+        disarm(self)
         paused, self._paused_for = self._paused_for, None
         self._hooks.restore()
         for weight in self._to_hook:  # outside the backward, whose hook tables must not change under it
@@ -378,6 +370,14 @@ class ViewedOutputs:
     def _found(self, origins: frozenset, where: str, how: str) -> None:
         """The tensor made by ``origins`` (none: no module made it) is used at ``where`` as ``how`` says,
         which takes it channels first."""
+        if not origins and self._late:  # made before the watch began: the next watched step finds its maker
+            if where not in self._late_places:
+                self._late_places.add(where)
+                self._new.append(
+                    f'the tensor {how}, code first run after the watched steps, ran on a channels-first copy '
+                    'that writes keep in step; the next step is watched to find what makes it'
+                )
+            return
         if not origins:
             if where not in self.unplaced:
                 self.unplaced.append(where)

@@ -52,8 +52,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from channels_last_algo.core.auto_mode import Trial
 from channels_last_algo.core.canonical_checkpoints import canonical_state
 from channels_last_algo.core.inputs import Inputs
+from channels_last_algo.core.late_views import explain_unwatched_view
 from channels_last_algo.core.saved_state import leaving_no_trace
-from channels_last_algo.core.viewed_outputs import explain_unwatched_view
 from channels_last_algo.core.weight_layout import WeightLayoutPlan, weight_layout_for
 from channels_last_algo.integrations.guarded import GuardedIntegration
 from channels_last_algo.integrations.lightning_adapter import (

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from channels_last_algo.core.guard import LayoutGuard
-from channels_last_algo.core.viewed_outputs import SCRIPTED_VIEW, UNWATCHED_VIEW
+from channels_last_algo.core.late_views import SCRIPTED_VIEW, UNWATCHED_VIEW
 from conftest import lightning_trainer
 
 EACH_INTEGRATION = pytest.mark.parametrize('integration', INTEGRATIONS)
@@ -679,34 +679,6 @@ def test_a_view_only_evaluation_makes_is_found_at_the_first_evaluation_after_tra
     guard.close()
 
 
-class ViewsFromTheSecondCall(nn.Module):
-    """Flattens with ``torch.flatten`` on its first call and with ``.view`` from then on."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.stem, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 8 * 8, 10)
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        z = F.relu(self.stem(x))
-        return self.head(torch.flatten(z, 1) if self.calls == 1 else z.view(z.size(0), -1))
-
-
-def test_a_view_first_reached_after_the_watched_steps_fails_saying_what_would_fix_it():
-    net = ViewsFromTheSecondCall().double()
-    guard = LayoutGuard()
-    guard.on_init(net)
-    first, second = (guard.on_batch(batch) for batch in _batches((2, 3, 8, 8))[:2])
-    with guard.step():
-        _cross_entropy(net(first[0]), first).backward()
-    with pytest.raises(RuntimeError, match='view size is not compatible') as caught:
-        with guard.step():
-            _cross_entropy(net(second[0]), second).backward()
-    said = str(caught.value) + ''.join(getattr(caught.value, '__notes__', []))
-    assert UNWATCHED_VIEW in said and said.count(UNWATCHED_VIEW) == 1
-
-
 def test_a_view_inside_torchscript_fails_saying_no_watch_sees_into_it():
     """A scripted function's ``.view()`` runs in the TorchScript interpreter, past every watch: torch's
     error carries the note that says so, and what works in either layout."""
@@ -726,16 +698,6 @@ def test_a_view_inside_torchscript_fails_saying_no_watch_sees_into_it():
             flatten(conv(guard.on_batch(images))).sum().backward()
     said = str(caught.value) + ''.join(getattr(caught.value, '__notes__', []))
     assert SCRIPTED_VIEW in said and UNWATCHED_VIEW not in said
-
-
-def test_lightning_says_what_would_fix_a_view_first_reached_after_the_watched_steps():
-    pytest.importorskip('lightning')
-    from channels_last_algo.integrations.lightning import ChannelsLastCallback
-
-    module, data = _lightning_classifier(ViewsFromTheSecondCall().double()), _loader(_batches((2, 3, 8, 8)))
-    with pytest.raises(RuntimeError, match='view size is not compatible') as caught:
-        lightning_trainer(callbacks=[ChannelsLastCallback()], max_steps=3).fit(module, train_dataloaders=data)
-    assert UNWATCHED_VIEW in str(caught.value) + ''.join(getattr(caught.value, '__notes__', []))
 
 
 def test_inference_without_training_leaves_no_mode_behind():

@@ -1,0 +1,162 @@
+"""Views that NHWC strides refuse where no watch is on: code first reached on a later step.
+
+The view watch (:mod:`~channels_last_algo.core.viewed_outputs`) follows the first training step, the first
+batch of each evaluation loop, and every step while a view could not be placed; later steps run with no
+mode, at full speed. Code that first runs later (a gradient norm per filter every 50 steps through
+``w.grad.view(n, -1)``, a branch a schedule or a batch's size switches on) would then raise where NCHW's
+``.view()`` succeeds ("view size is not compatible with input tensor's size and stride"). While a step
+or batch is :func:`armed`, ``Tensor.view`` and ``Tensor.view_as`` are thin wrappers: a view that
+succeeds costs one Python call more; one that NHWC strides refuse, of a 4D/5D tensor that is not
+contiguous or of a view of a channels-last one (``z.flatten(2)``), is handed to the owner that armed
+this thread (``owner.late_view(tensor)``, which starts the watch there, for the rest of the step) and
+runs again under that watch, as on a watched step. Other threads (autograd's GPU threads run backward
+hooks) and other errors see torch's own error. Modes and tensor subclasses meanwhile see the wrapper
+as the op: :func:`original` gives torch's method back. :func:`explain_unwatched_view` adds what
+would fix it to the error of a view no watch could take.
+
+Example:
+    >>> import torch
+    >>> class Owner:
+    ...     started = []
+    ...     def late_view(self, tensor):        # a watch would start here; this one only counts
+    ...         self.started.append(tuple(tensor.shape))
+    >>> owner = Owner()
+    >>> z = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)
+    >>> arm(owner)
+    >>> try:
+    ...     z.view(2, -1)                       # no watch took it: torch's error, after the owner heard
+    ... except RuntimeError:
+    ...     pass
+    >>> disarm(owner)
+    >>> owner.started, torch.Tensor.view is original(torch.Tensor.view)
+    ([(2, 3, 4, 4)], True)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from channels_last_algo.core.layout import is_4d_or_5d, layout_of
+
+__all__ = ['SCRIPTED_VIEW', 'UNWATCHED_VIEW', 'arm', 'disarm', 'explain_unwatched_view', 'original', 'passing_through']
+
+_REFUSED = 'view size is not compatible'  # torch's error for strides a view cannot take
+_METHODS = {name: getattr(torch.Tensor, name) for name in ('view', 'view_as')}
+_armed: list[tuple[int, weakref.ref]] = []  # (thread, owner), the last armed last
+
+
+def _wrapper(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def view(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        try:
+            return method(self, *args, **kwargs)
+        except RuntimeError as error:
+            owner = _owner(self, error)
+            if owner is None:
+                raise
+            owner.late_view(self)
+        return method(self, *args, **kwargs)  # under the watch the owner started
+
+    view.__name__, view.__qualname__ = method.__name__, method.__qualname__  # as modes and subclasses name it
+    return view
+
+
+_WRAPPERS = {name: _wrapper(method) for name, method in _METHODS.items()}
+_VIEW, _VIEW_AS = _WRAPPERS['view'], _WRAPPERS['view_as']
+_PASSING = frozenset(wrapper.__code__ for wrapper in _WRAPPERS.values())
+
+
+def original(func: Any) -> Any:
+    """torch's own method for a wrapper this module put on ``torch.Tensor``; any other ``func`` as it is."""
+    if func is _VIEW:
+        return _METHODS['view']
+    return _METHODS['view_as'] if func is _VIEW_AS else func
+
+
+def passing_through(code: Any) -> bool:
+    """Whether ``code`` is a wrapper's, which a watch looks past for the code that called the view."""
+    return code in _PASSING
+
+
+def _owner(tensor: torch.Tensor, error: RuntimeError) -> Any:
+    """The owner armed on this thread, where ``error`` is NHWC strides refusing a view of ``tensor``."""
+    if _REFUSED not in str(error) or torch.compiler.is_compiling():
+        return None
+    base = tensor._base
+    if not (is_4d_or_5d(tensor) and not tensor.is_contiguous()) and not (
+        base is not None and is_4d_or_5d(base) and layout_of(base).is_channels_last
+    ):
+        return None
+    thread = threading.get_ident()
+    return next((owner() for ident, owner in reversed(_armed) if ident == thread and owner() is not None), None)
+
+
+def arm(owner: Any) -> None:
+    """Until :func:`disarm`, views NHWC strides refuse on this thread go to ``owner.late_view(tensor)``
+    before they run again; the wrappers go on ``torch.Tensor`` with the first owner armed."""
+    if not any(reference() is owner for _, reference in _armed):
+        _armed.append((threading.get_ident(), weakref.ref(owner, lambda reference: disarm(None))))
+    for name, wrapper in _WRAPPERS.items():
+        setattr(torch.Tensor, name, wrapper)
+
+
+def disarm(owner: Any) -> None:
+    """``owner`` (None: only owners gone) hears no more; torch's own methods go back once no owner is armed."""
+    _armed[:] = [(ident, ref) for ident, ref in _armed if ref() is not None and ref() is not owner]
+    if not _armed:
+        for name, method in _METHODS.items():
+            setattr(torch.Tensor, name, method)
+
+
+def _none_in_a_forked_process() -> None:
+    """A process forked while a step is armed (a DataLoader's workers) inherits the wrappers: off there."""
+    _armed.clear()
+    disarm(None)
+
+
+if hasattr(os, 'register_at_fork'):  # POSIX
+    os.register_at_fork(after_in_child=_none_in_a_forked_process)
+
+
+UNWATCHED_VIEW = (
+    'channels last: this .view() of a channels-last tensor ran where no view watch could take it (in another '
+    "thread than the training loop's, as autograd runs a GPU backward's hooks, or, in a plain loop, in code "
+    'outside guard.on_batch() ... guard.on_batch_end() and outside guard.step()). A view of a weight or of a '
+    "gradient: weights='contiguous' keeps them viewable (docs/conversion.md); of an activation: .reshape or "
+    '.flatten instead of .view works in either layout.'
+)
+"""What :func:`explain_unwatched_view` adds to the error of a view that NHWC strides cannot take."""
+
+SCRIPTED_VIEW = (
+    'channels last: this .view() of a channels-last tensor ran inside TorchScript (torch.jit.script), '
+    'which no view watch sees into. There, .reshape or .flatten instead of .view works in either layout; '
+    "a view of a weight: weights='contiguous' keeps them viewable (docs/conversion.md); else mode='off' "
+    'for this model.'
+)
+"""What :func:`explain_unwatched_view` adds instead where the view ran in TorchScript."""
+
+
+def explain_unwatched_view(error: BaseException) -> None:
+    """Add :data:`UNWATCHED_VIEW` (or :data:`SCRIPTED_VIEW`) to ``error`` where it is torch's "view size
+    is not compatible" (once).
+
+    Example:
+        >>> error = RuntimeError("view size is not compatible with input tensor's size and stride")
+        >>> explain_unwatched_view(error)
+        >>> 'weights=' in str(error) or any('weights=' in note for note in getattr(error, '__notes__', []))
+        True
+    """
+    if not isinstance(error, RuntimeError) or _REFUSED not in str(error):
+        return
+    note = SCRIPTED_VIEW if 'TorchScript' in str(error) else UNWATCHED_VIEW
+    if note in getattr(error, '__notes__', ()) or note in str(error):
+        return
+    if hasattr(error, 'add_note'):  # Python 3.11+: shown under the traceback
+        error.add_note(note)
+    else:
+        error.args = (f'{error.args[0] if error.args else ""}\n{note}', *error.args[1:])

@@ -1,0 +1,181 @@
+"""A ``.view()`` first reached after the watched steps runs as in NCHW (``core/late_views.py``).
+
+The view watch follows the first training step and the first batch of each loop; code first run later (a branch a
+schedule switches on, a gradient norm every k steps) used to raise "view size is not compatible". Each model here
+takes such a branch from its third call: it trains 5 float64 steps through LayoutGuard, the Composer algorithm and
+the Lightning callback, and every step's loss and parameters must equal the NCHW run's. The views: an activation's
+(read, and written through), a view of ``z.flatten(2)``, ``view_as``, a weight's in the forward, a weight's gradient
+after the backward, and a gradient's in a tensor hook during the backward.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+
+import pytest
+import torch
+from guarded_runs import INTEGRATIONS, Run, assert_same_run, guarded, nchw
+from torch import nn
+from torch.nn import functional as F
+
+from channels_last_algo.core.guard import LayoutGuard
+from channels_last_algo.core.late_views import UNWATCHED_VIEW, original
+
+LATE = 3  # the call from which the branch runs
+
+
+class LateBranch(nn.Module):
+    """Two convolutions and a linear head; from the ``LATE``-th call on, ``what`` views something."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what, self.calls = what, 0
+        self.c0, self.c1 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4 * 8 * 8, 5)
+
+    def forward(self, x):
+        self.calls += 1
+        late = self.calls >= LATE
+        y = F.relu(self.c0(x))
+        if late and self.what == 'gradient in a hook' and y.requires_grad:
+            y.register_hook(_halve_through_a_view)
+        z = self.c1(y)
+        n = z.size(0)
+        if late and self.what == 'activation':
+            return self.fc(z.view(n, -1))
+        if late and self.what == 'write through':
+            z.view(-1)[:7] = 0.0
+        if late and self.what == 'flattened':
+            return self.fc(z.flatten(2).view(n, -1))
+        if late and self.what == 'view_as':
+            return self.fc(z.view_as(torch.empty(n, 4 * 8 * 8)))
+        if late and self.what == 'weight':
+            return self.fc(z.flatten(1)) + self.c1.weight.view(4, -1).sum(1).mean()
+        return self.fc(z.flatten(1))
+
+
+def _halve_through_a_view(grad: torch.Tensor) -> None:
+    grad.view(grad.size(0), -1).mul_(0.5)
+
+
+def _halve_filter_gradients(net: nn.Module) -> None:
+    """From the ``LATE``-th step: each filter's gradient halved through ``grad.view(out_channels, -1)``."""
+    if net.calls >= LATE:
+        grad = net.c1.weight.grad
+        grad.view(grad.size(0), -1).mul_(0.5)
+
+
+def _run(what: str) -> Run:
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        (torch.randn(2, 3, 8, 8, generator=generator, dtype=torch.float64), torch.randint(0, 5, (2,))) for _ in range(5)
+    ]
+    after_backward = _halve_filter_gradients if what == 'gradient' else lambda net: None
+    return Run(
+        build=lambda: LateBranch(what),
+        batches=batches,
+        loss=lambda output, batch: F.cross_entropy(output, batch[1]),
+        after_backward=after_backward,
+    )
+
+
+CASES = ('activation', 'write through', 'flattened', 'view_as', 'weight', 'gradient', 'gradient in a hook')
+
+
+@pytest.mark.parametrize('integration', INTEGRATIONS)
+@pytest.mark.parametrize('what', CASES)
+def test_a_view_first_reached_after_the_watched_steps_matches_nchw(integration, what):
+    run = _run(what)
+    steps, net, _ = guarded(run, integration)
+    assert_same_run(steps, nchw(run), f'{integration}, {what}')
+    assert torch.Tensor.view is original(torch.Tensor.view)  # torch's own method again once the steps are over
+
+
+def test_an_activation_viewed_late_is_placed_on_the_next_step(caplog):
+    """The late view runs on a copy kept in step; the next step is watched whole and finds the module that made
+    the tensor, which returns it channels first from then on, so the steps after run unwatched."""
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        _, net, guard = guarded(_run('activation'), 'guard')
+    said = [record.getMessage() for record in caplog.records]
+    late = [line for line in said if 'first run after the watched steps' in line]
+    assert len(late) == 1 and 'test_late_views.py' in late[0], said
+    assert guard._viewed.placed == ['c1'], said
+    assert net.c0(torch.randn(1, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)).is_contiguous(
+        memory_format=torch.channels_last
+    )
+
+
+def test_a_weight_viewed_late_makes_the_weights_contiguous(caplog):
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        _, net, _ = guarded(_run('weight'), 'guard')
+    assert net.c1.weight.is_contiguous() and not net.c1.weight.is_contiguous(memory_format=torch.channels_last)
+    assert any('weights contiguous' in record.getMessage() for record in caplog.records)
+
+
+def _evaluated(net: nn.Module, guard: LayoutGuard, batches: list, loop) -> list[torch.Tensor]:
+    outputs = []
+    with torch.no_grad():
+        for images in batches:
+            outputs.append(net(guard.on_batch(images, loop=loop)))
+            guard.on_batch_end()
+    return outputs
+
+
+def test_a_later_batch_of_a_named_loop_takes_a_late_view_and_an_unnamed_one_does_not():
+    """A batch of a named loop is watched, or armed, until its end: a view first reached in a later batch's forward
+    runs there, and the next batch's watch places the module. An unnamed batch (a plain loop's ``on_batch(images)``)
+    ends with no word from its loop, so nothing is armed past its start: the view raises as under plain channels
+    last."""
+    batches = [torch.full((2, 3, 8, 8), float(k), dtype=torch.float64) for k in range(4)]
+    net = LateBranch('activation').double().eval()
+    with torch.no_grad():
+        expected = [net(images) for images in batches]
+    net.calls, unnamed = 0, LateBranch('activation').double().eval()
+    unnamed.load_state_dict(net.state_dict())
+    guard = LayoutGuard()
+    guard.on_init(net)
+    for output, reference in zip(_evaluated(net, guard, batches, loop='validate'), expected):
+        torch.testing.assert_close(output, reference, rtol=1e-10, atol=1e-10)
+    assert guard._viewed.placed == ['c1'] and torch.Tensor.view is original(torch.Tensor.view)
+    guard.close()
+
+    guard = LayoutGuard()
+    guard.on_init(unnamed)
+    with pytest.raises(RuntimeError, match='view size is not compatible'):
+        _evaluated(unnamed, guard, batches, loop=None)
+    guard.close()
+
+
+def test_a_view_that_fails_in_nchw_too_keeps_torchs_error():
+    """Only views that NHWC strides refuse are taken: a transposed matrix's ``.view(-1)`` fails as in NCHW."""
+    net = LateBranch('none').double()
+    guard = LayoutGuard()
+    guard.on_init(net)
+    for _ in range(2):
+        with guard.step():
+            net(guard.on_batch(torch.randn(2, 3, 8, 8, dtype=torch.float64))).sum().backward()
+    with pytest.raises(RuntimeError, match='view size is not compatible'):
+        with guard.step():
+            torch.randn(3, 4).t().view(-1)
+    assert not guard._viewed.watching
+
+
+def test_a_view_on_another_thread_is_not_taken_and_the_step_says_what_would_fix_it():
+    """A thread the step did not arm (a pool's; autograd's GPU threads run backward hooks there) gets torch's
+    error, which no watch can take from the training loop's thread; the guard's step adds what would fix it."""
+    net = LateBranch('none').double()
+    guard = LayoutGuard()
+    guard.on_init(net)
+    for _ in range(2):
+        with guard.step():
+            net(guard.on_batch(torch.randn(2, 3, 8, 8, dtype=torch.float64))).sum().backward()
+
+    def view_there() -> torch.Tensor:
+        return net.c0(torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)).view(2, -1)
+
+    with pytest.raises(RuntimeError, match='view size is not compatible') as caught:
+        with guard.step(), concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(view_there).result()
+    assert UNWATCHED_VIEW in str(caught.value) + ''.join(getattr(caught.value, '__notes__', []))
+    assert torch.Tensor.view is original(torch.Tensor.view)
