@@ -1,0 +1,169 @@
+"""The late-view wrappers' cost: a guarded training step after the watched ones, with and without them.
+
+While a training step runs unwatched, ``Tensor.view`` and ``Tensor.view_as`` are thin wrappers that start
+the watch where NHWC strides refuse a view (channels_last_algo/core/late_views.py); a view that succeeds
+costs one Python call more. Here each model is converted by a :class:`LayoutGuard`, its first (watched)
+step runs, and then rounds interleave two variants of a later step (forward, cross entropy, backward):
+
+    armed       the guard's step as it is: the wrappers on for the forward and backward
+    unarmed     the same step, the wrappers taken off right after it starts
+
+The cost is the median over rounds of the paired difference, in ms and as a share of the unarmed step;
+the views a step makes from Python are counted once.
+
+Example:
+    flock /tmp/channels_last_timing.lock .venv-newest/bin/python benchmarks/late_views.py \\
+        --out benchmarks/results/cpu-2core
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Optional
+
+import torch
+import zoo_models as zoo  # benchmarks/, next to this script
+from arguments import Option, benchmark_parser
+from results_writer import RunStart, run_record, write_results
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from channels_last_algo.core import late_views
+from channels_last_algo.core.guard import LayoutGuard
+
+# a ResNet (one view a step) and timm's hybrids that view windows and heads (tens to hundreds a step)
+MODELS = ('resnet50', 'maxvit_pico_rw_256', 'coatnet_pico_rw_224', 'tiny_vit_5m_224', 'halonet26t')
+VARIANTS = ('armed', 'unarmed')
+
+
+class _CountViews(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.views = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.views += late_views.original(func) in (torch.Tensor.view, torch.Tensor.view_as)
+        return func(*args, **(kwargs or {}))
+
+
+def _stepper(model: nn.Module, guard: LayoutGuard, batch_size: int, image_size: int) -> Callable[..., float]:
+    """The seconds of one guarded training step of ``model`` in a variant (``around``: a mode over its forward and
+    backward), on a fixed batch."""
+    torch.manual_seed(1)
+    images = torch.randn(batch_size, 3, image_size, image_size)
+    labels = torch.randint(0, 100, (batch_size,))
+
+    def step(variant: str, around: Optional[TorchFunctionMode] = None) -> float:
+        start = time.perf_counter()
+        batch = guard.on_batch((images, labels))
+        guard.on_step_start()
+        if variant == 'unarmed':
+            late_views.disarm(guard._viewed)
+        with around or contextlib.nullcontext():  # the forward and backward only: the guard's modes come and go outside
+            nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+        guard.on_step_end()
+        guard.on_batch_end()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - start
+
+    return step
+
+
+def measure(name: str, args: argparse.Namespace) -> dict:
+    entry = zoo.by_name(name)
+    model = zoo.build(entry, num_classes=100)
+    guard = LayoutGuard()
+    guard.on_init(model)
+    step = _stepper(
+        model, guard, args.batch_size, entry.input_shape[-1] if args.image_size is None else args.image_size
+    )
+    step('armed')  # the first training step: watched
+    counter = _CountViews()
+    step('unarmed', around=counter)
+    times = {variant: [] for variant in VARIANTS}
+    for _ in range(args.warmup + args.rounds):
+        for variant in VARIANTS:
+            times[variant].append(step(variant))
+    guard.close()
+    times = {v: s[args.warmup :] for v, s in times.items()}
+    extra = statistics.median(a - u for a, u in zip(times['armed'], times['unarmed']))
+    unarmed = statistics.median(times['unarmed'])
+    return {
+        'model': name,
+        'views_per_step': counter.views,
+        'step_ms': {v: 1e3 * statistics.median(s) for v, s in times.items()},
+        'step_min_ms': {v: 1e3 * min(s) for v, s in times.items()},
+        'extra_ms': 1e3 * extra,
+        'extra_share_of_a_step': extra / unarmed,
+    }
+
+
+def markdown(result: dict) -> str:
+    m, s = result['machine'], result['settings']
+    lines = [
+        "# The late-view wrappers' cost: a guarded training step after the watched ones",
+        '',
+        f'Machine: {m["cpu"]}, {m["cores_usable"]} usable cores, {m["torch_threads"]} torch threads. '
+        f'torch {m["torch"]}, torchvision {m["torchvision"]}. Command: `{result["command"]}`',
+        '',
+        f'1-minute load average {result["load_average_1min"]["before"]:.1f} before and '
+        f'{result["load_average_1min"]["after"]:.1f} after.',
+        '',
+        f'float32, batch {s["batch_size"]}, each model at its zoo size unless --image-size; forward, cross entropy '
+        f'and backward through the guard after its watched first step; {s["rounds"]} rounds after {s["warmup"]} '
+        'warm-up, the variants interleaved. Medians (min) in ms. "extra" is the median over rounds of the paired '
+        'difference, armed minus unarmed; noise of either sign at this size.',
+        '',
+        '| model | views a step | armed | unarmed | extra | extra / step |',
+        '|---|---:|---:|---:|---:|---:|',
+    ]
+    for row in result['rows']:
+        med, low = row['step_ms'], row['step_min_ms']
+        lines.append(
+            f'| {row["model"]} | {row["views_per_step"]} | {med["armed"]:.1f} ({low["armed"]:.1f}) | '
+            f'{med["unarmed"]:.1f} ({low["unarmed"]:.1f}) | {row["extra_ms"]:+.2f} | '
+            f'{row["extra_share_of_a_step"]:+.3f} |'
+        )
+    return '\n'.join(lines) + '\n'
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = benchmark_parser(
+        __doc__, warmup=Option(2), rounds=Option(15), out='folder for late_views.json and .md', epilog=False
+    )
+    timm = importlib.util.find_spec('timm') is not None
+    available = [name for name in MODELS if zoo.by_name(name).source != 'timm' or timm]
+    parser.add_argument('--models', nargs='+', default=available, choices=MODELS, metavar='MODEL')
+    parser.add_argument('--batch-size', type=int, default=8)
+    parser.add_argument('--image-size', type=int, default=None, help="default: each model's zoo size (64 px)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.warmup < 0 or args.batch_size < 2:
+        parser.error('need --rounds >= 1, --warmup >= 0 and --batch-size >= 2 (BatchNorm)')
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    start = RunStart.now()
+    args = parse_args(argv)
+    rows = []
+    for name in args.models:
+        rows.append(measure(name, args))
+        row = rows[-1]
+        print(f'{name:<22} {row["views_per_step"]:>4} views, extra {row["extra_ms"]:+.2f} ms of {row["step_ms"]}')
+    settings = {k: v for k, v in vars(args).items() if k not in ('out', 'models')}
+    result = run_record('late_views', start, argv, settings=settings, rows=rows)
+    table = markdown(result)
+    print(table)
+    if args.out is not None:
+        write_results(args.out, 'late_views', result, table)
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
