@@ -28,14 +28,14 @@ LATE = 3  # the call from which the branch runs
 class LateBranch(nn.Module):
     """Two convolutions and a linear head; from the ``LATE``-th call on, ``what`` views something."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, evaluation_only: bool = False) -> None:
         super().__init__()
-        self.what, self.calls = what, 0
+        self.what, self.calls, self.evaluation_only = what, 0, evaluation_only  # count evaluation calls only
         self.c0, self.c1 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
         self.fc = nn.Linear(4 * 8 * 8, 5)
 
     def forward(self, x):
-        self.calls += 1
+        self.calls += not (self.evaluation_only and self.training)
         late = self.calls >= LATE
         y = F.relu(self.c0(x))
         if late and self.what == 'gradient in a hook' and y.requires_grad:
@@ -179,3 +179,106 @@ def test_a_view_on_another_thread_is_not_taken_and_the_step_says_what_would_fix_
             pool.submit(view_there).result()
     assert UNWATCHED_VIEW in str(caught.value) + ''.join(getattr(caught.value, '__notes__', []))
     assert torch.Tensor.view is original(torch.Tensor.view)
+
+
+def _evaluation_batches() -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(2)
+    images = torch.randn(8, 3, 8, 8, generator=generator, dtype=torch.float64)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(images, torch.randint(0, 5, (8,), generator=generator)), batch_size=2
+    )
+
+
+def _assert_same_evaluations(actual: tuple, expected: tuple) -> None:
+    (read, weights), (expected_read, expected_weights) = actual, expected
+    assert len(read) == len(expected_read) == 4
+    for got, want in zip(read, expected_read):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    for name, want in expected_weights.items():
+        torch.testing.assert_close(weights[name], want, rtol=1e-10, atol=1e-10)
+
+
+def test_lightning_a_later_validation_that_views_matches_nchw():
+    """The second validation takes a branch that views: its first batch starts the watch there, its second
+    is watched whole, and every output and the weights equal the NCHW run's."""
+    pytest.importorskip('lightning')
+    import lightning as L
+
+    from channels_last_algo.integrations.lightning import ChannelsLastCallback
+    from conftest import lightning_trainer
+
+    class Classifier(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net, self.read = LateBranch('activation', evaluation_only=True).double(), []
+
+        def training_step(self, batch, batch_idx):
+            return F.cross_entropy(self.net(batch[0]), batch[1])
+
+        def validation_step(self, batch, batch_idx):
+            self.read.append(self.net(batch[0]).detach())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def run(*callbacks) -> tuple:
+        module = Classifier()
+        trainer = lightning_trainer(callbacks=list(callbacks), max_epochs=2, limit_train_batches=2, limit_val_batches=2)
+        trainer.fit(module, train_dataloaders=_evaluation_batches(), val_dataloaders=_evaluation_batches())
+        return module.read, module.net.state_dict()
+
+    callback = ChannelsLastCallback()
+    _assert_same_evaluations(run(callback), run())
+    assert callback.guard._viewed.placed == ['net.c1'] and callback.guard._viewed._late_places
+
+
+def test_composer_a_later_evaluation_that_views_matches_nchw():
+    pytest.importorskip('composer')
+    from composer import Trainer
+    from composer.models import ComposerModel
+
+    from channels_last_algo.integrations.composer import ChannelsLast
+
+    class Classifier(ComposerModel):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.module, self.read = LateBranch('activation', evaluation_only=True).double(), []
+
+        def forward(self, batch):
+            return self.module(batch[0])
+
+        def loss(self, outputs, batch):
+            return F.cross_entropy(outputs, batch[1])
+
+        def eval_forward(self, batch, outputs=None):
+            self.read.append(self(batch).detach())
+            return self.read[-1]
+
+        def get_metrics(self, is_train=False):
+            return {}
+
+    def run(*algorithms) -> tuple:
+        model = Classifier()
+        trainer = Trainer(
+            model=model,
+            train_dataloader=_evaluation_batches(),
+            eval_dataloader=_evaluation_batches(),
+            eval_interval='2ba',
+            eval_subset_num_batches=2,
+            max_duration='4ba',
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            device='cpu',
+            algorithms=list(algorithms),
+            progress_bar=False,
+        )
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+        return model.read, model.module.state_dict()
+
+    algorithm = ChannelsLast()
+    _assert_same_evaluations(run(algorithm), run())
+    assert algorithm.guard._viewed.placed == ['module.c1'] and algorithm.guard._viewed._late_places
