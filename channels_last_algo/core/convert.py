@@ -43,6 +43,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from channels_last_algo.core.argument_checks import require_flags, require_module, require_optimizers
+from channels_last_algo.core.extension_functions import cover_extension_functions
 from channels_last_algo.core.layers import repair_model, unrepaired_subclasses
 from channels_last_algo.core.layout import MemoryFormat, channels_last_format, to_channels_first, to_channels_last
 from channels_last_algo.core.safety.bugs import make_safe, unsafe_subclasses
@@ -234,7 +235,9 @@ def apply_channels_last(
             numbers (:func:`~channels_last_algo.core.layers.repair_model`).
         kernel_safety: also route the layers that match a known layout kernel bug on this torch,
             device and CPU (a crash or wrong numbers in NHWC) through their safe path: same
-            parameters, keys and numbers (:func:`~channels_last_algo.core.safety.bugs.make_safe`).
+            parameters, keys and numbers (:func:`~channels_last_algo.core.safety.bugs.make_safe`); and give the
+            pybind11 extension functions alive contiguous copies of NHWC tensors, as NCHW hands them
+            (:mod:`~channels_last_algo.core.extension_functions`).
 
     Returns:
         A :class:`ConversionSummary`. A model with no 4D/5D tensor is left alone with a
@@ -269,6 +272,8 @@ def convert_quietly(
     """
     summary = _restride_model(model, MemoryFormat.CHANNELS_LAST, optimizers)
     summary.made_safe = make_safe(model) if kernel_safety else []
+    if kernel_safety:  # pybind11 kernels that read NCHW's memory order get contiguous copies
+        cover_extension_functions(model)
     summary.repaired = repair_model(model) if repair else []
     summary.not_covered = _not_covered(model, repair, kernel_safety)
     return summary

@@ -45,6 +45,7 @@ from channels_last_algo.core.convert import (
     apply_channels_last,
     restride,
 )
+from channels_last_algo.core.extension_functions import cover_extension_functions
 from channels_last_algo.core.inputs import Inputs, InputSelection
 from channels_last_algo.core.late_views import explain_unwatched_view
 from channels_last_algo.core.layout import to_channels_first, to_channels_last
@@ -106,8 +107,7 @@ class LayoutGuard:
         self._conv_channels: set[int] = set()  # in_channels of the model's convolutions
         self._audited: Optional[AuditedSteps] = None
         self._repair_check: Optional[RepairCheck] = None
-        self._model_name = ''
-        self._start_shown = False
+        self._model_name, self._start_shown = '', False  # the model's class; the start block shown
         self._viewed: Optional[ViewedOutputs] = None  # views NHWC makes fail: watched on the first step
         self._optimizer_watch: Optional[OptimizerWatch] = None  # optimizers made after on_init
         self._compiled_backward = CompiledBackwardLayout()  # inductor's layout choice in training steps
@@ -128,8 +128,7 @@ class LayoutGuard:
 
     @property
     def effective_mode(self) -> str:
-        """The mode the guard acts in: :attr:`mode`, but ``'auto'`` acts as ``'on'`` once the weights
-        must stay contiguous (no channels-last weights to time)."""
+        """The mode acted in: :attr:`mode`, but ``'auto'`` acts as ``'on'`` once the weights must stay contiguous."""
         return 'auto' if self.auto.enabled else self.mode.replace('auto', 'on')
 
     @property
@@ -144,9 +143,8 @@ class LayoutGuard:
 
     @property
     def start_block(self) -> Optional[ConsoleBlock]:
-        """What the run starts with, to print: conversion, repairs, safe paths, weight layout and
-        auto mode's decision, and the ``channels_last/...`` hyperparameters; None before
-        :meth:`on_init` and in mode ``'off'``."""
+        """What the run starts with, to print: conversion, repairs, safe paths, weight layout, auto mode's decision,
+        and the ``channels_last/...`` hyperparameters; None before :meth:`on_init` and in mode ``'off'``."""
         if self.summary is None:
             return None
         return start_block(
@@ -241,6 +239,7 @@ class LayoutGuard:
         refused = "; auto mode would time channels-last weights, which sharding does not allow: mode 'on'"
         log.info('%s: %s%s', self._model_name, self.weight_layout, refused if self.auto.enabled else '')
         self.auto.stand_down()
+        cover_extension_functions(model)  # the activations still go NHWC
         if self.weight_layout.sharded:
             return ConversionSummary(layout='channels first')
         return apply_channels_first(model, optimizers=optimizers)
