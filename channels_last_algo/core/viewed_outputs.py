@@ -165,7 +165,7 @@ class ViewedOutputs:
         self._step_watched = False  # a whole training step was watched
         self._forwards_watched: set[tuple] = set()  # (model.training, loop) of the batches whose forward was watched
         self.loop: Optional[str] = None  # its batch and the code after it watched until its end
-        self._rehearsed: weakref.WeakSet = weakref.WeakSet()  # compiled wrappers run eagerly once
+        self._rehearsed = weakref.WeakKeyDictionary()  # compiled wrapper -> the modes (training) it ran eagerly in
         self._paused_for: Optional[torch.nn.Module] = None  # the compiled wrapper running without the mode
         self._one_tensor_out: weakref.WeakSet = weakref.WeakSet()  # modules seen returning one tensor
         self._rehearsing = False  # a compiled network's eager rehearsal runs
@@ -309,8 +309,8 @@ class ViewedOutputs:
             module.follow_nchw_input(args[0], twin)
         if not compiled_wrapper(module):
             return
-        if module not in self._rehearsed:
-            self._rehearsed.add(module)
+        if module.training not in self._rehearsed.setdefault(module, set()):  # one graph each: dynamo guards on it
+            self._rehearsed[module].add(module.training)
             self._rehearse(module._orig_mod, args)
         if self._paused_for is None and _on_top(self._mode):
             self._paused_for = module  # a graph traced under the mode would be traced again without it

@@ -333,3 +333,48 @@ def test_a_loop_named_by_anything_but_a_str_is_refused_naming_the_call():
 def test_a_view_of_a_compiled_models_output_places_the_wrapper_named_by_its_network(caplog):
     placed = _placed_in_a_named_loop(caplog, compiled=True)
     assert len(placed) == 1 and placed[0].startswith('channels last: Sequential outputs made channels first'), placed
+
+
+class ViewsInEvaluation(nn.Module):
+    """Flattens with ``torch.flatten`` in training and with ``.view`` in evaluation: two graphs for dynamo."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 6 * 6, 4)
+
+    def forward(self, x):
+        z = F.relu(self.stem(x))
+        return self.head(torch.flatten(z, 1) if self.training else z.view(z.size(0), -1))
+
+
+def test_a_compiled_models_evaluation_path_is_rehearsed_as_its_training_path():
+    """Dynamo refuses a view NHWC strides cannot take as it traces, so a compiled model's first forward runs eagerly
+    once, watched. Training and evaluation trace different graphs (``self.training``): the first forward in each mode
+    is rehearsed, so a view only evaluation takes is placed before dynamo traces it."""
+    torch.manual_seed(0)
+    net = ViewsInEvaluation().double()
+    reference = ViewsInEvaluation().double()
+    reference.load_state_dict(net.state_dict())
+    guard = LayoutGuard()
+    guard.on_init(net)
+    compiled = torch.compile(net, backend='aot_eager')
+    images, labels = next(iter(_loader()))
+    for _ in range(2):
+        batch = guard.on_batch((images, labels[:, 0, 0]))
+        with guard.step():
+            F.cross_entropy(compiled(batch[0]), batch[1]).backward()
+        guard.on_batch_end()
+        F.cross_entropy(reference(images), labels[:, 0, 0]).backward()
+        with torch.no_grad():
+            for parameter in [*net.parameters(), *reference.parameters()]:
+                parameter -= 0.1 * parameter.grad
+                parameter.grad = None
+    net.eval(), reference.eval()
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(
+                compiled(guard.on_batch(images, loop='validate')), reference(images), **TOLERANCE
+            )
+            guard.on_batch_end()
+    guard.close()
+    assert guard._viewed.placed == ['stem']
