@@ -245,27 +245,29 @@ class LayoutGuard:
         return apply_channels_first(model, optimizers=optimizers)
 
     def _trial_step(self, model: torch.nn.Module, batch: Any, loss_fn: LossFn, channels_last: bool) -> None:
-        """One of auto mode's timed steps; the first (a warm-up) finds the batch's images."""
+        """One of auto mode's timed steps; the first (a warm-up, channels last) finds the batch's images, watched as a
+        first step is, so that a view NHWC strides refuse runs and is placed before the steps timed."""
         layout = to_channels_last if channels_last else to_channels_first
         if self.inputs.known(batch):
             return loss_fn(model, self.inputs.convert(batch, layout)).backward()
+        self._viewed.start()
         try:
             loss = loss_fn(model, self.inputs.start(batch, self._looks_like_an_image, to_channels_last))
+            self.inputs.finish()
+            loss.backward()
         finally:
             self.inputs.finish()
-        loss.backward()
+            self._end_watch(training=False)
 
     def on_load(self, model: torch.nn.Module, optimizers: Optimizers = None) -> None:
-        """After a checkpoint was loaded: the model and the optimizer state in the guard's layout again
-        (``Optimizer.load_state_dict`` and ``load_state_dict(assign=True)`` keep the canonical NCHW tensors a
-        checkpoint holds). Nothing where the weights stay contiguous, or in mode ``'off'``."""
+        """After a checkpoint was loaded: the model and the optimizer state in the guard's layout again (optimizers'
+        and ``assign=True`` loads keep a checkpoint's NCHW tensors); not for contiguous weights, nor in mode 'off'."""
         if self.weight_layout is None or self.weight_layout.contiguous:
             return
         restride(model, self.channels_last, optimizers)
 
     def on_run_start(self) -> None:
-        """Show :attr:`start_block` on :attr:`console` (or log it), once; nothing before :meth:`on_init`.
-        In auto mode, call it once :attr:`auto` has settled the layout, so the block names the decision."""
+        """Show :attr:`start_block` once (on :attr:`console`, else the log); in auto mode once :attr:`auto` settled."""
         block = self.start_block
         if block is not None and not self._start_shown:
             self._start_shown = True
@@ -371,8 +373,7 @@ class LayoutGuard:
             self._end_watch(training=False)
 
     def close(self) -> None:
-        """End the watch between batches, and an audit (and a search for the images) left running by a step
-        that raised; safe to call at any time."""
+        """End the watch between batches, and an audit or image search a step that raised left on; safe at any time."""
         self.inputs.finish()
         self._compiled_backward.stop()
         if self._optimizer_watch is not None:

@@ -725,3 +725,12 @@ def test_a_batch_whose_forward_never_runs_leaves_no_mode_on():
     flat = net(guard.on_batch(images))  # the next batch runs as usual
     assert flat.shape[0] == images.shape[0] and torch._C._len_torch_function_stack() == 0
     guard.close()
+
+
+@EACH_INTEGRATION
+def test_auto_modes_trial_steps_run_a_model_that_views_as_in_nchw(integration):
+    """Auto mode times forward and backward passes before the first training step: the warm-up is watched as a
+    first step is, so the LeNet flatten runs there (and is placed) instead of raising inside the trial."""
+    run = Run(build=LeNet, batches=_batches(), loss=_cross_entropy)
+    steps, _, _ = guarded(run, integration, mode='auto')
+    assert_same_run(steps, nchw(run), f'{integration}, auto mode')
