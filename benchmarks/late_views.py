@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from typing import Optional
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
 from arguments import Option, benchmark_parser
-from results_writer import RunStart, run_record, write_results
+from results_writer import RunStart, finish, machine_lines
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -105,15 +104,11 @@ def measure(name: str, args: argparse.Namespace) -> dict:
 
 
 def markdown(result: dict) -> str:
-    m, s = result['machine'], result['settings']
+    s = result['settings']
     lines = [
         "# The late-view wrappers' cost: a guarded training step after the watched ones",
         '',
-        f'Machine: {m["cpu"]}, {m["cores_usable"]} usable cores, {m["torch_threads"]} torch threads. '
-        f'torch {m["torch"]}, torchvision {m["torchvision"]}. Command: `{result["command"]}`',
-        '',
-        f'1-minute load average {result["load_average_1min"]["before"]:.1f} before and '
-        f'{result["load_average_1min"]["after"]:.1f} after.',
+        *machine_lines(result),
         '',
         f'float32, batch {s["batch_size"]}, each model at its zoo size unless --image-size; forward, cross entropy '
         f'and backward through the guard after its watched first step; {s["rounds"]} rounds after {s["warmup"]} '
@@ -137,9 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = benchmark_parser(
         __doc__, warmup=Option(2), rounds=Option(15), out='folder for late_views.json and .md', epilog=False
     )
-    timm = importlib.util.find_spec('timm') is not None
-    available = [name for name in MODELS if zoo.by_name(name).source != 'timm' or timm]
-    parser.add_argument('--models', nargs='+', default=available, choices=MODELS, metavar='MODEL')
+    parser.add_argument('--models', nargs='+', default=zoo.installed(MODELS), choices=MODELS, metavar='MODEL')
     parser.add_argument('--batch-size', type=int, default=8)
     parser.add_argument('--image-size', type=int, default=None, help="default: each model's zoo size (64 px)")
     args = parser.parse_args(argv)
@@ -156,12 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(name, args))
         row = rows[-1]
         print(f'{name:<22} {row["views_per_step"]:>4} views, extra {row["extra_ms"]:+.2f} ms of {row["step_ms"]}')
-    settings = {k: v for k, v in vars(args).items() if k not in ('out', 'models')}
-    result = run_record('late_views', start, argv, settings=settings, rows=rows)
-    table = markdown(result)
-    print(table)
-    if args.out is not None:
-        write_results(args.out, 'late_views', result, table)
+    finish('late_views', start, argv, args, rows, markdown)
     return 0
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
 from arguments import Option, benchmark_parser
-from results_writer import RunStart, run_record, write_results
+from results_writer import RunStart, finish
 from torch import nn
 
 from channels_last_algo.core.audit import LayoutAudit
@@ -200,12 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     start = RunStart.now()
     args = parse_args(argv)
     rows = measure_models(args)
-    settings = {k: v for k, v in vars(args).items() if k not in ('out', 'models')}
-    result = run_record('repair', start, argv, settings=settings, rows=rows)
-    table = markdown(result)
-    print(table)
-    if args.out is not None:
-        write_results(args.out, 'repair', result, table)
+    finish('repair', start, argv, args, rows, markdown)
     return 0
 
 

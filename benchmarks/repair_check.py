@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import statistics
 import sys
 import time
@@ -30,7 +29,7 @@ from collections.abc import Callable
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
 from arguments import Option, benchmark_parser
-from results_writer import RunStart, run_record, write_results
+from results_writer import RunStart, finish, machine_lines
 from torch import nn
 
 from channels_last_algo.core.convert import apply_channels_last
@@ -94,15 +93,11 @@ def measure(name: str, args: argparse.Namespace) -> dict:
 
 
 def markdown(result: dict) -> str:
-    m, s = result['machine'], result['settings']
+    s = result['settings']
     lines = [
         "# The repair check's cost: the first training step with and without it",
         '',
-        f'Machine: {m["cpu"]}, {m["cores_usable"]} usable cores, {m["torch_threads"]} torch threads. '
-        f'torch {m["torch"]}, torchvision {m["torchvision"]}. Command: `{result["command"]}`',
-        '',
-        f'1-minute load average {result["load_average_1min"]["before"]:.1f} before and '
-        f'{result["load_average_1min"]["after"]:.1f} after.',
+        *machine_lines(result),
         '',
         f'float32, batch {s["batch_size"]} x 3 x {s["image_size"]} x {s["image_size"]}, forward and backward; '
         f'{s["rounds"]} rounds after {s["warmup"]} warm-up, each on fresh copies, interleaved. Medians (min) in ms. '
@@ -127,9 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = benchmark_parser(
         __doc__, warmup=Option(1), rounds=Option(7), out='folder for repair_check.json and .md', epilog=False
     )
-    timm = importlib.util.find_spec('timm') is not None
-    available = [name for name in MODELS if zoo.by_name(name).source != 'timm' or timm]
-    parser.add_argument('--models', nargs='+', default=available, choices=MODELS, metavar='MODEL')
+    parser.add_argument('--models', nargs='+', default=zoo.installed(MODELS), choices=MODELS, metavar='MODEL')
     parser.add_argument('--batch-size', type=int, default=8)
     parser.add_argument('--image-size', type=int, default=64)
     args = parser.parse_args(argv)
@@ -145,12 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.models:
         rows.append(measure(name, args))
         print(f'{name:<20} extra {rows[-1]["extra_ms"]:.1f} ms, a later step {rows[-1]["later_step_ms"]:.1f} ms')
-    settings = {k: v for k, v in vars(args).items() if k not in ('out', 'models')}
-    result = run_record('repair_check', start, argv, settings=settings, rows=rows)
-    table = markdown(result)
-    print(table)
-    if args.out is not None:
-        write_results(args.out, 'repair_check', result, table)
+    finish('repair_check', start, argv, args, rows, markdown)
     return 0
 
 

@@ -30,7 +30,16 @@ from typing import Any, Optional
 
 from channels_last_algo.core.machine_description import describe_machine
 
-__all__ = ['RESULTS', 'RunStart', 'machine_slug', 'results_folder', 'run_record', 'write_results']
+__all__ = [
+    'RESULTS',
+    'RunStart',
+    'finish',
+    'machine_lines',
+    'machine_slug',
+    'results_folder',
+    'run_record',
+    'write_results',
+]
 
 RESULTS = Path(__file__).resolve().parent / 'results'
 """The committed results, one folder per machine (:func:`machine_slug`)."""
@@ -97,6 +106,37 @@ def run_record(
         'load_average_1min': _load_average(start, load_during),
         **fields,
     }
+
+
+def machine_lines(result: dict[str, Any]) -> list[str]:
+    """The Markdown lines of a run's record that name its machine, torch, command and load average.
+
+    Example:
+        >>> record = {'machine': {'cpu': 'AMD EPYC', 'cores_usable': 2, 'torch_threads': 2, 'torch': '2.14.1',
+        ...                       'torchvision': '0.29.1'}, 'command': 'python benchmarks/demo.py',
+        ...           'load_average_1min': {'before': 0.5, 'after': 0.7}}
+        >>> machine_lines(record)[2]
+        '1-minute load average 0.5 before and 0.7 after.'
+    """
+    m, load = result['machine'], result['load_average_1min']
+    return [
+        f'Machine: {m["cpu"]}, {m["cores_usable"]} usable cores, {m["torch_threads"]} torch threads. '
+        f'torch {m["torch"]}, torchvision {m["torchvision"]}. Command: `{result["command"]}`',
+        '',
+        f'1-minute load average {load["before"]:.1f} before and {load["after"]:.1f} after.',
+    ]
+
+
+def finish(benchmark: str, start: RunStart, argv: Optional[list[str]], args: Any, rows: list, markdown: Any) -> dict:
+    """The end of a benchmark over models: its record (``args`` but ``--out`` and ``--models`` as its settings),
+    ``markdown(record)`` printed, and both written under ``args.out`` where given; the record."""
+    settings = {k: v for k, v in vars(args).items() if k not in ('out', 'models')}
+    result = run_record(benchmark, start, argv, settings=settings, rows=rows)
+    table = markdown(result)
+    print(table)
+    if args.out is not None:
+        write_results(args.out, benchmark, result, table)
+    return result
 
 
 def write_results(folder: Path, stem: str, result: dict[str, Any], markdown: str) -> tuple[Path, Path]:

@@ -34,15 +34,17 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import warnings
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-__all__ = ['SOURCES', 'TIMM_ZOO', 'TORCHVISION_ZOO', 'UNet', 'ZooEntry', 'build', 'by_name']
+__all__ = ['SOURCES', 'TIMM_ZOO', 'TORCHVISION_ZOO', 'UNet', 'ZooEntry', 'build', 'by_name', 'installed']
 
 SOURCES = ('torchvision', 'timm', 'local')
 _SMALL = (2, 3, 64, 64)  # large enough that a stride-32 net's last stage is 2x2, not ambiguous
@@ -216,6 +218,17 @@ def by_name(name: str, source: Optional[str] = None) -> ZooEntry:
         if entry.name == name and source in (None, entry.source):
             return entry
     raise ValueError(f'{name!r} is in no zoo; choose from {", ".join(e.name for e in _zoos())}')
+
+
+def installed(names: Sequence[str]) -> list[str]:
+    """Those of ``names`` whose library is installed (a timm model's only where timm is).
+
+    Example:
+        >>> installed(['resnet18', 'unet'])
+        ['resnet18', 'unet']
+    """
+    timm = importlib.util.find_spec('timm') is not None
+    return [name for name in names if by_name(name).source != 'timm' or timm]
 
 
 def _local(entry: ZooEntry, kwargs: dict[str, Any]) -> nn.Module:

@@ -147,14 +147,20 @@ def test_a_later_batch_of_a_named_loop_takes_a_late_view_and_an_unnamed_one_does
     guard.close()
 
 
-def test_a_view_that_fails_in_nchw_too_keeps_torchs_error():
-    """Only views that NHWC strides refuse are taken: a transposed matrix's ``.view(-1)`` fails as in NCHW."""
+def _past_the_watched_step() -> tuple[LateBranch, LayoutGuard]:
+    """A model that takes no late branch, and its guard, after a watched and an unwatched training step."""
     net = LateBranch('none').double()
     guard = LayoutGuard()
     guard.on_init(net)
     for _ in range(2):
         with guard.step():
             net(guard.on_batch(torch.randn(2, 3, 8, 8, dtype=torch.float64))).sum().backward()
+    return net, guard
+
+
+def test_a_view_that_fails_in_nchw_too_keeps_torchs_error():
+    """Only views that NHWC strides refuse are taken: a transposed matrix's ``.view(-1)`` fails as in NCHW."""
+    net, guard = _past_the_watched_step()
     with pytest.raises(RuntimeError, match='view size is not compatible'):
         with guard.step():
             torch.randn(3, 4).t().view(-1)
@@ -164,12 +170,7 @@ def test_a_view_that_fails_in_nchw_too_keeps_torchs_error():
 def test_a_view_on_another_thread_is_not_taken_and_the_step_says_what_would_fix_it():
     """A thread the step did not arm (a pool's; autograd's GPU threads run backward hooks there) gets torch's
     error, which no watch can take from the training loop's thread; the guard's step adds what would fix it."""
-    net = LateBranch('none').double()
-    guard = LayoutGuard()
-    guard.on_init(net)
-    for _ in range(2):
-        with guard.step():
-            net(guard.on_batch(torch.randn(2, 3, 8, 8, dtype=torch.float64))).sum().backward()
+    net, guard = _past_the_watched_step()
 
     def view_there() -> torch.Tensor:
         return net.c0(torch.randn(2, 3, 8, 8, dtype=torch.float64).to(memory_format=torch.channels_last)).view(2, -1)
