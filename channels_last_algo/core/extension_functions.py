@@ -87,7 +87,9 @@ def contiguous_call(kernel: Callable[..., Any], name: str) -> Callable[..., Any]
         result = kernel(*args, **kwargs)
         with torch.no_grad():
             for original, copy in copies.values():
-                if not _same(original, copy):
+                if copy.shape != original.shape:  # resized, as an out= argument is: the caller's tensor takes it
+                    original.data = copy
+                elif not _same(original, copy):
                     original.data.copy_(copy)  # written as the kernel writes: autograd's version counter unmoved
         originals = {id(copy): original for original, copy in copies.values()}
         return tree_map_only(torch.Tensor, lambda t: originals.get(id(t), t), result)

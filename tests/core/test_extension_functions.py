@@ -21,6 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.extension_functions import contiguous_call
 
 SOURCE = r"""
 torch::Tensor ramp(torch::Tensor x) {
@@ -119,3 +120,16 @@ def test_a_write_through_the_kernel_reaches_the_tensor_passed_and_the_function_i
     named = [r.getMessage() for r in caplog.records if 'ramp_' in r.getMessage()]
     assert len(named) == 1 and 'channels_last_tests_raw_memory.ramp_' in named[0]
     assert 'test_extension_functions.py' in named[0]
+
+
+def test_an_output_argument_the_kernel_resizes_takes_the_new_shape():
+    """``ext.op(x, out)`` with ``out`` a preallocated NHWC tensor that the kernel resizes, as an ``out=`` argument
+    is: the caller's ``out`` has the kernel's shape and values, as in NCHW."""
+
+    def kernel(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out.resize_(3).copy_(torch.as_strided(x, (3,), (1,)))  # memory order: NCHW's
+
+    x = torch.arange(16.0).reshape(1, 4, 2, 2).to(memory_format=torch.channels_last)
+    out = torch.empty(1, 4, 2, 2).to(memory_format=torch.channels_last)
+    assert contiguous_call(kernel, 'ext.kernel')(x, out) is out
+    assert out.tolist() == [0.0, 1.0, 2.0]
