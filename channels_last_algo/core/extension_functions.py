@@ -13,8 +13,9 @@ puts :func:`contiguous_call` in each one's place on its module, which gives the 
 of its channels-last tensors, writes back into the caller's tensor what the kernel wrote into a copy
 (as the kernel itself would: no version bump), and logs the function once, with where it was called.
 Code that looks the function up on its module at each call (``ext.forward(...)``, as mmcv and detectron2
-do) gets the wrapper; a name bound before (``from ext import forward``) keeps the kernel. The wrappers
-stay while a model they were put in for lives (a model stays NHWC after training).
+do) gets the wrapper, and so does a name the model's code bound before (``from ext import forward`` in its
+file, a module attribute); a name held elsewhere, or in a closure, keeps the kernel. The wrappers stay
+while a model they were put in for lives (a model stays NHWC after training).
 
 Example:
     >>> import types, torch
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 _SUFFIXES = tuple(importlib.machinery.EXTENSION_SUFFIXES)
 _TORCH_PACKAGES = frozenset({'torch', 'torchvision', 'torchaudio', 'functorch'})  # kernels that follow strides
-_covered: dict[tuple[int, str], tuple[types.ModuleType, Any]] = {}  # (module id, name) -> (module, kernel)
+_covered: dict[tuple[int, str], tuple[dict, Any]] = {}  # (namespace id, name) -> (the namespace, the kernel)
 _holders = [0]  # how many times a model alive was covered: the wrappers come off at 0
 _named: set[str] = set()  # functions logged
 _imported: list = [-1, []]  # the length of sys.modules when last looked through, and its extension modules then
@@ -94,7 +95,7 @@ def contiguous_call(kernel: Callable[..., Any], name: str) -> Callable[..., Any]
         originals = {id(copy): original for original, copy in copies.values()}
         return tree_map_only(torch.Tensor, lambda t: originals.get(id(t), t), result)
 
-    call.__name__, call.__qualname__ = getattr(kernel, '__name__', name), name
+    call.__name__, call.__qualname__, call.__wrapped__ = getattr(kernel, '__name__', name), name, kernel
     return call
 
 
@@ -103,8 +104,8 @@ def _top_package(module: types.ModuleType) -> str:
 
 
 def _namespaces_of(value: Any) -> list[dict]:
-    """Where code in ``value`` finds names: a function's globals and closure (as a namespace), a class's
-    functions', a module's own; none for torch's. Types are read with ``type()``: no proxy's ``__class__`` runs."""
+    """Where code in ``value`` finds names: a function's globals and closure, a class's functions', a module's own;
+    none for torch's. Types are read with ``type()``: no proxy's ``__class__`` runs."""
     kind = type(value)
     if issubclass(kind, type):
         if str(vars(value).get('__module__', '')).split('.')[0] in _TORCH_PACKAGES:
@@ -118,9 +119,12 @@ def _namespaces_of(value: Any) -> list[dict]:
     return []
 
 
-def _closure(function: types.FunctionType) -> dict:
-    """The values a function's closure holds, as a namespace."""
-    values = {}
+class _Cells(dict):
+    """The values a function's closure holds, as a namespace to look through (not to write: its cells hold them)."""
+
+
+def _closure(function: types.FunctionType) -> _Cells:
+    values = _Cells()
     for index, cell in enumerate(function.__closure__ or ()):
         try:
             values[str(index)] = cell.cell_contents
@@ -137,23 +141,36 @@ def _extension_module(value: Any) -> bool:
     return isinstance(path, str) and path.endswith(_SUFFIXES) and _top_package(value) not in _TORCH_PACKAGES
 
 
-def _reachable_extensions(model: torch.nn.Module) -> list[types.ModuleType]:
-    """The extension modules the model's code reaches: in its modules' attributes and in the namespaces of their
-    classes' code (globals, closures), and one step further (in those of a module, function or class found
-    there: an ``autograd.Function`` whose ``forward`` calls ``ext.op``, a package's ops module that loaded ``_C``)."""
+def _kernel(value: Any) -> bool:
+    """A builtin of a compiled module outside torch whose pybind11 signature (its docstring) names ``torch.Tensor``."""
+    if type(value) is not types.BuiltinFunctionType:
+        return False
+    defined_in = str(getattr(value, '__module__', None) or 'builtins').split('.')[0]
+    return defined_in not in _TORCH_PACKAGES and defined_in != 'builtins' and 'torch.Tensor' in (value.__doc__ or '')
+
+
+def _defines(module: types.ModuleType, function: Any) -> bool:
+    """Whether ``module`` defined ``function`` (not one it imported)."""
+    return function.__module__ in (module.__name__, module.__name__.rpartition('.')[2])
+
+
+def _reachable(model: torch.nn.Module) -> tuple[list[dict], list[types.ModuleType]]:
+    """The namespaces the model's code finds names in (its modules' attributes, the globals and closures of their
+    classes' code) and, one step further, those of a module, function or class found there (an ``autograd.Function``
+    whose ``forward`` calls ``ext.op``, a package's ops module that loaded ``_C``); the extension modules among them."""
     nearest = [n for m in model.modules() for n in [vars(m), *_namespaces_of(type(m))]]
-    seen, further, found = {id(n) for n in nearest}, [], {}
+    seen, further, modules = {id(n) for n in nearest}, [], {}
     for namespace in nearest:
         for value in list(namespace.values()):
             if _extension_module(value):
-                found[id(value)] = value
+                modules[id(value)] = value
                 continue
             for inner in _namespaces_of(value):
                 if id(inner) not in seen:
                     seen.add(id(inner))
                     further.append(inner)
-    found.update((id(v), v) for namespace in further for v in list(namespace.values()) if _extension_module(v))
-    return list(found.values())
+    modules.update((id(v), v) for namespace in further for v in list(namespace.values()) if _extension_module(v))
+    return nearest + further, list(modules.values())
 
 
 def _imported_extensions() -> list[types.ModuleType]:
@@ -163,30 +180,23 @@ def _imported_extensions() -> list[types.ModuleType]:
     return _imported[1]
 
 
-def _takes_tensors(function: Any, module: types.ModuleType) -> bool:
-    """A builtin ``module`` defines whose pybind11 signature (its docstring's) names ``torch.Tensor``."""
-    defined_in = getattr(function, '__module__', None)
-    if not isinstance(function, types.BuiltinFunctionType) or defined_in not in (
-        module.__name__,
-        module.__name__.rpartition('.')[2],
-    ):
-        return False
-    return 'torch.Tensor' in (function.__doc__ or '')
-
-
 def cover_extension_functions(model: torch.nn.Module) -> list[str]:
-    """Put :func:`contiguous_call` in place of every pybind11 function that takes tensors in the extension modules
-    imported and those ``model``'s code reaches, while ``model`` lives; the names of those put now."""
+    """Put :func:`contiguous_call` in place of every pybind11 function that takes tensors, on the extension modules
+    imported and those ``model``'s code reaches, and where that code holds one under a name of its own
+    (``from ext import forward``), while ``model`` lives; the names of those put now."""
     _holders[0] += 1
     weakref.finalize(model, _uncover)
+    namespaces, reached = _reachable(model)
+    modules = {id(m): m for m in [*_imported_extensions(), *reached]}.values()
+    slots = [(vars(m), k) for m in modules for k, v in list(vars(m).items()) if _kernel(v) and _defines(m, v)]
+    slots += [(n, k) for n in namespaces if type(n) is not _Cells for k, v in list(n.items()) if _kernel(v)]
     covered = []
-    modules = {id(m): m for m in [*_imported_extensions(), *_reachable_extensions(model)]}
-    for module in modules.values():
-        for name, function in list(vars(module).items()):
-            if (id(module), name) not in _covered and _takes_tensors(function, module):
-                _covered[id(module), name] = (module, function)
-                setattr(module, name, contiguous_call(function, f'{module.__name__}.{name}'))
-                covered.append(f'{module.__name__}.{name}')
+    for namespace, key in slots:
+        if (id(namespace), key) not in _covered:
+            kernel = namespace[key]
+            _covered[id(namespace), key] = (namespace, kernel)
+            namespace[key] = contiguous_call(kernel, f'{kernel.__module__}.{kernel.__name__}')
+            covered.append(f'{kernel.__module__}.{kernel.__name__}')
     return covered
 
 
@@ -195,6 +205,7 @@ def _uncover() -> None:
     _holders[0] -= 1
     if _holders[0]:
         return
-    for (_, name), (module, kernel) in list(_covered.items()):
-        setattr(module, name, kernel)
+    for (_, key), (namespace, kernel) in list(_covered.items()):
+        if getattr(namespace.get(key), '__wrapped__', None) is kernel:
+            namespace[key] = kernel
     _covered.clear()

@@ -41,6 +41,7 @@ void ramp_(torch::Tensor x) {
 """
 
 ext = None  # the built extension, read by the model's code at each call, as a module-level `_C` is
+ramp = None  # its kernel under a name of this file's own, as `from ext import ramp` binds it
 
 
 @pytest.fixture(scope='module', autouse=True)
@@ -49,7 +50,7 @@ def extension(tmp_path_factory):
         pytest.skip('needs a C++ compiler and ninja to build the extension')
     from torch.utils.cpp_extension import load_inline
 
-    global ext
+    global ext, ramp
     ext = load_inline(
         'channels_last_tests_raw_memory',
         cpp_sources=[SOURCE],
@@ -57,8 +58,9 @@ def extension(tmp_path_factory):
         build_directory=str(tmp_path_factory.mktemp('extension')),
         extra_cflags=['-O0'],
     )
+    ramp = ext.ramp
     yield ext
-    ext = None
+    ext = ramp = None
 
 
 class Ramp(torch.autograd.Function):
@@ -71,22 +73,37 @@ class Ramp(torch.autograd.Function):
         return ext.ramp(grad)
 
 
+class BoundRamp(torch.autograd.Function):
+    """``Ramp`` through the name this file bound the kernel to."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return ramp(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ramp(grad)
+
+
 class RampNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, function: type = Ramp) -> None:
         super().__init__()
+        self.function = function
         self.c0, self.c1 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(16, 5))
 
     def forward(self, x):
-        return self.head(self.c1(Ramp.apply(F.relu(self.c0(x)))))
+        return self.head(self.c1(self.function.apply(F.relu(self.c0(x)))))
 
 
-def _run() -> Run:
+def _run(function: type = Ramp) -> Run:
     generator = torch.Generator().manual_seed(1)
     batches = [
         (torch.randn(2, 3, 8, 8, generator=generator, dtype=torch.float64), torch.randint(0, 5, (2,))) for _ in range(3)
     ]
-    return Run(build=RampNet, batches=batches, loss=lambda output, batch: F.cross_entropy(output, batch[1]))
+    return Run(
+        build=lambda: RampNet(function), batches=batches, loss=lambda output, batch: F.cross_entropy(output, batch[1])
+    )
 
 
 def test_the_kernel_alone_reads_nhwc_memory_in_its_own_order():
@@ -97,8 +114,9 @@ def test_the_kernel_alone_reads_nhwc_memory_in_its_own_order():
 
 
 @pytest.mark.parametrize('integration', INTEGRATIONS)
-def test_a_model_calling_a_raw_memory_kernel_trains_as_in_nchw(integration):
-    run = _run()
+@pytest.mark.parametrize('function', [Ramp, BoundRamp], ids=['ext.ramp', 'bound ramp'])
+def test_a_model_calling_a_raw_memory_kernel_trains_as_in_nchw(integration, function):
+    run = _run(function)
     steps, net, _ = guarded(run, integration)
     assert_same_run(steps, nchw(run), integration)
     assert net.c0.weight.is_contiguous(memory_format=torch.channels_last) and not net.c0.weight.is_contiguous()
