@@ -51,13 +51,16 @@ def extension(tmp_path_factory):
     from torch.utils.cpp_extension import load_inline
 
     global ext, ramp
-    ext = load_inline(
-        'channels_last_tests_raw_memory',
-        cpp_sources=[SOURCE],
-        functions=['ramp', 'ramp_'],
-        build_directory=str(tmp_path_factory.mktemp('extension')),
-        extra_cflags=['-O0'],
-    )
+    try:
+        ext = load_inline(
+            'channels_last_tests_raw_memory',
+            cpp_sources=[SOURCE],
+            functions=['ramp', 'ramp_'],
+            build_directory=str(tmp_path_factory.mktemp('extension')),
+            extra_cflags=['-O0'],
+        )
+    except (OSError, RuntimeError) as error:  # a toolchain without Python's headers or torch's: nothing to test
+        pytest.skip(f'the extension does not build here: {str(error)[:200]}')
     ramp = ext.ramp
     yield ext
     ext = ramp = None
