@@ -262,9 +262,8 @@ class LayoutGuard:
     def on_load(self, model: torch.nn.Module, optimizers: Optimizers = None) -> None:
         """After a checkpoint was loaded: the model and the optimizer state in the guard's layout again (optimizers'
         and ``assign=True`` loads keep a checkpoint's NCHW tensors); not for contiguous weights, nor in mode 'off'."""
-        if self.weight_layout is None or self.weight_layout.contiguous:
-            return
-        restride(model, self.channels_last, optimizers)
+        if self.weight_layout is not None and not self.weight_layout.contiguous:
+            restride(model, self.channels_last, optimizers)
 
     def on_run_start(self) -> None:
         """Show :attr:`start_block` once (on :attr:`console`, else the log); in auto mode once :attr:`auto` settled."""
@@ -291,7 +290,8 @@ class LayoutGuard:
         the batch's own code, which the first batch of each loop watches with its forward (``out.view(n, -1)``)."""
         require_loop(loop, 'LayoutGuard.on_batch')
         self.inputs.finish()
-        self._end_watch(training=False)  # a batch with no training step end: an evaluation batch
+        if self._viewed is None or not self._viewed.stepping:  # else a batch begun inside the step (plain loop)
+            self._end_watch(training=False)  # a batch with no training step end: an evaluation batch
         if self._repair_check is not None:
             self._repair_check.start()  # before the model's first call; nothing once every layer is checked
         if not self.channels_last:
@@ -312,7 +312,7 @@ class LayoutGuard:
         """The forward of the batch given to :meth:`on_batch` is over: stop following its tensors (which otherwise
         ends after the first outermost module call that runs a convolution); show what a forward-only watch found."""
         self.inputs.finish()
-        if self._viewed is not None and not self._viewed.ends_with_step:
+        if self._viewed is not None and not (self._viewed.watching or self._viewed.stepping):
             self._end_watch(training=False)
 
     def on_step_start(self) -> None:

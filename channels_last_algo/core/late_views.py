@@ -6,8 +6,8 @@ mode, at full speed. Code that first runs later (a gradient norm per filter ever
 ``w.grad.view(n, -1)``, a branch a schedule or a batch's size switches on) would then raise where NCHW's
 ``.view()`` succeeds ("view size is not compatible with input tensor's size and stride"). While a step
 or batch is :func:`armed`, ``Tensor.view`` and ``Tensor.view_as`` are thin wrappers: a view that
-succeeds costs one Python call more; one that NHWC strides refuse, of a 4D/5D tensor that is not
-contiguous or of a view of a channels-last one (``z.flatten(2)``), is handed to the owner that armed
+succeeds costs one Python call more; one that NHWC strides refuse, of a channels-last tensor or of a
+view of one (``z[:, :2]``, ``z.flatten(2)``), is handed to the owner that armed
 this thread (``owner.late_view(tensor)``, which starts the watch there, for the rest of the step) and
 runs again under that watch, as on a watched step. Other threads (autograd's GPU threads run backward
 hooks) and other errors see torch's own error. Modes and tensor subclasses meanwhile see the wrapper
@@ -87,10 +87,8 @@ def _owner(tensor: torch.Tensor, error: RuntimeError) -> Any:
     """The owner armed on this thread, where ``error`` is NHWC strides refusing a view of ``tensor``."""
     if _REFUSED not in str(error) or torch.compiler.is_compiling():
         return None
-    base = tensor._base
-    if not (is_4d_or_5d(tensor) and not tensor.is_contiguous()) and not (
-        base is not None and is_4d_or_5d(base) and layout_of(base).is_channels_last
-    ):
+    memory = tensor if tensor._base is None else tensor._base  # laid out channels last, as NCHW's is not
+    if not (is_4d_or_5d(memory) and layout_of(memory).is_channels_last):
         return None
     thread = threading.get_ident()
     return next((owner() for ident, owner in reversed(_armed) if ident == thread and owner() is not None), None)

@@ -155,6 +155,7 @@ class ViewedOutputs:
         self.extensions: list[str] = []
         self._mode: Optional[ViewWatch] = None
         self.lasting = False  # the first training step's watch goes on past its end (see end)
+        self.stepping = False  # a training step began (begin) and has not ended: a batch begun inside it is its own
         self._hooks = BackwardHooks()  # the model's backward hooks, watched while a step is
         self._hooked_weights: weakref.WeakSet = weakref.WeakSet()  # weights whose hooks get contiguous gradients
         self._to_hook: list[torch.nn.Parameter] = []  # those found in this watch: hooked when it stops
@@ -180,16 +181,14 @@ class ViewedOutputs:
         """Whether a step or a forward is being watched now."""
         return self._mode is not None
 
-    @property
-    def ends_with_step(self) -> bool:
-        """Whether a watch is on, or a training step is armed for late views: the end of a forward ends neither."""
-        return self._mode is not None or self._armed is True
-
     def begin(self, whole_step: bool, loop: Optional[str] = None) -> None:
         """At a batch (``whole_step=False``: its forward; in evaluation, of a named ``loop``: until :meth:`end`)
-        or a training step's start: watch the first training step, the first batch in each of the
-        model's modes and loops (an evaluation path may view what training does not), and every one
-        while a view could not be placed; the extension ops of every other one."""
+        or a training step's start: watch the first training step, the first batch in each of the model's modes and
+        loops (an evaluation path may view what training does not), and every one while a view could not be placed;
+        the extension ops of every other one. A batch begun inside a step (a plain loop's) is the step's."""
+        if self.stepping and not whole_step:
+            return
+        self.stepping = whole_step
         self.between.pause(step=whole_step)
         training = self._training()
         self.loop = self.loop if whole_step else None if training else loop  # training: a step's watch follows
@@ -214,7 +213,7 @@ class ViewedOutputs:
         """At a training step's end (``training``), or the next batch: stop; what was found; the watch between
         batches resumes. ``lasting``: the first training step's watch goes on (until :meth:`stop`), over the code
         between the backward and the optimizer step, which reads the gradients (``p.grad.view(-1)``)."""
-        first = training and self.watching and not self._step_watched
+        first, self.stepping = training and self.watching and not self._step_watched, self.stepping and not training
         self._step_watched = self._step_watched or (training and self.watching)
         if lasting and first:
             self.lasting = True
@@ -225,9 +224,8 @@ class ViewedOutputs:
         return found
 
     def late_view(self, tensor: torch.Tensor) -> None:
-        """A view NHWC strides refused where no watch was on (code first run on a later step, or a later batch of a
-        named loop): the watch starts now, for the rest of the step or batch, and takes it (on a copy that writes keep
-        in step, or the weights go contiguous); the next batch of this kind is watched whole, to find what makes it."""
+        """A view NHWC strides refused where no watch was on (code first run later): a watch starts now, for the
+        rest of the step or batch, and takes it; the next batch of its kind is watched whole, to find the maker."""
         self._rearm.add(bool(self._armed))
         self._late = True
         if self._mode is None:
@@ -277,6 +275,7 @@ class ViewedOutputs:
     def stop(self) -> list[str]:
         """Stop watching; return what was found since the last stop, one line each (paths and code places)."""
         mode, self._mode, self.lasting, self._late, self._armed = self._mode, None, False, False, None
+        self.stepping = False
         disarm(self)
         paused, self._paused_for = self._paused_for, None
         self._hooks.restore()

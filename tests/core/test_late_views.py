@@ -283,3 +283,28 @@ def test_composer_a_later_evaluation_that_views_matches_nchw():
     algorithm = ChannelsLast()
     _assert_same_evaluations(run(algorithm), run())
     assert algorithm.guard._viewed.placed == ['module.c1'] and algorithm.guard._viewed._late_places
+
+
+def test_a_permuted_nchw_tensor_that_nchw_cannot_view_keeps_torchs_error():
+    """A 4D tensor the package did not lay out (a permute of a contiguous one) fails its view as in NCHW."""
+    _, guard = _past_the_watched_step()
+    with pytest.raises(RuntimeError, match='view size is not compatible'):
+        with guard.step():
+            torch.randn(2, 3, 4, 4).permute(0, 2, 3, 1).view(2, -1)
+    assert not guard._viewed.watching
+
+
+def test_a_batch_begun_inside_the_step_is_the_steps():
+    """A plain loop may call ``guard.on_batch`` inside ``guard.step()``: that batch is the step's, so the first step
+    is watched once and the later ones run unwatched, armed for a view first reached there (before, each such batch
+    ended the step's watch and every step was watched, at the cost of following each op)."""
+    net, guard = _past_the_watched_step()
+    with guard.step():
+        batch = guard.on_batch(torch.randn(2, 3, 8, 8, dtype=torch.float64))
+        assert not guard._viewed.watching and torch.Tensor.view is not original(torch.Tensor.view)
+        z = net.c1(F.relu(net.c0(batch)))
+        expected = z.detach().contiguous().view(2, -1).clone()
+        torch.testing.assert_close(z.view(2, -1), expected)  # a view first reached here: the watch starts
+        net.fc(z.flatten(1)).sum().backward()
+    guard.close()
+    assert torch.Tensor.view is original(torch.Tensor.view)
