@@ -174,10 +174,8 @@ class ViewWatch(TorchFunctionMode):
         return self.derived.get(tensor, frozenset())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs, func = (
-            kwargs or {},
-            original(func),
-        )  # torch's view, where a late-view wrapper is on (core/late_views.py)
+        kwargs = kwargs or {}
+        func = original(func)  # torch's view, where a late-view wrapper is on (core/late_views.py)
         op = extension_op(func) if isinstance(func, OP_TYPES) else None
         if torch.compiler.is_compiling() or (self.light and op is None):  # a compiled graph: not followed
             return func(*args, **kwargs)

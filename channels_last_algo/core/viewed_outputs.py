@@ -228,14 +228,9 @@ class ViewedOutputs:
         rest of the step or batch, and takes it; the next batch of its kind is watched whole, to find the maker."""
         self._rearm.add(bool(self._armed))
         self._late = True
-        if self._mode is None:
-            self._mode, self._depth = ViewWatch(self), 0
-            subscribe(self)
-        self._mode.light, self._whole_step = False, True
-        if not on_mode_stack(self._mode):
-            self._mode.__enter__()
-        if torch._C._current_graph_task_id() == -1:  # not in a backward, whose hook tables must not change
-            self._hooks.watch(self._model(), self)
+        if self._mode is not None:
+            self._mode.light = False  # a light watch (extension ops) follows everything from now on
+        self.start()
         if not nhwc(tensor):  # a view of a channels-last tensor (z.flatten(2)): strided by NHWC
             self._mode.flattened[tensor] = True
 
@@ -269,8 +264,8 @@ class ViewedOutputs:
             subscribe(self)  # after any mode a module call enters, so that mode leaves first
             if whole_step:
                 self._mode.__enter__()
-        if self._whole_step and not self._mode.light:
-            self._hooks.watch(self._model(), self)
+        if self._whole_step and not self._mode.light and torch._C._current_graph_task_id() == -1:  # not in a backward,
+            self._hooks.watch(self._model(), self)  # whose hook tables must not change under it
 
     def stop(self) -> list[str]:
         """Stop watching; return what was found since the last stop, one line each (paths and code places)."""
