@@ -12,10 +12,11 @@ The hooks come off once no listener is left. They never take themselves off whil
 from an error: torch walks its live table of global hooks there, and removing one would replace
 that error with "OrderedDict mutated during iteration". After a normal return torch calls them
 from a copy of the table, so idle hooks come off at the next module call that returns, or at the
-next (un)subscription. Hooks off matter: torch 2.7's
-``torch.export`` (strict) fails on a model while any global module hook is on. But a compiled
-graph guards on the number of global hooks: while a ``torch.compile`` wrapper that ran with them
-lives, they stay on, idle, and come off when it is collected.
+next (un)subscription. A compiled graph guards on the number of global hooks: while a
+``torch.compile`` wrapper that ran with them lives, they stay on, idle, and come off when it is
+collected. Dynamo leaves the hooks' own frames alone where torch calls them eagerly: strict
+``torch.export`` (torch 2.7's default) compiled each such call as a graph of its own and then refused
+the export ("exactly one guard export"); inside a traced forward they are inlined, and do nothing.
 
 Example:
     >>> import torch
@@ -44,6 +45,8 @@ from collections.abc import Iterator
 from typing import Any, Optional, Protocol
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
+from torch._dynamo.eval_frame import skip_code
 from torch.nn.modules import module as module_hooks
 
 __all__ = [
@@ -95,8 +98,14 @@ def compiled_in_place(module: torch.nn.Module) -> bool:
     return getattr(module, '_compiled_call_impl', None) is not None
 
 
+def _beside_a_graph() -> bool:
+    """While torch traces, or runs a module's hooks eagerly inside a forward dynamo runs (torch 2.7 calls a compiled
+    model's own hooks so): its graph holds the model's ops, and guards on nothing of ours."""
+    return torch.compiler.is_compiling() or bool(get_eval_frame_callback())
+
+
 def _pre_hook(module: torch.nn.Module, args: tuple) -> None:
-    if torch.compiler.is_compiling():  # first: a compiled graph guards on nothing of ours
+    if _beside_a_graph():
         return
     if compiled_wrapper(module) and module not in _compiled:
         _compiled.add(module)  # its graph guards on the number of global hooks: they stay while it lives
@@ -112,7 +121,7 @@ def _pre_hook(module: torch.nn.Module, args: tuple) -> None:
 
 
 def _hook(module: torch.nn.Module, args: tuple, *kwargs_output: Any) -> Any:
-    if torch.compiler.is_compiling():
+    if _beside_a_graph():
         return None
     # (kwargs, output) after a forward; (output,) from inside torch's ``except`` when it raised
     kwargs, output = kwargs_output if len(kwargs_output) == 2 else ({}, kwargs_output[0])
@@ -156,9 +165,11 @@ def settle_hooks() -> None:
     wrapper that saw them lives (removing them would make torch recompile its graph).
     Called by every (un)subscription, and by the input selection at each batch."""
     if _listeners and not _handles:
+        for hook in (_pre_hook, _hook):  # an eager call runs as Python; a traced one is inlined
+            skip_code(hook.__code__)
         _handles.append(module_hooks.register_module_forward_pre_hook(_pre_hook))
         _handles.append(module_hooks.register_module_forward_hook(_hook, with_kwargs=True, always_call=True))
-    elif not _listeners and _handles and _state['depth'] == 0 and not _compiled:
+    elif not _listeners and _handles and _state['depth'] == 0 and not list(_compiled):  # list: leaves a dying one out
         while _handles:
             _handles.pop().remove()
 

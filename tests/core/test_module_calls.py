@@ -1,11 +1,15 @@
-"""The module-call tracker's helper for modes its listeners enter in one module call and leave in another."""
+"""The module-call tracker: its helper for modes its listeners enter in one module call and leave in another, and
+its idle hooks beside torch.export."""
 
 from __future__ import annotations
 
+import gc
+
 import torch
+from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from channels_last_algo.core.module_calls import exit_mode
+from channels_last_algo.core.module_calls import exit_mode, hooks_installed, subscribe, unsubscribe
 
 
 class Named(TorchFunctionMode):
@@ -29,3 +33,29 @@ def test_exit_mode_takes_off_the_given_mode_wherever_it_is_and_keeps_the_others_
     exit_mode(top)
     exit_mode(below)
     assert _stack() == []
+
+
+class _Silent:
+    def entered(self, module, args):
+        return None
+
+    def left(self, module, args, kwargs, output, failed):
+        return None
+
+
+def test_idle_hooks_a_compiled_wrapper_keeps_leave_torch_export_working():
+    """torch.export (strict in torch 2.7) compiled each eager call of a global hook as a graph of its own and then
+    refused the export; the hooks stay on, idle, while a compiled wrapper that ran with them lives."""
+    listener = _Silent()
+    subscribe(listener)
+    compiled = torch.compile(nn.Linear(2, 2), backend='eager')
+    compiled(torch.ones(1, 2))
+    unsubscribe(listener)
+    assert hooks_installed(), 'the compiled wrapper keeps the hooks'
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Sequential(nn.Conv2d(4, 2, 1))).eval()
+    x = torch.randn(2, 3, 6, 6)
+    exported = torch.export.export(model, (x,)).module()
+    torch.testing.assert_close(exported(x), model(x))
+    del compiled
+    gc.collect()
+    assert not hooks_installed()
