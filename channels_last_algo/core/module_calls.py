@@ -6,7 +6,10 @@ swapped layer with its original on its first call. :func:`follow_module_calls` s
 :class:`ModuleCallListener`; while one is subscribed, one process-wide forward pre-hook and one
 forward hook (``always_call``: also when the forward raised) call every listener around every
 module call. The hooks do nothing while ``torch.compile`` or ``torch.export`` traces the model,
-whose graph holds the model's own ops only.
+whose graph holds the model's own ops only, nor inside a compiled call (a ``torch.compile`` wrapper's
+network, a module compiled in place, a graph break's eager calls): listeners hear the wrapper, or
+the module around it, in every torch (torch 2.7 calls the network's own hooks eagerly, newer torch
+traces them).
 
 The hooks come off once no listener is left. They never take themselves off while a forward unwinds
 from an error: torch walks its live table of global hooks there, and removing one would replace
@@ -14,9 +17,9 @@ that error with "OrderedDict mutated during iteration". After a normal return to
 from a copy of the table, so idle hooks come off at the next module call that returns, or at the
 next (un)subscription. A compiled graph guards on the number of global hooks: while a
 ``torch.compile`` wrapper that ran with them lives, they stay on, idle, and come off when it is
-collected. Dynamo leaves the hooks' own frames alone where torch calls them eagerly: strict
-``torch.export`` (torch 2.7's default) compiled each such call as a graph of its own and then refused
-the export ("exactly one guard export"); inside a traced forward they are inlined, and do nothing.
+collected. Dynamo leaves the hooks' frames, and what they call, alone where torch calls them
+eagerly: strict ``torch.export`` (torch 2.7's default) compiled each such call as a graph of its own
+and then refused the export ("exactly one guard export"); inside a traced forward they are inlined.
 
 Example:
     >>> import torch
@@ -40,13 +43,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import weakref
 from collections.abc import Iterator
 from typing import Any, Optional, Protocol
 
 import torch
-from torch._C._dynamo.eval_frame import get_eval_frame_callback
-from torch._dynamo.eval_frame import skip_code
+from torch._C._dynamo.eval_frame import set_code_exec_strategy
+from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch.nn.modules import module as module_hooks
 
 __all__ = [
@@ -98,31 +102,48 @@ def compiled_in_place(module: torch.nn.Module) -> bool:
     return getattr(module, '_compiled_call_impl', None) is not None
 
 
-def _beside_a_graph() -> bool:
-    """While torch traces, or runs a module's hooks eagerly inside a forward dynamo runs (torch 2.7 calls a compiled
-    model's own hooks so): its graph holds the model's ops, and guards on nothing of ours."""
-    return torch.compiler.is_compiling() or bool(get_eval_frame_callback())
+_graphs = threading.local()  # .calls: the compiled modules whose call runs now in this thread (None: paused's)
+
+
+def _graph_calls() -> list[Optional[torch.nn.Module]]:
+    if not hasattr(_graphs, 'calls'):
+        _graphs.calls = []
+    return _graphs.calls
 
 
 def _pre_hook(module: torch.nn.Module, args: tuple) -> None:
-    if _beside_a_graph():
+    if torch.compiler.is_compiling():  # first: a graph guards on nothing of ours
+        return
+    calls = _graph_calls()
+    if calls and calls[-1] is not None:  # inside a compiled call, not an eager run paused() makes there
+        return
+    if compiled_in_place(module):  # its own call runs as a graph
+        calls.append(module)
         return
     if compiled_wrapper(module) and module not in _compiled:
         _compiled.add(module)  # its graph guards on the number of global hooks: they stay while it lives
         weakref.finalize(module, settle_hooks)
-    if not _listeners:
-        return
-    _state['depth'] += 1
-    try:
-        for listener in _heard():
-            listener.entered(module, args)
-    finally:
-        _state['depth'] -= 1
+    if _listeners:
+        _state['depth'] += 1
+        try:
+            for listener in _heard():
+                listener.entered(module, args)
+        finally:
+            _state['depth'] -= 1
+    if compiled_wrapper(module):  # after the listeners, whose eager rehearsal of its network torch runs as Python
+        calls.append(module)
 
 
 def _hook(module: torch.nn.Module, args: tuple, *kwargs_output: Any) -> Any:
-    if _beside_a_graph():
+    if torch.compiler.is_compiling():
         return None
+    calls = _graph_calls()
+    if calls and calls[-1] not in (module, None):
+        return None
+    if calls and calls[-1] is module:
+        calls.pop()
+        if compiled_in_place(module):
+            return None
     # (kwargs, output) after a forward; (output,) from inside torch's ``except`` when it raised
     kwargs, output = kwargs_output if len(kwargs_output) == 2 else ({}, kwargs_output[0])
     failed = sys.exc_info()[0] is not None
@@ -165,8 +186,8 @@ def settle_hooks() -> None:
     wrapper that saw them lives (removing them would make torch recompile its graph).
     Called by every (un)subscription, and by the input selection at each batch."""
     if _listeners and not _handles:
-        for hook in (_pre_hook, _hook):  # an eager call runs as Python; a traced one is inlined
-            skip_code(hook.__code__)
+        for hook in (_pre_hook, _hook):  # an eager call runs as Python, with all it calls; a traced one is inlined
+            set_code_exec_strategy(hook.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
         _handles.append(module_hooks.register_module_forward_pre_hook(_pre_hook))
         _handles.append(module_hooks.register_module_forward_hook(_hook, with_kwargs=True, always_call=True))
     elif not _listeners and _handles and _state['depth'] == 0 and not list(_compiled):  # list: leaves a dying one out
@@ -220,13 +241,15 @@ def follow_module_calls(listener: ModuleCallListener) -> Iterator[ModuleCallList
 @contextlib.contextmanager
 def paused(only: Optional[ModuleCallListener] = None) -> Iterator[None]:
     """No listener is called inside, but ``only``: for module calls a listener makes itself (the
-    repair check's side runs, the view watch's rehearsal)."""
+    repair check's side runs, the view watch's rehearsal), which run eagerly, also inside a compiled call."""
     before = _state['only']
     _state['paused'] += 1
     _state['only'] = only
+    _graph_calls().append(None)
     try:
         yield
     finally:
+        _graph_calls().pop()
         _state['paused'] -= 1
         _state['only'] = before
 

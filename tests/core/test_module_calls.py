@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import gc
 
+import pytest
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from channels_last_algo.core.module_calls import exit_mode, hooks_installed, subscribe, unsubscribe
+from channels_last_algo.core import module_calls
+from channels_last_algo.core.module_calls import (
+    exit_mode,
+    follow_module_calls,
+    hooks_installed,
+    subscribe,
+    unsubscribe,
+)
 
 
 class Named(TorchFunctionMode):
@@ -35,6 +43,13 @@ def test_exit_mode_takes_off_the_given_mode_wherever_it_is_and_keeps_the_others_
     assert _stack() == []
 
 
+@pytest.fixture(autouse=True)
+def _dynamos_caches_emptied_after():
+    """torch.nn modules compile through one shared code object, whose cache the tests after share."""
+    yield
+    torch._dynamo.reset()
+
+
 class _Silent:
     def entered(self, module, args):
         return None
@@ -58,4 +73,37 @@ def test_idle_hooks_a_compiled_wrapper_keeps_leave_torch_export_working():
     torch.testing.assert_close(exported(x), model(x))
     del compiled
     gc.collect()
-    assert not hooks_installed()
+    assert hooks_installed() == bool(list(module_calls._compiled)), 'off once no compiled wrapper that saw them lives'
+
+
+class _Names(_Silent):
+    def __init__(self):
+        self.seen = []
+
+    def entered(self, module, args):
+        self.seen.append(type(module).__name__)
+
+
+def test_a_compiled_call_is_heard_as_the_wrapper_or_the_module_around_it_never_from_inside():
+    """Inside a graph the hooks do nothing, in every torch: torch 2.7 calls a compiled network's own hooks eagerly,
+    newer torch traces them; a graph break's eager calls are inside too."""
+    wrapped = torch.compile(nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU()), backend='eager')
+    in_place = nn.Sequential(nn.Conv2d(4, 4, 1), nn.ReLU())
+    in_place.compile(backend='eager')
+    broken = torch.compile(_GraphBreak(), backend='eager')
+    names = _Names()
+    with follow_module_calls(names):
+        for _ in range(2):
+            nn.Sequential(in_place, nn.Identity())(wrapped(torch.ones(1, 3, 2, 2)))
+            broken(torch.ones(1, 4))
+    assert names.seen == ['OptimizedModule', 'Sequential', 'Identity', 'OptimizedModule'] * 2
+
+
+class _GraphBreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return self.inner(x)
