@@ -10,7 +10,11 @@ succeeds costs one Python call more; one that NHWC strides refuse, of a channels
 view of one (``z[:, :2]``, ``z.flatten(2)``), is handed to the owner that armed
 this thread (``owner.late_view(tensor)``, which starts the watch there, for the rest of the step) and
 runs again under that watch, as on a watched step. Other threads (autograd's GPU threads run backward
-hooks) and other errors see torch's own error. Modes and tensor subclasses meanwhile see the wrapper
+hooks) and other errors see torch's own error. A ``torch.compile`` wrapper's network that dynamo traces
+again, down such a path, meets the refusal as it traces, where no wrapper runs: its forward
+(:func:`retrying_refused_traces`) hands the call to the owner (``owner.late_view(None)``, then
+``owner.compiled_call(wrapper, args, rehearse=True)``, which runs the network eagerly under the watch and
+so places the view's maker) and runs once more. Modes and tensor subclasses meanwhile see the wrapper
 as the op: :func:`original` gives torch's method back. :func:`explain_unwatched_view` adds what
 would fix it to the error of a view no watch could take.
 
@@ -38,15 +42,25 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from channels_last_algo.core.layout import is_4d_or_5d, layout_of
 
-__all__ = ['SCRIPTED_VIEW', 'UNWATCHED_VIEW', 'arm', 'disarm', 'explain_unwatched_view', 'original', 'passing_through']
+__all__ = [
+    'SCRIPTED_VIEW',
+    'UNWATCHED_VIEW',
+    'arm',
+    'disarm',
+    'explain_unwatched_view',
+    'original',
+    'passing_through',
+    'retrying_refused_traces',
+]
 
 _REFUSED = 'view size is not compatible'  # torch's error for strides a view cannot take
+_TRACE_REFUSED = 'Cannot view a tensor with shape'  # dynamo's, as its fake tensors word it
 _METHODS = {name: getattr(torch.Tensor, name) for name in ('view', 'view_as')}
 _armed: list[tuple[int, weakref.ref]] = []  # (thread, owner), the last armed last
 
@@ -90,8 +104,50 @@ def _owner(tensor: torch.Tensor, error: RuntimeError) -> Any:
     memory = tensor if tensor._base is None else tensor._base  # laid out channels last, as NCHW's is not
     if not (is_4d_or_5d(memory) and layout_of(memory).is_channels_last):
         return None
+    return _armed_owner()
+
+
+def _armed_owner() -> Any:
+    """The owner armed last on this thread, if any."""
     thread = threading.get_ident()
     return next((owner() for ident, owner in reversed(_armed) if ident == thread and owner() is not None), None)
+
+
+def _refused_trace(error: Optional[BaseException]) -> bool:
+    """Whether ``error`` (dynamo's), or an error it came from, is a view strides refused."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if _REFUSED in str(error) or _TRACE_REFUSED in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+_retrying: weakref.WeakSet = weakref.WeakSet()  # the compiled wrappers whose forward retries a refused trace
+
+
+def retrying_refused_traces(wrapper: torch.nn.Module) -> None:
+    """A ``torch.compile`` ``wrapper``'s forward, from now on: where dynamo refuses a view NHWC strides cannot take
+    as it traces the network again while an owner is armed on this thread, the owner places the view's maker
+    (see above) and the call runs once more, traced again; otherwise the error as it was."""
+    forward = vars(wrapper).get('forward')
+    if forward is None or wrapper in _retrying:
+        return
+    _retrying.add(wrapper)
+
+    def retrying(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return forward(*args, **kwargs)
+        except Exception as error:
+            owner = _armed_owner()
+            if owner is None or not _refused_trace(error):
+                raise
+        owner.late_view(None)  # out of the except: module hooks read a failed forward from sys.exc_info()
+        owner.compiled_call(wrapper, args, rehearse=True)
+        return forward(*args, **kwargs)
+
+    wrapper.forward = retrying
 
 
 def arm(owner: Any) -> None:

@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.backward_hooks import BackwardHooks
 from channels_last_algo.core.between_batches import BetweenBatches
-from channels_last_algo.core.late_views import arm, disarm
+from channels_last_algo.core.late_views import arm, disarm, retrying_refused_traces
 from channels_last_algo.core.module_calls import (
     compiled_wrapper,
     exit_mode,
@@ -223,15 +223,17 @@ class ViewedOutputs:
         self.between.resume()  # where wanted, also over a training step's code after its backward, on every step
         return found
 
-    def late_view(self, tensor: torch.Tensor) -> None:
-        """A view NHWC strides refused where no watch was on (code first run later): a watch starts now, for the
-        rest of the step or batch, and takes it; the next batch of its kind is watched whole, to find the maker."""
+    def late_view(self, tensor: Optional[torch.Tensor]) -> None:
+        """A view NHWC strides refused where no watch was on (code first run later; None: in a compiled graph): a
+        watch starts now, for the rest of the step or batch, and takes it; the next batch of its kind is watched
+        whole, to find the maker."""
         self._rearm.add(bool(self._armed))
         self._late = True
+        self._rehearsed.clear()  # a compiled network run eagerly (past dynamo's recompile limit) is rehearsed again
         if self._mode is not None:
             self._mode.light = False  # a light watch (extension ops) follows everything from now on
         self.start()
-        if not nhwc(tensor):  # a view of a channels-last tensor (z.flatten(2)): strided by NHWC
+        if tensor is not None and not nhwc(tensor):  # a view of a channels-last tensor (z.flatten(2)): NHWC strides
             self._mode.flattened[tensor] = True
 
     def gradient_hook_found(self, weight: torch.nn.Parameter, how: str) -> None:
@@ -301,26 +303,27 @@ class ViewedOutputs:
         twin = self._mode.twins.twin(args[0]) if followed else None
         if twin is not None:  # a layer that lays out what it makes as NCHW would (NCHWMaskDropout's noise)
             module.follow_nchw_input(args[0], twin)
-        if not compiled_wrapper(module):
-            return
-        if module.training not in self._rehearsed.setdefault(module, set()):  # one graph each: dynamo guards on it
-            self._rehearsed[module].add(module.training)
-            self._rehearse(module._orig_mod, args)
-        if self._paused_for is None and _on_top(self._mode):
-            self._paused_for = module  # a graph traced under the mode would be traced again without it
-            exit_mode(self._mode)
+        if compiled_wrapper(module):
+            retrying_refused_traces(module)  # for a path its network first takes after the watched steps
+            self.compiled_call(module, args, rehearse=module.training not in self._rehearsed.get(module, ()))
 
-    def _rehearse(self, network: torch.nn.Module, args: tuple) -> None:
-        """Dynamo refuses a failing view as it traces, where no mode sees it: the compiled network's
-        eager forward runs first, once, without gradients, on copies of its buffers and random state."""
-        self._rehearsing = True
-        try:
-            with torch.no_grad(), _disable_current_modes(), paused(only=self), leaving_no_trace(network):
-                network(*args)
-        except Exception as error:  # a rehearsal only: the real call runs (and fails, if it must) as it would
-            log.debug('channels last: the eager rehearsal of a compiled forward stopped: %s', error)
-        finally:
-            self._rehearsing = False
+    def compiled_call(self, wrapper: torch.nn.Module, args: tuple, rehearse: bool) -> None:
+        """Before a ``torch.compile`` ``wrapper``'s graph runs on ``args``. Dynamo refuses a failing view as it
+        traces, where no mode sees it: where ``rehearse`` (once per mode: one graph each), its network's eager
+        forward runs first, without gradients, on copies of its buffers and random state. Then the mode is off."""
+        if rehearse:
+            self._rehearsed.setdefault(wrapper, set()).add(wrapper.training)
+            self._rehearsing = True
+            try:
+                with torch.no_grad(), _disable_current_modes(), paused(only=self), leaving_no_trace(wrapper._orig_mod):
+                    wrapper._orig_mod(*args)
+            except Exception as error:  # a rehearsal only: the real call runs (and fails, if it must) as it would
+                log.debug('channels last: the eager rehearsal of a compiled forward stopped: %s', error)
+            finally:
+                self._rehearsing = False
+        if self._paused_for is None and _on_top(self._mode):
+            self._paused_for = wrapper  # a graph traced under the mode would be traced again without it
+            exit_mode(self._mode)
 
     def left(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any, failed: bool) -> None:
         """Note ``module`` as the maker of its NHWC outputs, unless an inner module returned them; a

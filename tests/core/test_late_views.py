@@ -11,6 +11,7 @@ after the backward, and a gradient's in a tensor hook during the backward.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 
 import pytest
@@ -34,9 +35,12 @@ class LateBranch(nn.Module):
         self.c0, self.c1 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
         self.fc = nn.Linear(4 * 8 * 8, 5)
 
-    def forward(self, x):
+    def late(self) -> bool:
         self.calls += not (self.evaluation_only and self.training)
-        late = self.calls >= LATE
+        return self.calls >= LATE
+
+    def forward(self, x):
+        late = self.late()
         y = F.relu(self.c0(x))
         if late and self.what == 'gradient in a hook' and y.requires_grad:
             y.register_hook(_halve_through_a_view)
@@ -90,6 +94,36 @@ def test_a_view_first_reached_after_the_watched_steps_matches_nchw(integration, 
     steps, net, _ = guarded(run, integration)
     assert_same_run(steps, nchw(run), f'{integration}, {what}')
     assert torch.Tensor.view is original(torch.Tensor.view)  # torch's own method again once the steps are over
+
+
+class CompiledLateBranch(LateBranch):
+    """Its calls counted outside the graph: ``late`` a flag dynamo guards on (one graph each way)."""
+
+    is_late = False
+
+    def late(self) -> bool:
+        return self.is_late
+
+
+def _compiled_forward(net: nn.Module, batch: tuple) -> torch.Tensor:
+    """``net`` compiled once (kept outside its modules), run on the images; the branch switches on from the
+    ``LATE``-th call."""
+    compiled = net.__dict__.get('_compiled')
+    if compiled is None:
+        compiled = net.__dict__['_compiled'] = torch.compile(net, backend='aot_eager')
+    net.calls += 1
+    net.is_late = net.calls >= LATE
+    return compiled(batch[0])
+
+
+@pytest.mark.parametrize('integration', INTEGRATIONS)
+@pytest.mark.parametrize('what', ('activation', 'write through', 'flattened', 'view_as', 'weight'))
+def test_a_compiled_network_traced_again_down_a_path_that_views_matches_nchw(integration, what):
+    """Dynamo traces the network again when the branch switches on, and refuses the view as it traces: the
+    network is rehearsed eagerly under a watch, which places the view's maker, and the call runs again."""
+    run = dataclasses.replace(_run(what), build=lambda: CompiledLateBranch(what), forward=_compiled_forward)
+    steps, _, _ = guarded(run, integration)
+    assert_same_run(steps, nchw(run), f'{integration}, compiled, {what}')
 
 
 def test_an_activation_viewed_late_is_placed_on_the_next_step(caplog):
