@@ -49,6 +49,7 @@ import torch
 from channels_last_algo.core.layout import is_4d_or_5d, layout_of
 
 __all__ = [
+    'COMPILED_VIEW',
     'SCRIPTED_VIEW',
     'UNWATCHED_VIEW',
     'arm',
@@ -194,10 +195,18 @@ SCRIPTED_VIEW = (
 )
 """What :func:`explain_unwatched_view` adds instead where the view ran in TorchScript."""
 
+COMPILED_VIEW = (
+    'channels last: dynamo refused this .view() of a channels-last tensor as it traced, where no view watch '
+    "runs. A torch.compile'd function that calls the model is traced before any eager run: compile the model "
+    'itself (torch.compile(model)), whose calls the watch first runs eagerly and places the view for; else '
+    '.reshape or .flatten instead of .view works in either layout.'
+)
+"""What :func:`explain_unwatched_view` adds instead where dynamo refused the view as it traced."""
+
 
 def explain_unwatched_view(error: BaseException) -> None:
     """Add :data:`UNWATCHED_VIEW` (or :data:`SCRIPTED_VIEW`) to ``error`` where it is torch's "view size
-    is not compatible" (once).
+    is not compatible", :data:`COMPILED_VIEW` where dynamo refused such a view as it traced (once).
 
     Example:
         >>> error = RuntimeError("view size is not compatible with input tensor's size and stride")
@@ -205,9 +214,12 @@ def explain_unwatched_view(error: BaseException) -> None:
         >>> 'weights=' in str(error) or any('weights=' in note for note in getattr(error, '__notes__', []))
         True
     """
-    if not isinstance(error, RuntimeError) or _REFUSED not in str(error):
+    if type(error).__module__.startswith('torch._dynamo') and _refused_trace(error):
+        note = COMPILED_VIEW
+    elif isinstance(error, RuntimeError) and _REFUSED in str(error):
+        note = SCRIPTED_VIEW if 'TorchScript' in str(error) else UNWATCHED_VIEW
+    else:
         return
-    note = SCRIPTED_VIEW if 'TorchScript' in str(error) else UNWATCHED_VIEW
     if note in getattr(error, '__notes__', ()) or note in str(error):
         return
     if hasattr(error, 'add_note'):  # Python 3.11+: shown under the traceback

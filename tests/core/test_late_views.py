@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from channels_last_algo.core.guard import LayoutGuard
-from channels_last_algo.core.late_views import UNWATCHED_VIEW, original
+from channels_last_algo.core.late_views import COMPILED_VIEW, UNWATCHED_VIEW, original
 
 LATE = 3  # the call from which the branch runs
 
@@ -124,6 +124,21 @@ def test_a_compiled_network_traced_again_down_a_path_that_views_matches_nchw(int
     run = dataclasses.replace(_run(what), build=lambda: CompiledLateBranch(what), forward=_compiled_forward)
     steps, _, _ = guarded(run, integration)
     assert_same_run(steps, nchw(run), f'{integration}, compiled, {what}')
+
+
+def test_a_compiled_function_that_calls_the_model_and_views_fails_with_a_note_that_says_what_would_fix_it():
+    """Dynamo traces a compiled function before any eager run of the model it calls: no rehearsal places the view,
+    so the step fails as under plain channels last, and says so."""
+    net = CompiledLateBranch('activation').double()
+    net.is_late = True
+    guard = LayoutGuard()
+    guard.on_init(net)
+    loss = torch.compile(lambda images: net(images).sum(), backend='aot_eager')
+    with pytest.raises(RuntimeError) as raised:
+        with guard.step():
+            loss(guard.on_batch(torch.randn(2, 3, 8, 8, dtype=torch.float64))).backward()
+    guard.close()
+    assert COMPILED_VIEW in getattr(raised.value, '__notes__', []), raised.value
 
 
 def test_an_activation_viewed_late_is_placed_on_the_next_step(caplog):
