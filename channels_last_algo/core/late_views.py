@@ -14,7 +14,9 @@ hooks) and other errors see torch's own error. A ``torch.compile`` wrapper's net
 again, down such a path, meets the refusal as it traces, where no wrapper runs: its forward
 (:func:`retrying_refused_traces`) hands the call to the owner (``owner.late_view(None)``, then
 ``owner.compiled_call(wrapper, args, rehearse=True)``, which runs the network eagerly under the watch and
-so places the view's maker) and runs once more. Modes and tensor subclasses meanwhile see the wrapper
+so places the view's maker) and runs once more, where the failed call wrote no buffer (code before
+a graph break runs before the code after it is traced: run twice, it would update running statistics
+twice). Modes and tensor subclasses meanwhile see the wrapper
 as the op: :func:`original` gives torch's method back. :func:`explain_unwatched_view` adds what
 would fix it to the error of a view no watch could take.
 
@@ -50,6 +52,7 @@ from channels_last_algo.core.layout import is_4d_or_5d, layout_of
 
 __all__ = [
     'COMPILED_VIEW',
+    'RAN_BEFORE_THE_BREAK',
     'SCRIPTED_VIEW',
     'UNWATCHED_VIEW',
     'arm',
@@ -127,6 +130,19 @@ def _refused_trace(error: Optional[BaseException]) -> bool:
 
 _retrying: weakref.WeakSet = weakref.WeakSet()  # the compiled wrappers whose forward retries a refused trace
 
+RAN_BEFORE_THE_BREAK = (
+    'channels last: dynamo refused this .view() of a channels-last tensor as it traced the code after a graph '
+    'break, which a path first taken after the watched steps reached; the code before the break had run and '
+    "written the model's buffers (running statistics), so the call is not run again. .reshape or .flatten "
+    'instead of .view works in either layout; so does the view where no graph break comes before it.'
+)
+"""What a refused trace that cannot run again says."""
+
+
+def _buffer_versions(module: torch.nn.Module) -> list[int]:
+    """The version counters of ``module``'s buffers: each write in place moves one."""
+    return [buffer._version for buffer in module.buffers()]
+
 
 def retrying_refused_traces(wrapper: torch.nn.Module) -> None:
     """A ``torch.compile`` ``wrapper``'s forward, from now on: where dynamo refuses a view NHWC strides cannot take
@@ -138,16 +154,22 @@ def retrying_refused_traces(wrapper: torch.nn.Module) -> None:
     _retrying.add(wrapper)
 
     def retrying(*args: Any, **kwargs: Any) -> Any:
+        owner = _armed_owner()
+        before = None if owner is None else _buffer_versions(wrapper)
         try:
             return forward(*args, **kwargs)
         except Exception as error:
-            owner = _armed_owner()
             if owner is None or not _refused_trace(error):
+                raise
+            if _buffer_versions(wrapper) != before:  # code before a graph break ran and wrote them: not twice
+                _add_note(error, RAN_BEFORE_THE_BREAK)
                 raise
         owner.late_view(None)  # out of the except: module hooks read a failed forward from sys.exc_info()
         owner.compiled_call(wrapper, args, rehearse=True)
+        torch.compiler.reset()  # a graph cached before a graph break would keep the maker as it was (hooks unguarded)
         return forward(*args, **kwargs)
 
+    retrying.__wrapped__ = forward  # type: ignore[attr-defined]  # the compiled function, found through it
     wrapper.forward = retrying
 
 
@@ -220,8 +242,11 @@ def explain_unwatched_view(error: BaseException) -> None:
         note = SCRIPTED_VIEW if 'TorchScript' in str(error) else UNWATCHED_VIEW
     else:
         return
-    if note in getattr(error, '__notes__', ()) or note in str(error):
-        return
+    if not any(said in getattr(error, '__notes__', ()) or said in str(error) for said in (note, RAN_BEFORE_THE_BREAK)):
+        _add_note(error, note)
+
+
+def _add_note(error: BaseException, note: str) -> None:
     if hasattr(error, 'add_note'):  # Python 3.11+: shown under the traceback
         error.add_note(note)
     else:

@@ -58,7 +58,9 @@ __all__ = [
     'follow_module_calls',
     'hooks_installed',
     'compiled_in_place',
+    'compiled_network',
     'compiled_wrapper',
+    'eager_forward',
     'exit_mode',
     'in_graph_capture',
     'on_mode_stack',
@@ -93,8 +95,30 @@ def in_graph_capture() -> bool:
 
 
 def compiled_wrapper(module: torch.nn.Module) -> bool:
-    """A ``torch.compile`` wrapper (``OptimizedModule``, ``module._orig_mod``): its forward runs as one graph."""
-    return isinstance(getattr(module, '_orig_mod', None), torch.nn.Module)
+    """A module whose forward runs as one graph: a ``torch.compile`` wrapper (``OptimizedModule``,
+    ``module._orig_mod``), or one whose forward on the instance dynamo compiled (Composer's ``compile_config``,
+    ``model.forward = torch.compile(model.forward)``)."""
+    return isinstance(getattr(module, '_orig_mod', None), torch.nn.Module) or _compiled_function(module) is not None
+
+
+def _compiled_function(module: torch.nn.Module) -> Any:
+    """The function dynamo made of ``module``'s forward on the instance (seen through ``__wrapped__``), if any."""
+    function = vars(module).get('forward')
+    while function is not None and not hasattr(function, '_torchdynamo_orig_callable'):
+        function = getattr(function, '__wrapped__', None)
+    return function
+
+
+def compiled_network(module: torch.nn.Module) -> torch.nn.Module:
+    """The module whose weights a compiled ``module``'s graph runs on: a wrapper's network, else ``module``."""
+    network = getattr(module, '_orig_mod', None)
+    return network if isinstance(network, torch.nn.Module) else module
+
+
+def eager_forward(module: torch.nn.Module) -> Any:
+    """What a compiled ``module`` (:func:`compiled_wrapper`) runs eagerly: its network, or the forward compiled."""
+    network = compiled_network(module)
+    return network if network is not module else _compiled_function(module).__wrapped__
 
 
 def compiled_in_place(module: torch.nn.Module) -> bool:

@@ -178,7 +178,7 @@ class RepairCheck:
     def entered(self, module: torch.nn.Module, args: tuple) -> None:
         self._calls_seen = True
         if module_calls.compiled_wrapper(module):  # its insides run as a graph
-            self._skip_compiled(module._orig_mod)
+            self._skip_compiled(module_calls.compiled_network(module))
         pending = self._pending.get(id(module))
         if pending is None or pending.module() is not module or module_calls.in_graph_capture():
             return

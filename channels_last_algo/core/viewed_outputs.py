@@ -55,7 +55,9 @@ from channels_last_algo.core.backward_hooks import BackwardHooks
 from channels_last_algo.core.between_batches import BetweenBatches
 from channels_last_algo.core.late_views import arm, disarm, retrying_refused_traces
 from channels_last_algo.core.module_calls import (
+    compiled_network,
     compiled_wrapper,
+    eager_forward,
     exit_mode,
     in_graph_capture,
     on_mode_stack,
@@ -66,11 +68,7 @@ from channels_last_algo.core.module_calls import (
 from channels_last_algo.core.saved_state import leaving_no_trace
 from channels_last_algo.core.view_watch import ViewWatch, contiguous_gradient, nhwc
 
-__all__ = [
-    'ViewedOutputs',
-    'channels_first_output',
-    'channels_first_outputs',
-]
+__all__ = ['ViewedOutputs', 'channels_first_output', 'channels_first_outputs']
 
 log = logging.getLogger(__name__)
 
@@ -308,15 +306,15 @@ class ViewedOutputs:
             self.compiled_call(module, args, rehearse=module.training not in self._rehearsed.get(module, ()))
 
     def compiled_call(self, wrapper: torch.nn.Module, args: tuple, rehearse: bool) -> None:
-        """Before a ``torch.compile`` ``wrapper``'s graph runs on ``args``. Dynamo refuses a failing view as it
-        traces, where no mode sees it: where ``rehearse`` (once per mode: one graph each), its network's eager
-        forward runs first, without gradients, on copies of its buffers and random state. Then the mode is off."""
+        """Before a compiled ``wrapper``'s graph (see module_calls.compiled_wrapper) runs on ``args``. Dynamo refuses
+        a failing view as it traces, where no mode sees it: where ``rehearse`` (once per mode: one graph each), its
+        eager forward runs first, without gradients, on copies of its buffers and random state. Then the mode is off."""
         if rehearse:
             self._rehearsed.setdefault(wrapper, set()).add(wrapper.training)
-            self._rehearsing = True
+            self._rehearsing, network = True, compiled_network(wrapper)
             try:
-                with torch.no_grad(), _disable_current_modes(), paused(only=self), leaving_no_trace(wrapper._orig_mod):
-                    wrapper._orig_mod(*args)
+                with torch.no_grad(), _disable_current_modes(), paused(only=self), leaving_no_trace(network):
+                    eager_forward(wrapper)(*args)
             except Exception as error:  # a rehearsal only: the real call runs (and fails, if it must) as it would
                 log.debug('channels last: the eager rehearsal of a compiled forward stopped: %s', error)
             finally:
@@ -387,7 +385,7 @@ class ViewedOutputs:
         for module in origins:
             if module in self._hooked:
                 continue
-            network = module._orig_mod if compiled_wrapper(module) else module  # a compiled one: named by its network
+            network = compiled_network(module)  # a compiled wrapper: named by its network
             path = self._paths.get(network)  # None: a module outside the model (a teacher the forward calls)
             name = f'a {type(network).__name__} outside the model' if path is None else path or type(network).__name__
             one_tensor = module in self._one_tensor_out and _one_tensor_in(module)

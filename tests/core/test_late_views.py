@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from channels_last_algo.core.guard import LayoutGuard
-from channels_last_algo.core.late_views import COMPILED_VIEW, UNWATCHED_VIEW, original
+from channels_last_algo.core.late_views import COMPILED_VIEW, RAN_BEFORE_THE_BREAK, UNWATCHED_VIEW, original
 
 LATE = 3  # the call from which the branch runs
 
@@ -124,6 +124,98 @@ def test_a_compiled_network_traced_again_down_a_path_that_views_matches_nchw(int
     run = dataclasses.replace(_run(what), build=lambda: CompiledLateBranch(what), forward=_compiled_forward)
     steps, _, _ = guarded(run, integration)
     assert_same_run(steps, nchw(run), f'{integration}, compiled, {what}')
+
+
+class BreakingLateBranch(nn.Module):
+    """Counts its training calls outside the graph (a graph break before the branch, so that dynamo keeps the
+    convolutions' graph cached when it traces the branch); ``normalized``: a BatchNorm before the break."""
+
+    def __init__(self, late: int, normalized: bool = False) -> None:
+        super().__init__()
+        self.late, self.calls = late, 0
+        self.c0, self.c1 = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.norm = nn.BatchNorm2d(4) if normalized else nn.Identity()
+        self.fc = nn.Linear(4 * 8 * 8, 5)
+
+    @torch.compiler.disable
+    def counted(self) -> int:
+        self.calls += self.training
+        return self.calls
+
+    def forward(self, x):
+        z = self.c1(self.norm(F.relu(self.c0(x))))
+        if self.counted() >= self.late:
+            return self.fc(z.view(z.size(0), -1))
+        return self.fc(z.flatten(1))
+
+
+def test_a_forward_compiled_on_the_instance_that_views_past_a_graph_break_matches_nchw():
+    """``model.forward = torch.compile(model.forward)``: the module runs as a graph, rehearsed as a wrapper's network;
+    its late trace sees the placed maker although dynamo had cached the graph before the break."""
+
+    def compiled_forward(net: nn.Module, batch: tuple) -> torch.Tensor:
+        if 'forward' not in vars(net):
+            net.forward = torch.compile(net.forward, backend='aot_eager')
+        return net(batch[0])
+
+    run = dataclasses.replace(_run('activation'), build=lambda: BreakingLateBranch(LATE), forward=compiled_forward)
+    steps, _, guard = guarded(run, 'guard')
+    assert_same_run(steps, nchw(run), 'a forward compiled on the instance')
+    assert guard._viewed.placed == ['c1']
+
+
+@pytest.mark.parametrize('late', (0, LATE))
+def test_composer_compile_config_with_a_model_that_views_matches_nchw(late):
+    """Composer's ``compile_config`` compiles the model's forward on the instance: a view from the first step (a
+    classic ``x.view(n, -1)`` flatten) and one first reached later both run as in NCHW."""
+    pytest.importorskip('composer')
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+
+    from channels_last_algo.integrations.composer import ChannelsLast
+
+    def run(*algorithms) -> dict:
+        torch.manual_seed(0)
+        model = ComposerClassifier(BreakingLateBranch(late).double(), num_classes=5)
+        trainer = Trainer(
+            model=model,
+            train_dataloader=_evaluation_batches(),
+            max_duration='4ba',
+            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+            compile_config={'backend': 'aot_eager'},
+            device='cpu',
+            algorithms=list(algorithms),
+            progress_bar=False,
+        )
+        try:
+            trainer.fit()
+        finally:
+            trainer.close()
+        return model.module.state_dict()
+
+    expected, actual = run(), run(ChannelsLast())
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=1e-10, atol=1e-12)
+
+
+def test_a_late_trace_after_a_graph_break_that_wrote_running_statistics_is_not_run_twice():
+    """The BatchNorm before the break updated its statistics when the trace after it failed: the call fails, saying
+    why, instead of updating them twice."""
+    net = BreakingLateBranch(LATE, normalized=True).double()
+    net.forward = torch.compile(net.forward, backend='aot_eager')
+    guard = LayoutGuard()
+    guard.on_init(net)
+    images, forwards = torch.randn(2, 3, 8, 8, dtype=torch.float64), 0
+    with pytest.raises(RuntimeError) as raised:
+        for _ in range(LATE):
+            forwards += 1
+            with guard.step():
+                net(guard.on_batch(images)).sum().backward()
+            guard.on_batch_end()
+    guard.close()
+    assert RAN_BEFORE_THE_BREAK in getattr(raised.value, '__notes__', []), raised.value
+    assert COMPILED_VIEW not in getattr(raised.value, '__notes__', [])
+    assert int(net.norm.num_batches_tracked) == forwards  # once a call, the failed one's included
 
 
 def test_a_compiled_function_that_calls_the_model_and_views_fails_with_a_note_that_says_what_would_fix_it():
