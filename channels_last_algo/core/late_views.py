@@ -128,8 +128,6 @@ def _refused_trace(error: Optional[BaseException]) -> bool:
     return False
 
 
-_retrying: weakref.WeakSet = weakref.WeakSet()  # the compiled wrappers whose forward retries a refused trace
-
 RAN_BEFORE_THE_BREAK = (
     'channels last: dynamo refused this .view() of a channels-last tensor as it traced the code after a graph '
     'break, which a path first taken after the watched steps reached; the code before the break had run and '
@@ -139,19 +137,31 @@ RAN_BEFORE_THE_BREAK = (
 """What a refused trace that cannot run again says."""
 
 
-def _buffer_versions(module: torch.nn.Module) -> list[int]:
-    """The version counters of ``module``'s buffers: each write in place moves one."""
-    return [buffer._version for buffer in module.buffers()]
+_modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # retrying wrapper -> its inner modules, last watched
+
+
+def _buffer_versions(wrapper: torch.nn.Module) -> list[int]:
+    """The version counters of the buffers of ``wrapper``'s modules (as its last watched call found them): each write
+    in place moves one. Read through each module's own table, a buffer put in place since is read too."""
+    return [
+        buffer._version
+        for module in (wrapper, *_modules[wrapper])
+        for buffer in module._buffers.values()
+        if buffer is not None
+    ]
 
 
 def retrying_refused_traces(wrapper: torch.nn.Module) -> None:
-    """A ``torch.compile`` ``wrapper``'s forward, from now on: where dynamo refuses a view NHWC strides cannot take
-    as it traces the network again while an owner is armed on this thread, the owner places the view's maker
-    (see above) and the call runs once more, traced again; otherwise the error as it was."""
+    """A compiled ``wrapper``'s forward (module_calls.compiled_wrapper), from now on: where dynamo refuses a view NHWC
+    strides cannot take as it traces the network again while an owner is armed on this thread, the owner places the
+    view's maker (see above) and the call runs once more, traced again; otherwise the error as it was."""
     forward = vars(wrapper).get('forward')
-    if forward is None or wrapper in _retrying:
+    if forward is None:
         return
-    _retrying.add(wrapper)
+    installed = wrapper in _modules
+    _modules[wrapper] = list(wrapper.modules())[1:]  # walked at each watched call; not itself: it would never die
+    if installed:
+        return
 
     def retrying(*args: Any, **kwargs: Any) -> Any:
         owner = _armed_owner()
