@@ -169,7 +169,6 @@ def test_composer_compile_config_with_a_model_that_views_matches_nchw(late):
     """Composer's ``compile_config`` compiles the model's forward on the instance: a view from the first step (a
     classic ``x.view(n, -1)`` flatten) and one first reached later both run as in NCHW."""
     pytest.importorskip('composer')
-    from composer import Trainer
     from composer.models import ComposerClassifier
 
     from channels_last_algo.integrations.composer import ChannelsLast
@@ -177,20 +176,7 @@ def test_composer_compile_config_with_a_model_that_views_matches_nchw(late):
     def run(*algorithms) -> dict:
         torch.manual_seed(0)
         model = ComposerClassifier(BreakingLateBranch(late).double(), num_classes=5)
-        trainer = Trainer(
-            model=model,
-            train_dataloader=_evaluation_batches(),
-            max_duration='4ba',
-            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-            compile_config={'backend': 'aot_eager'},
-            device='cpu',
-            algorithms=list(algorithms),
-            progress_bar=False,
-        )
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
+        _composer_fit(model, algorithms, compile_config={'backend': 'aot_eager'})
         return model.module.state_dict()
 
     expected, actual = run(), run(ChannelsLast())
@@ -323,6 +309,26 @@ def test_a_view_on_another_thread_is_not_taken_and_the_step_says_what_would_fix_
     assert torch.Tensor.view is original(torch.Tensor.view)
 
 
+def _composer_fit(model: nn.Module, algorithms: tuple, **options) -> None:
+    """4 batches of SGD through Composer's Trainer with ``algorithms`` and the Trainer ``options``."""
+    from composer import Trainer
+
+    trainer = Trainer(
+        model=model,
+        train_dataloader=_evaluation_batches(),
+        max_duration='4ba',
+        optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
+        device='cpu',
+        algorithms=list(algorithms),
+        progress_bar=False,
+        **options,
+    )
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+
+
 def _evaluation_batches() -> torch.utils.data.DataLoader:
     generator = torch.Generator().manual_seed(2)
     images = torch.randn(8, 3, 8, 8, generator=generator, dtype=torch.float64)
@@ -377,7 +383,6 @@ def test_lightning_a_later_validation_that_views_matches_nchw():
 
 def test_composer_a_later_evaluation_that_views_matches_nchw():
     pytest.importorskip('composer')
-    from composer import Trainer
     from composer.models import ComposerModel
 
     from channels_last_algo.integrations.composer import ChannelsLast
@@ -403,22 +408,9 @@ def test_composer_a_later_evaluation_that_views_matches_nchw():
 
     def run(*algorithms) -> tuple:
         model = Classifier()
-        trainer = Trainer(
-            model=model,
-            train_dataloader=_evaluation_batches(),
-            eval_dataloader=_evaluation_batches(),
-            eval_interval='2ba',
-            eval_subset_num_batches=2,
-            max_duration='4ba',
-            optimizers=torch.optim.SGD(model.parameters(), lr=0.1),
-            device='cpu',
-            algorithms=list(algorithms),
-            progress_bar=False,
+        _composer_fit(
+            model, algorithms, eval_dataloader=_evaluation_batches(), eval_interval='2ba', eval_subset_num_batches=2
         )
-        try:
-            trainer.fit()
-        finally:
-            trainer.close()
         return model.read, model.module.state_dict()
 
     algorithm = ChannelsLast()
