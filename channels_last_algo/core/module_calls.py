@@ -144,7 +144,8 @@ def _pre_hook(module: torch.nn.Module, args: tuple) -> None:
     if compiled_in_place(module):  # its own call runs as a graph
         calls.append(module)
         return
-    if compiled_wrapper(module) and module not in _compiled:
+    compiled = compiled_wrapper(module)  # once: every module call of a watched step asks
+    if compiled and module not in _compiled:
         _compiled.add(module)  # its graph guards on the number of global hooks: they stay while it lives
         weakref.finalize(module, settle_hooks)
     if _listeners:
@@ -154,7 +155,7 @@ def _pre_hook(module: torch.nn.Module, args: tuple) -> None:
                 listener.entered(module, args)
         finally:
             _state['depth'] -= 1
-    if compiled_wrapper(module):  # after the listeners, whose eager rehearsal of its network torch runs as Python
+    if compiled:  # after the listeners, whose eager rehearsal of its network torch runs as Python
         calls.append(module)
 
 
