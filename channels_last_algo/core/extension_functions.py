@@ -14,7 +14,11 @@ of its channels-last tensors, writes back into the caller's tensor what the kern
 (as the kernel itself would: no version bump), and logs the function once, with where it was called.
 Code that looks the function up on its module at each call (``ext.forward(...)``, as mmcv and detectron2
 do) gets the wrapper, and so does a name the model's code bound before (``from ext import forward`` in its
-file, a module attribute); a name held elsewhere, or in a closure, keeps the kernel. The wrappers stay
+file, a module attribute); a name held elsewhere, or in a closure, keeps the kernel. An extension loaded
+later, while such a model lives (a plugin built on the first forward, as StyleGAN's ``custom_ops`` builds
+its kernels, an ``import`` inside a function), is covered as it loads: :func:`cover_extension_functions`
+puts :func:`_exec_and_cover` in ``ExtensionFileLoader.exec_module``'s place, through which every
+extension module loads (``torch.utils.cpp_extension.load`` and ``load_inline`` too). The wrappers stay
 while a model they were put in for lives (a model stays NHWC after training).
 
 Example:
@@ -54,6 +58,8 @@ _covered: dict[tuple[int, str], tuple[dict, Any]] = {}  # (namespace id, name) -
 _holders = [0]  # how many times a model alive was covered: the wrappers come off at 0
 _named: set[str] = set()  # functions logged
 _imported: list = [-1, []]  # the length of sys.modules when last looked through, and its extension modules then
+_LOADER = importlib.machinery.ExtensionFileLoader
+_EXEC_MODULE = _LOADER.exec_module  # how an extension module loads, put back once no model covered lives
 
 
 def _channels_last(value: Any) -> bool:
@@ -183,28 +189,49 @@ def _imported_extensions() -> list[types.ModuleType]:
 def cover_extension_functions(model: torch.nn.Module) -> list[str]:
     """Put :func:`contiguous_call` in place of every pybind11 function that takes tensors, on the extension modules
     imported and those ``model``'s code reaches, and where that code holds one under a name of its own
-    (``from ext import forward``), while ``model`` lives; the names of those put now."""
+    (``from ext import forward``), and on each extension module loaded later, while ``model`` lives; the names of
+    those put now."""
     _holders[0] += 1
     weakref.finalize(model, _uncover)
+    _LOADER.exec_module = _exec_and_cover
     namespaces, reached = _reachable(model)
     modules = {id(m): m for m in [*_imported_extensions(), *reached]}.values()
-    slots = [(vars(m), k) for m in modules for k, v in list(vars(m).items()) if _kernel(v) and _defines(m, v)]
+    slots = [(vars(m), k) for m in modules for k in _defined_kernels(m)]
     slots += [(n, k) for n in namespaces if type(n) is not _Cells for k, v in list(n.items()) if _kernel(v)]
+    return _cover(slots)
+
+
+def _defined_kernels(module: types.ModuleType) -> list[str]:
+    """The names of the kernels ``module`` defines."""
+    return [k for k, v in list(vars(module).items()) if _kernel(v) and _defines(module, v)]
+
+
+def _cover(slots: list[tuple[dict, str]]) -> list[str]:
+    """:func:`contiguous_call` in each ``(namespace, name)``'s place that holds a kernel; the functions' names."""
     covered = []
     for namespace, key in slots:
-        if (id(namespace), key) not in _covered:
-            kernel = namespace[key]
-            _covered[id(namespace), key] = (namespace, kernel)
+        kernel = namespace[key]
+        if _kernel(kernel):
+            _covered.setdefault((id(namespace), key), (namespace, kernel))
             namespace[key] = contiguous_call(kernel, f'{kernel.__module__}.{kernel.__name__}')
             covered.append(f'{kernel.__module__}.{kernel.__name__}')
     return covered
 
 
+def _exec_and_cover(loader: importlib.machinery.ExtensionFileLoader, module: types.ModuleType) -> None:
+    """``ExtensionFileLoader.exec_module`` while a covered model lives: the module loads, then its kernels are
+    covered, before any code can call them."""
+    _EXEC_MODULE(loader, module)
+    if _extension_module(module):
+        _cover([(vars(module), k) for k in _defined_kernels(module)])
+
+
 def _uncover() -> None:
-    """A model covered died; once none lives, every kernel back in its place."""
+    """A model covered died; once none lives, every kernel back in its place, and extensions load as before."""
     _holders[0] -= 1
     if _holders[0]:
         return
+    _LOADER.exec_module = _EXEC_MODULE
     for (_, key), (namespace, kernel) in list(_covered.items()):
         if getattr(namespace.get(key), '__wrapped__', None) is kernel:
             namespace[key] = kernel

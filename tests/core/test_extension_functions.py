@@ -3,16 +3,19 @@ runs under the package as in NCHW (``core/extension_functions.py``).
 
 The extension is built once with ``torch.utils.cpp_extension.load_inline`` (skipped where no C++ compiler
 and ninja are found) and kept, as research code keeps one, in a module-level name the model's code reads
-at each call. ``ramp`` scales each element by its position in memory; ``ramp_`` does it in place, through
-``data_ptr``. A model that calls ``ramp`` in its forward (and on its gradient in the
-backward, through an ``autograd.Function``) trains 3 float64 steps through LayoutGuard, the Composer
-algorithm and the Lightning callback, equal to NCHW on every step.
+at each call; a second one is built and loaded on the model's first forward, after the conversion, as
+StyleGAN's ``custom_ops`` builds its kernels. ``ramp`` scales each element by its position in memory;
+``ramp_`` does it in place, through ``data_ptr``. A model that calls ``ramp`` in its forward (and on its
+gradient in the backward, through an ``autograd.Function``) trains 3 float64 steps through LayoutGuard,
+the Composer algorithm and the Lightning callback, equal to NCHW on every step.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,6 +45,8 @@ void ramp_(torch::Tensor x) {
 
 ext = None  # the built extension, read by the model's code at each call, as a module-level `_C` is
 ramp = None  # its kernel under a name of this file's own, as `from ext import ramp` binds it
+build = None  # builds and loads the extension under a name, as a plugin loader does
+plugin = None  # the extension as the model's first forward loads it (built then, the first time)
 
 
 @pytest.fixture(scope='module', autouse=True)
@@ -50,20 +55,25 @@ def extension(tmp_path_factory):
         pytest.skip('needs a C++ compiler and ninja to build the extension')
     from torch.utils.cpp_extension import load_inline
 
-    global ext, ramp
-    try:
-        ext = load_inline(
-            'channels_last_tests_raw_memory',
+    global ext, ramp, build
+    directory = str(tmp_path_factory.mktemp('extension'))
+
+    def build(name: str = 'channels_last_tests_raw_memory'):
+        return load_inline(
+            name,
             cpp_sources=[SOURCE],
             functions=['ramp', 'ramp_'],
-            build_directory=str(tmp_path_factory.mktemp('extension')),
+            build_directory=directory,
             extra_cflags=['-O0'],
         )
+
+    try:
+        ext = build()
     except (OSError, RuntimeError) as error:  # a toolchain without Python's headers or torch's: nothing to test
         pytest.skip(f'the extension does not build here: {str(error)[:200]}')
     ramp = ext.ramp
     yield ext
-    ext = ramp = None
+    ext = ramp = build = None
 
 
 class Ramp(torch.autograd.Function):
@@ -86,6 +96,21 @@ class BoundRamp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return ramp(grad)
+
+
+class LazyRamp(torch.autograd.Function):
+    """``Ramp`` through an extension loaded on the first call, after the model was converted (built then, the first
+    time in the process)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        global plugin
+        plugin = plugin or build('channels_last_tests_plugin')
+        return plugin.ramp(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return plugin.ramp(grad)
 
 
 class RampNet(nn.Module):
@@ -117,9 +142,10 @@ def test_the_kernel_alone_reads_nhwc_memory_in_its_own_order():
 
 
 @pytest.mark.parametrize('integration', INTEGRATIONS)
-@pytest.mark.parametrize('function', [Ramp, BoundRamp], ids=['ext.ramp', 'bound ramp'])
+@pytest.mark.parametrize('function', [Ramp, BoundRamp, LazyRamp], ids=['ext.ramp', 'bound ramp', 'loaded later'])
 def test_a_model_calling_a_raw_memory_kernel_trains_as_in_nchw(integration, function):
-    run = _run(function)
+    global plugin
+    run, plugin = _run(function), None  # the guarded run loads it, on its first forward
     steps, net, _ = guarded(run, integration)
     assert_same_run(steps, nchw(run), integration)
     assert net.c0.weight.is_contiguous(memory_format=torch.channels_last) and not net.c0.weight.is_contiguous()
@@ -154,3 +180,20 @@ def test_an_output_argument_the_kernel_resizes_takes_the_new_shape():
     out = torch.empty(1, 4, 2, 2).to(memory_format=torch.channels_last)
     assert contiguous_call(kernel, 'ext.kernel')(x, out) is out
     assert out.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_extensions_load_as_before_once_no_converted_model_lives():
+    """While a converted model lives, extension modules load through the covering loader; after it, through
+    Python's own (in a process of its own: no model another test keeps alive counts)."""
+    code = (
+        'import gc, importlib.machinery as m, torch\n'
+        'from channels_last_algo.core.convert import apply_channels_last\n'
+        'own = m.ExtensionFileLoader.exec_module\n'
+        'net = torch.nn.Conv2d(3, 4, 3)\n'
+        'apply_channels_last(net)\n'
+        'assert m.ExtensionFileLoader.exec_module is not own\n'
+        'del net; gc.collect()\n'
+        'assert m.ExtensionFileLoader.exec_module is own\n'
+    )
+    done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
