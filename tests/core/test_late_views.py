@@ -126,6 +126,30 @@ def test_a_compiled_network_traced_again_down_a_path_that_views_matches_nchw(int
     assert_same_run(steps, nchw(run), f'{integration}, compiled, {what}')
 
 
+class CountingNet(nn.Module):
+    """A forward that counts its calls in an attribute of its own (a warm-up ramp kept in the model), and views an
+    activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.head, self.calls = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 8 * 8, 5), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = self.c(x) * min(1.0, self.calls / 3)
+        return self.head(x.view(x.size(0), -1))
+
+
+@pytest.mark.parametrize('integration', INTEGRATIONS)
+def test_the_rehearsal_of_a_compiled_network_leaves_the_count_its_forward_keeps_as_it_was(integration):
+    """The first step rehearses a compiled network eagerly, to place the view's maker: the count its forward
+    advances is put back after, so the real call counts once, as in NCHW."""
+    run = dataclasses.replace(_run('activation'), build=lambda: torch.compile(CountingNet(), backend='aot_eager'))
+    steps, net, _ = guarded(run, integration)
+    assert_same_run(steps, nchw(run), f'{integration}, compiled, counting')
+    assert net._orig_mod.calls == len(run.batches)
+
+
 class BreakingLateBranch(nn.Module):
     """Counts its training calls outside the graph (a graph break before the branch, so that dynamo keeps the
     convolutions' graph cached when it traces the branch); ``normalized``: a BatchNorm before the break."""
