@@ -108,3 +108,22 @@ def test_a_copy_that_fails_on_the_example_is_refused_in_one_line_naming_the_mode
     ) as raised:
         fuse_for_inference(_ChecksItsConvolution().eval(), torch.randn(1, 3, 8, 8))
     assert 'TypeError: conv must be an nn.Conv2d, got FusedConv2d' in str(raised.value)
+
+
+class _CountsItsCalls(nn.Module):
+    """A forward that counts its calls in an attribute of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.calls = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.body(x)
+
+
+def test_the_example_check_leaves_the_count_the_models_forward_keeps_as_it_was():
+    """The check calls the model once more, on the example: what its forward counts is put back after."""
+    model = _CountsItsCalls().eval()
+    fuse_for_inference(model, torch.randn(1, 3, 8, 8))
+    assert model.calls == 0
