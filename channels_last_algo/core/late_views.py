@@ -49,6 +49,7 @@ from typing import Any, Optional
 import torch
 
 from channels_last_algo.core.layout import is_4d_or_5d, layout_of
+from channels_last_algo.core.saved_state import plain_attributes, put_back
 
 __all__ = [
     'COMPILED_VIEW',
@@ -138,17 +139,36 @@ RAN_BEFORE_THE_BREAK = (
 
 
 _modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # retrying wrapper -> its inner modules, last watched
+_counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # retrying wrapper -> (module index, plain attribute)
+
+
+def _network(wrapper: torch.nn.Module) -> list[torch.nn.Module]:
+    """``wrapper`` and its inner modules as its last watched call found them (a module gone since: an empty one)."""
+    return [wrapper, *(_GONE if (module := ref()) is None else module for ref in _modules[wrapper])]
+
+
+_GONE = torch.nn.Module()  # stands for an inner module collected since: no buffers, no attributes of its own
 
 
 def _buffer_versions(wrapper: torch.nn.Module) -> list[int]:
     """The version counters of the buffers of ``wrapper``'s modules (as its last watched call found them): each write
     in place moves one. Read through each module's own table, a buffer put in place since is read too."""
     return [
-        buffer._version
-        for module in (wrapper, *_modules[wrapper])
-        for buffer in module._buffers.values()
-        if buffer is not None
+        buffer._version for module in _network(wrapper) for buffer in module._buffers.values() if buffer is not None
     ]
+
+
+def _counts(wrapper: torch.nn.Module) -> list[tuple[dict, str, Any]]:
+    """What ``wrapper``'s modules hold now in the plain attributes its last watched call found (``self.calls``): code
+    before a graph break that counts runs again with the call, from these."""
+    namespaces = [vars(module) for module in _network(wrapper)]
+    return [(namespaces[i], key, namespaces[i][key]) for i, key in _counted[wrapper] if key in namespaces[i]]
+
+
+def _count_places(wrapper: torch.nn.Module) -> list[tuple[int, str]]:
+    """Where ``wrapper``'s modules hold plain attributes: by module index, so that nothing kept holds the wrapper."""
+    index = {id(vars(module)): i for i, module in enumerate(_network(wrapper))}
+    return [(index[id(namespace)], key) for namespace, key, _ in plain_attributes(wrapper) if id(namespace) in index]
 
 
 def retrying_refused_traces(wrapper: torch.nn.Module) -> None:
@@ -159,13 +179,14 @@ def retrying_refused_traces(wrapper: torch.nn.Module) -> None:
     if forward is None:
         return
     installed = wrapper in _modules
-    _modules[wrapper] = list(wrapper.modules())[1:]  # walked at each watched call; not itself: it would never die
+    _modules[wrapper] = [weakref.ref(m) for m in list(wrapper.modules())[1:]]  # none holds the wrapper (one may)
+    _counted[wrapper] = _count_places(wrapper)
     if installed:
         return
 
     def retrying(*args: Any, **kwargs: Any) -> Any:
         owner = _armed_owner()
-        before = None if owner is None else _buffer_versions(wrapper)
+        before, counts = (None, []) if owner is None else (_buffer_versions(wrapper), _counts(wrapper))
         try:
             return forward(*args, **kwargs)
         except Exception as error:
@@ -174,6 +195,7 @@ def retrying_refused_traces(wrapper: torch.nn.Module) -> None:
             if _buffer_versions(wrapper) != before:  # code before a graph break ran and wrote them: not twice
                 _add_note(error, RAN_BEFORE_THE_BREAK)
                 raise
+        put_back(counts)  # what code before a graph break counted, counted again as the call runs again
         owner.late_view(None)  # out of the except: module hooks read a failed forward from sys.exc_info()
         owner.compiled_call(wrapper, args, rehearse=True)
         torch.compiler.reset()  # a graph cached before a graph break would keep the maker as it was (hooks unguarded)

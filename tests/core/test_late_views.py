@@ -13,6 +13,10 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -126,6 +130,35 @@ def test_a_compiled_network_traced_again_down_a_path_that_views_matches_nchw(int
     assert_same_run(steps, nchw(run), f'{integration}, compiled, {what}')
 
 
+def test_a_network_that_holds_its_own_compiled_wrapper_is_collected_with_it():
+    """The retry keeps a wrapper's inner modules weakly: a network that holds its compiled wrapper in an attribute
+    (as ``CompiledLateBranch`` does) and the wrapper are collected once the run lets them go. In a process of its
+    own: the log records of dynamo's refused trace, which a test run keeps, hold the wrapper's frames."""
+    here = pathlib.Path(__file__).resolve().parent
+    code = (
+        'import dataclasses, gc, weakref\n'
+        'import test_late_views as t\n'
+        'from guarded_runs import guarded\n'
+        "run = dataclasses.replace(t._run('activation'), build=lambda: t.CompiledLateBranch('activation'),\n"
+        '                          forward=t._compiled_forward)\n'
+        "steps, net, guard = guarded(run, 'guard')\n"
+        "wrapper = weakref.ref(net.__dict__['_compiled'])\n"
+        'del steps, net, guard\n'
+        'gc.collect()\n'
+        'assert wrapper() is None\n'
+    )
+    path = os.pathsep.join(str(p) for p in (here.parent, here, here.parent.parent))
+    done = subprocess.run(
+        [sys.executable, '-c', code],
+        cwd=here.parent,  # the tests' conftest, not the root's
+        env={**os.environ, 'PYTHONPATH': path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 class CountingNet(nn.Module):
     """A forward that counts its calls in an attribute of its own (a warm-up ramp kept in the model), and views an
     activation."""
@@ -175,7 +208,8 @@ class BreakingLateBranch(nn.Module):
 
 def test_a_forward_compiled_on_the_instance_that_views_past_a_graph_break_matches_nchw():
     """``model.forward = torch.compile(model.forward)``: the module runs as a graph, rehearsed as a wrapper's network;
-    its late trace sees the placed maker although dynamo had cached the graph before the break."""
+    its late trace sees the placed maker although dynamo had cached the graph before the break. The call that failed
+    had counted itself before the break: the count is put back before the call runs again, as in NCHW."""
 
     def compiled_forward(net: nn.Module, batch: tuple) -> torch.Tensor:
         if 'forward' not in vars(net):
@@ -183,9 +217,9 @@ def test_a_forward_compiled_on_the_instance_that_views_past_a_graph_break_matche
         return net(batch[0])
 
     run = dataclasses.replace(_run('activation'), build=lambda: BreakingLateBranch(LATE), forward=compiled_forward)
-    steps, _, guard = guarded(run, 'guard')
+    steps, net, guard = guarded(run, 'guard')
     assert_same_run(steps, nchw(run), 'a forward compiled on the instance')
-    assert guard._viewed.placed == ['c1']
+    assert guard._viewed.placed == ['c1'] and net.calls == len(run.batches)
 
 
 @pytest.mark.parametrize('late', (0, LATE))
