@@ -161,14 +161,20 @@ def _buffer_versions(wrapper: torch.nn.Module) -> list[int]:
 def _counts(wrapper: torch.nn.Module) -> list[tuple[dict, str, Any]]:
     """What ``wrapper``'s modules hold now in the plain attributes its last watched call found (``self.calls``): code
     before a graph break that counts runs again with the call, from these."""
-    namespaces = [vars(module) for module in _network(wrapper)]
-    return [(namespaces[i], key, namespaces[i][key]) for i, key in _counted[wrapper] if key in namespaces[i]]
+    inner, found = _modules[wrapper], []
+    for i, key in _counted[wrapper]:
+        module = wrapper if i == 0 else inner[i - 1]()
+        namespace = {} if module is None else vars(module)
+        if key in namespace:
+            found.append((namespace, key, namespace[key]))
+    return found
 
 
 def _count_places(wrapper: torch.nn.Module) -> list[tuple[int, str]]:
-    """Where ``wrapper``'s modules hold plain attributes: by module index, so that nothing kept holds the wrapper."""
-    index = {id(vars(module)): i for i, module in enumerate(_network(wrapper))}
-    return [(index[id(namespace)], key) for namespace, key, _ in plain_attributes(wrapper) if id(namespace) in index]
+    """Where ``wrapper``'s modules of classes outside torch (whose layers count in buffers, if at all) hold plain
+    attributes: by module index, so that nothing kept holds the wrapper."""
+    own = {id(vars(m)): i for i, m in enumerate(_network(wrapper)) if type(m).__module__.split('.')[0] != 'torch'}
+    return [(own[id(namespace)], key) for namespace, key, _ in plain_attributes(wrapper) if id(namespace) in own]
 
 
 def retrying_refused_traces(wrapper: torch.nn.Module) -> None:
