@@ -142,12 +142,12 @@ _modules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # retrying wr
 _counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # retrying wrapper -> (module index, plain attribute)
 
 
+_GONE = torch.nn.Module()  # stands for an inner module collected since: no buffers, no attributes of its own
+
+
 def _network(wrapper: torch.nn.Module) -> list[torch.nn.Module]:
     """``wrapper`` and its inner modules as its last watched call found them (a module gone since: an empty one)."""
     return [wrapper, *(_GONE if (module := ref()) is None else module for ref in _modules[wrapper])]
-
-
-_GONE = torch.nn.Module()  # stands for an inner module collected since: no buffers, no attributes of its own
 
 
 def _buffer_versions(wrapper: torch.nn.Module) -> list[int]:
@@ -162,9 +162,9 @@ def _counts(wrapper: torch.nn.Module) -> list[tuple[dict, str, Any]]:
     """What ``wrapper``'s modules hold now in the plain attributes its last watched call found (``self.calls``): code
     before a graph break that counts runs again with the call, from these."""
     inner, found = _modules[wrapper], []
-    for i, key in _counted[wrapper]:
+    for i, key in _counted[wrapper]:  # only these modules dereferenced: this runs on every compiled call
         module = wrapper if i == 0 else inner[i - 1]()
-        namespace = {} if module is None else vars(module)
+        namespace = vars(_GONE if module is None else module)  # an empty Sequential is falsy: no `or`
         if key in namespace:
             found.append((namespace, key, namespace[key]))
     return found
