@@ -46,6 +46,7 @@ from channels_last_algo.core.argument_checks import require_flags, require_modul
 from channels_last_algo.core.extension_functions import cover_extension_functions
 from channels_last_algo.core.layers import repair_model, unrepaired_subclasses
 from channels_last_algo.core.layout import MemoryFormat, channels_last_format, to_channels_first, to_channels_last
+from channels_last_algo.core.optimizer_state_layout import keep_state_in_weight_layout
 from channels_last_algo.core.safety.bugs import make_safe, unsafe_subclasses
 from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 from channels_last_algo.core.weight_layout import weight_layout_for
@@ -272,8 +273,9 @@ def convert_quietly(
     """
     summary = _restride_model(model, MemoryFormat.CHANNELS_LAST, optimizers)
     summary.made_safe = make_safe(model) if kernel_safety else []
-    if kernel_safety:  # pybind11 kernels that read NCHW's memory order get contiguous copies
-        cover_extension_functions(model)
+    if kernel_safety:  # pybind11 kernels that read NCHW's memory order get contiguous copies, and fused optimizers
+        cover_extension_functions(model)  # state in their parameters' strides
+        keep_state_in_weight_layout(model)
     summary.repaired = repair_model(model) if repair else []
     summary.not_covered = _not_covered(model, repair, kernel_safety)
     return summary

@@ -1,0 +1,124 @@
+"""Optimizer state in its parameter's layout, before every optimizer step while a converted model lives.
+
+torch's fused optimizers on the CPU (``Adam``, ``AdamW``, ``SGD``, ``Adagrad`` with ``fused=True``, torch 2.7
+to 2.14 at least) walk each parameter, its gradient and its state in memory order and never compare
+their strides: given NHWC weights and an NCHW gradient or momentum they add each to another element,
+silently (on CUDA they raise "must have same dtype, device, and layout"). The state and the gradient end
+up in other strides than their parameter's whenever the one is restrided without the other:
+
+- ``Optimizer.load_state_dict`` brings a checkpoint's NCHW tensors into a channels-last run (a resume in a
+  plain loop that does not call :meth:`~channels_last_algo.core.guard.LayoutGuard.on_load`);
+- the weights are made contiguous after the optimizer took state (the guard does so where code first
+  ``.view()``s a weight or its gradient in a later step);
+- ``apply_channels_last(model)`` runs after the optimizer's first steps, without ``optimizers=``;
+- a gradient is summed from a convolution's NHWC one and a channels-first one of code that viewed the weight.
+
+:func:`keep_state_in_weight_layout` installs one process-wide step pre-hook, which restrides (in place,
+values unchanged) every gradient and state tensor shaped like its 4D/5D parameter whose strides differ.
+For a step that may read memory in order (``fused=True``, or a step that is not torch's own: a third
+party's kernels) it does so before every step, and again after the closure the step is given (the
+forward and backward that Composer and Lightning pass); that costs a stride comparison per 4D/5D
+tensor, 70 us a step for ResNet-50's AdamW. torch's other steps compute right on any strides, only
+slower: for them it does so once after each ``load_state_dict``. Nothing runs once no converted model
+lives. A tensor that shares its memory (a view into a flat buffer, DDP's gradient buckets) keeps it.
+
+Example:
+    >>> weight = torch.nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
+    >>> optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+    >>> optimizer.state[weight]['momentum_buffer'] = torch.ones(4, 3, 2, 2)   # NCHW, as a checkpoint has it
+    >>> match_state_to_weights(optimizer)
+    1
+    >>> optimizer.state[weight]['momentum_buffer'].stride() == weight.stride()
+    True
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from channels_last_algo.core.first_optimizer_step import torch_step
+
+__all__ = ['keep_state_in_weight_layout', 'match_state_to_weights']
+
+_holders = [0]  # converted models alive: the hook does nothing at 0
+_hook: list[Any] = []  # its handle, once installed (it stays: torch walks its hook table during a step)
+_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> the state object its last step had
+
+
+def keep_state_in_weight_layout(model: torch.nn.Module) -> None:
+    """While ``model`` lives, every optimizer's state in its parameters' strides before each step."""
+    _holders[0] += 1
+    weakref.finalize(model, _release)
+    if not _hook:
+        _hook.append(register_optimizer_step_pre_hook(_before_step))
+
+
+def _release() -> None:
+    _holders[0] -= 1
+
+
+def _stride_blind(optimizer: torch.optim.Optimizer) -> bool:
+    """A step that may read memory in order: torch's fused kernels, or a step that is not torch's own."""
+    return not torch_step(optimizer) or any(group.get('fused') for group in optimizer.param_groups)
+
+
+def _loaded(optimizer: torch.optim.Optimizer) -> bool:
+    """``optimizer`` has another state object than at its last step (``load_state_dict`` makes a new one)."""
+    if _states.get(optimizer) is optimizer.state:
+        return False
+    _states[optimizer] = optimizer.state
+    return True
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+    """Match now where the step is stride-blind or the state was loaded since its last step; for a stride-blind
+    step, again after the closure it is given (Composer's and Lightning's forward and backward, which may restride
+    the weights or make their gradients). torch's other steps compute right on any strides, only slower."""
+    if not _holders[0] or torch.compiler.is_compiling():
+        return None
+    blind = _stride_blind(optimizer)
+    if blind or _loaded(optimizer):
+        match_state_to_weights(optimizer)
+    closure = kwargs['closure'] if 'closure' in kwargs else args[1] if len(args) > 1 else None  # args[0]: the optimizer
+    if not blind or not callable(closure):
+        return None
+
+    def closure_then_match(*closure_args: Any, **closure_kwargs: Any) -> Any:
+        result = closure(*closure_args, **closure_kwargs)
+        match_state_to_weights(optimizer)
+        return result
+
+    if 'closure' in kwargs:
+        return args, {**kwargs, 'closure': closure_then_match}
+    return (args[0], closure_then_match, *args[2:]), kwargs
+
+
+def match_state_to_weights(optimizer: torch.optim.Optimizer) -> int:
+    """Restride, in place, each gradient and state tensor of ``optimizer`` that has its 4D/5D parameter's shape but
+    not its strides, to the parameter's strides; how many were."""
+    state, count = optimizer.state, 0
+    for group in optimizer.param_groups:
+        for param in group['params']:
+            if param.dim() < 4:
+                continue
+            stride, values = param.stride(), state.get(param)
+            for value in (param.grad, *values.values()) if values else (param.grad,):
+                if type(value) is torch.Tensor and value.stride() != stride and _restridable(value, param):
+                    restrided = torch.empty_strided(param.shape, stride, dtype=value.dtype, device=value.device)
+                    value.data = restrided.copy_(value)
+                    count += 1
+    return count
+
+
+def _restridable(value: torch.Tensor, param: torch.Tensor) -> bool:
+    """``value`` is shaped like ``param``, a 4D/5D tensor with dense strides, and owns all its memory."""
+    if value.shape != param.shape or param.dim() > 5:
+        return False
+    if value.untyped_storage().nbytes() != value.numel() * value.element_size():
+        return False
+    formats = (torch.contiguous_format, torch.channels_last if param.dim() == 4 else torch.channels_last_3d)
+    return any(param.is_contiguous(memory_format=f) for f in formats)

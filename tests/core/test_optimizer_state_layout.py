@@ -1,0 +1,167 @@
+"""An optimizer's state and gradients keep their parameters' strides at every step: torch's fused CPU optimizers
+walk memory in order, so NCHW state beside NHWC weights (a resumed plain loop, weights made contiguous by a late
+view, a conversion after the first steps) would update the wrong elements, silently."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from guarded_runs import INTEGRATIONS, Run, assert_same_run, guarded, nchw
+from torch import nn
+
+from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.guard import LayoutGuard
+from channels_last_algo.core.optimizer_state_layout import match_state_to_weights
+
+FUSED = {
+    'adam': lambda params: torch.optim.Adam(params, lr=1e-2, fused=True),
+    'sgd': lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True),
+}
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(512, 5)
+    )
+
+
+def _batches(count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.rand(4, 3, 8, 8, generator=generator, dtype=torch.float64),
+            torch.randint(0, 5, (4,), generator=generator),
+        )
+        for _ in range(count)
+    ]
+
+
+def _train(net: nn.Module, optimizer: torch.optim.Optimizer, batches: list, guard: LayoutGuard | None = None) -> None:
+    for images, labels in batches:
+        optimizer.zero_grad()
+        if guard is None:
+            F.cross_entropy(net(images), labels).backward()
+        else:
+            images, labels = guard.on_batch((images, labels))
+            with guard.step():
+                F.cross_entropy(net(images), labels).backward()
+        optimizer.step()
+
+
+def _fresh() -> nn.Module:
+    torch.manual_seed(0)
+    return _net().double()
+
+
+@pytest.mark.parametrize('optimizer', FUSED)
+def test_a_plain_loop_resumed_from_an_nchw_checkpoint_trains_as_nchw_without_on_load(optimizer):
+    batches = _batches(4)
+    reference = _fresh()
+    reference_optimizer = FUSED[optimizer](reference.parameters())
+    _train(reference, reference_optimizer, batches[:2])
+    saved = io.BytesIO()
+    torch.save({'model': reference.state_dict(), 'optimizer': reference_optimizer.state_dict()}, saved)
+    _train(reference, reference_optimizer, batches[2:])
+
+    saved.seek(0)
+    checkpoint = torch.load(saved)
+    net, guard = _fresh(), LayoutGuard()
+    guard.on_init(net)
+    resumed = FUSED[optimizer](net.parameters())
+    net.load_state_dict(checkpoint['model'])
+    resumed.load_state_dict(checkpoint['optimizer'])  # NCHW state; no guard.on_load
+    _train(net, resumed, batches[2:], guard)
+    guard.close()
+    assert net[0].weight.is_contiguous(memory_format=torch.channels_last)
+    for (name, mine), theirs in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12, msg=name)
+
+
+class _LateWeightView(nn.Module):
+    """From its third call the forward views a convolution's weight (a penalty by filter), which makes the
+    weights contiguous after the optimizer took NHWC state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1))
+        self.head = nn.Linear(8, 5)
+        self.calls = 0
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out = self.head(self.features(images).mean((2, 3)))
+        if self.calls >= 3:
+            out = out + 1e-3 * self.features[2].weight.view(8, -1).norm(dim=1).sum()
+        return out
+
+
+@pytest.mark.parametrize('integration', INTEGRATIONS)
+@pytest.mark.parametrize('optimizer', FUSED)
+def test_a_fused_optimizer_matches_nchw_when_a_late_view_makes_the_weights_contiguous(integration, optimizer):
+    run = Run(
+        build=_LateWeightView,
+        batches=_batches(5),
+        loss=lambda output, batch: F.cross_entropy(output, batch[1]),
+        optimizer=FUSED[optimizer],
+    )
+    steps, net, _ = guarded(run, integration)
+    assert net.features[2].weight.is_contiguous()
+    assert_same_run(steps, nchw(run), f'{integration}, fused {optimizer}')
+
+
+def test_a_conversion_after_the_first_steps_without_the_optimizer_matches_nchw():
+    batches = _batches(3)
+    reference, net = _fresh(), _fresh()
+    reference_optimizer = FUSED['adam'](reference.parameters())
+    optimizer = FUSED['adam'](net.parameters())
+    _train(reference, reference_optimizer, batches)
+    _train(net, optimizer, batches[:1])
+    apply_channels_last(net)  # the Adam moments stay NCHW
+    _train(net, optimizer, batches[1:])
+    for (name, mine), theirs in zip(net.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_state_that_views_a_shared_buffer_keeps_its_memory():
+    weight = nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
+    optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+    flat = torch.zeros(2 * weight.numel())
+    optimizer.state[weight]['momentum_buffer'] = flat[: weight.numel()].view(4, 3, 2, 2)
+    owned = torch.ones(4, 3, 2, 2)
+    optimizer.state[weight]['owned'] = owned
+    weight.grad = torch.ones(4, 3, 2, 2)
+
+    assert match_state_to_weights(optimizer) == 2  # the gradient and the tensor of its own
+    assert optimizer.state[weight]['momentum_buffer'].data_ptr() == flat.data_ptr()
+    assert optimizer.state[weight]['owned'] is owned and owned.stride() == weight.stride()
+    assert weight.grad.stride() == weight.stride() and torch.equal(weight.grad, torch.ones(4, 3, 2, 2))
+
+
+def test_nothing_is_restrided_once_no_converted_model_lives():
+    """In a process of its own: the count of converted models alive is the process's."""
+    program = (
+        'import gc, torch\n'
+        'from channels_last_algo.core.convert import apply_channels_last\n'
+        'def state_after_step():\n'
+        '    w = torch.nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))\n'
+        '    w.grad = torch.zeros(4, 3, 2, 2).to(memory_format=torch.channels_last)\n'
+        '    o = torch.optim.SGD([w], lr=0.1, momentum=0.9, fused=True)\n'
+        '    o.state[w]["momentum_buffer"] = torch.zeros(4, 3, 2, 2)\n'
+        '    o.step()\n'
+        '    return o.state[w]["momentum_buffer"].is_contiguous()\n'
+        'model = torch.nn.Conv2d(3, 4, 2)\n'
+        'apply_channels_last(model)\n'
+        'alive = state_after_step()\n'
+        'del model; gc.collect()\n'
+        'print(alive, state_after_step())\n'
+    )
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, '-c', program], cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ['False', 'True']
