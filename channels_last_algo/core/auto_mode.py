@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
 from channels_last_algo.core.console import timing_line
@@ -93,6 +94,9 @@ class AutoMode:
         """
         if not self.enabled:
             raise RuntimeError("decide() is for mode='auto', and this run does not act in auto mode")
+        shapeless = _shapeless(model)
+        if shapeless is not None:
+            raise ValueError(f'auto layout: {shapeless}')
         bounds = {**_DECIDE_DEFAULTS, **options}
         self._show(timing_line(bounds['max_rounds'], bounds['max_seconds']))
 
@@ -127,6 +131,11 @@ class AutoMode:
             self.apply(model, self._resumed, optimizers)
             log.info('auto layout: resumed with %s, decided in the checkpointed run', self._resumed.layout)
             return
+        shapeless = _shapeless(model)
+        if shapeless is not None:  # on every rank alike: the same model
+            log.warning('auto layout: %s; the run trains channels last', shapeless)
+            self.stand_down()
+            return
         timed = trial()
         if timed is None:
             return
@@ -143,3 +152,16 @@ class AutoMode:
         """Take a checkpointed run's decision, which :meth:`settle` then applies instead of measuring."""
         if state.get('decision') is not None:
             self._resumed = LayoutDecision.from_dict(state['decision'])
+
+
+def _shapeless(model: torch.nn.Module) -> Optional[str]:
+    """Why ``model`` cannot be timed yet, naming its first lazy parameter or buffer without a shape; None if none."""
+    for kind, named in (('parameter', model.named_parameters()), ('buffer', model.named_buffers())):
+        name = next((name for name, tensor in named if is_lazy(tensor)), None)
+        if name is not None:
+            return (
+                f'{type(model).__name__}.{name} is a lazy {kind} without a shape yet, so there is no step to time '
+                'in both layouts; run one batch through the model before training (as lazy modules ask) for auto '
+                'mode to decide'
+            )
+    return None

@@ -48,7 +48,7 @@ from torch.overrides import TorchFunctionMode
 
 from channels_last_algo.core.aliased_copies import AliasedCopies
 from channels_last_algo.core.late_views import original
-from channels_last_algo.core.layout import Layout, layout_of
+from channels_last_algo.core.layout import Layout, layout_of, uninitialized_among
 from channels_last_algo.core.module_calls import exit_mode
 from channels_last_algo.core.nchw_twins import SHAPE_OPS, NchwTwins
 from channels_last_algo.core.view_watch import VIEWS, calling_code
@@ -148,7 +148,7 @@ class _FailingViews(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs, func = kwargs or {}, original(func)  # torch's view, where a late-view wrapper is on
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or uninitialized_among(types):
             return func(*args, **kwargs)
         followed = func in SHAPE_OPS and args and isinstance(args[0], torch.Tensor) and self._followed(args[0])
         try:

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any, Optional, TypeVar
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 from channels_last_algo.core.batch_tree import map_leaves
 
@@ -109,6 +110,17 @@ def is_4d_or_5d(value: Any) -> bool:
         (True, False, False)
     """
     return isinstance(value, torch.Tensor) and channels_last_format(value) is not None
+
+
+def uninitialized_among(types: Any) -> bool:
+    """Whether a ``__torch_function__``'s ``types`` hold a lazy module's parameter or buffer before its shape is
+    known, which refuses every op but a few (``dim()`` too): the op is its lazy module's own initialization.
+
+    Example:
+        >>> uninitialized_among((torch.nn.UninitializedParameter,)), uninitialized_among((torch.Tensor,))
+        (True, False)
+    """
+    return any(issubclass(t, UninitializedTensorMixin) for t in types)
 
 
 def layout_of(tensor: torch.Tensor) -> Layout:

@@ -38,6 +38,7 @@ import weakref
 from typing import Any, Optional
 
 import torch
+from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from channels_last_algo.core.first_optimizer_step import torch_step
@@ -103,7 +104,7 @@ def match_state_to_weights(optimizer: torch.optim.Optimizer) -> int:
     state, count = optimizer.state, 0
     for group in optimizer.param_groups:
         for param in group['params']:
-            if param.dim() < 4:
+            if is_lazy(param) or param.dim() < 4:  # a lazy module's parameter, before its first forward
                 continue
             stride, values = param.stride(), state.get(param)
             for value in (param.grad, *values.values()) if values else (param.grad,):

@@ -41,7 +41,7 @@ from channels_last_algo.core.aliased_copies import AliasedCopies, same_memory
 from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on_contiguous
 from channels_last_algo.core.late_views import original, passing_through
-from channels_last_algo.core.layout import is_4d_or_5d
+from channels_last_algo.core.layout import is_4d_or_5d, uninitialized_among
 from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, SHAPE_OPS, NchwTwins, aliases
 
 __all__ = ['GRADIENT_OPS', 'VIEWS', 'ViewWatch', 'calling_code', 'contiguous_gradient', 'hook_watched', 'nhwc']
@@ -177,8 +177,8 @@ class ViewWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         func = original(func)  # torch's view, where a late-view wrapper is on (core/late_views.py)
         op = extension_op(func) if isinstance(func, OP_TYPES) else None
-        if torch.compiler.is_compiling() or (self.light and op is None):  # a compiled graph: not followed
-            return func(*args, **kwargs)
+        if torch.compiler.is_compiling() or (self.light and op is None) or uninitialized_among(types):
+            return func(*args, **kwargs)  # a compiled graph, a lazy module's initialization: not followed
         caller, above = _op_caller()
         if above or caller.f_code.co_filename.startswith(_INTERNAL[1]):
             return func(*args, **kwargs)  # a watch above this one follows it, or this package's own code runs it
