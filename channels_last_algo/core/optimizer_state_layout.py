@@ -18,7 +18,7 @@ values unchanged) every gradient and state tensor shaped like its 4D/5D paramete
 For a step that may read memory in order (``fused=True``, or a step that is not torch's own: a third
 party's kernels) it does so before every step, and again after the closure the step is given (the
 forward and backward that Composer and Lightning pass); that costs a stride comparison per 4D/5D
-tensor, 70 us a step for ResNet-50's AdamW. torch's other steps compute right on any strides, only
+tensor, 50-110 us a step (``benchmarks/optimizer_state_layout.py``). torch's other steps compute right on any strides, only
 slower: for them it does so once after each ``load_state_dict``. Nothing runs once no converted model
 lives. A tensor that shares its memory (a view into a flat buffer, DDP's gradient buckets) keeps it.
 
@@ -48,6 +48,7 @@ __all__ = ['keep_state_in_weight_layout', 'match_state_to_weights']
 _holders = [0]  # converted models alive: the hook does nothing at 0
 _hook: list[Any] = []  # its handle, once installed (it stays: torch walks its hook table during a step)
 _states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> the state object its last step had
+_weights_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (its groups, its 4D/5D parameters)
 
 
 def keep_state_in_weight_layout(model: torch.nn.Module) -> None:
@@ -102,22 +103,41 @@ def match_state_to_weights(optimizer: torch.optim.Optimizer) -> int:
     """Restride, in place, each gradient and state tensor of ``optimizer`` that has its 4D/5D parameter's shape but
     not its strides, to the parameter's strides; how many were."""
     state, count = optimizer.state, 0
-    for group in optimizer.param_groups:
-        for param in group['params']:
-            if is_lazy(param) or param.dim() < 4:  # a lazy module's parameter, before its first forward
-                continue
-            stride, values = param.stride(), state.get(param)
-            for value in (param.grad, *values.values()) if values else (param.grad,):
-                if type(value) is torch.Tensor and value.stride() != stride and _restridable(value, param):
-                    restrided = torch.empty_strided(param.shape, stride, dtype=value.dtype, device=value.device)
-                    value.data = restrided.copy_(value)
-                    count += 1
+    for param in _weights(optimizer):
+        stride, grad, values = param.stride(), param.grad, state.get(param)
+        if grad is not None and grad.stride() != stride:
+            count += _restride(grad, param)
+        for value in values.values() if values else ():
+            if value.__class__ is torch.Tensor and value.stride() != stride and value.dim() > 1:  # not Adam's 'step'
+                count += _restride(value, param)
     return count
 
 
+def _weights(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """``optimizer``'s 4D/5D parameters, found again when its groups change or a lazy parameter took a shape."""
+    key = tuple((id(group['params']), len(group['params'])) for group in optimizer.param_groups)
+    cached = _weights_of.get(optimizer)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    params = [p for group in optimizer.param_groups for p in group['params']]
+    weights = [p for p in params if not is_lazy(p) and p.dim() in (4, 5)]
+    if not any(is_lazy(p) for p in params):  # a lazy module's parameter, before its first forward: not yet
+        _weights_of[optimizer] = (key, weights)
+    return weights
+
+
+def _restride(value: torch.Tensor, param: torch.Tensor) -> int:
+    """1 where ``value`` was given ``param``'s strides, in place (see :func:`_restridable`); else 0."""
+    if not _restridable(value, param):
+        return 0
+    restrided = torch.empty_strided(param.shape, param.stride(), dtype=value.dtype, device=value.device)
+    value.data = restrided.copy_(value)
+    return 1
+
+
 def _restridable(value: torch.Tensor, param: torch.Tensor) -> bool:
-    """``value`` is shaped like ``param``, a 4D/5D tensor with dense strides, and owns all its memory."""
-    if value.shape != param.shape or param.dim() > 5:
+    """``value`` is shaped like ``param``, whose strides are dense, and owns all its memory."""
+    if value.shape != param.shape:
         return False
     if value.untyped_storage().nbytes() != value.numel() * value.element_size():
         return False

@@ -165,3 +165,37 @@ def test_nothing_is_restrided_once_no_converted_model_lives():
     result = subprocess.run([sys.executable, '-c', program], cwd=root, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ['False', 'True']
+
+
+def _per_sample_clipped_gradients(net: nn.Module) -> None:
+    """DP-SGD as torch.func computes it: per-sample gradients, clipped, averaged, assigned to ``.grad`` (in the
+    strides vmap gives them, not the weights')."""
+    from torch.func import functional_call, grad, vmap
+
+    images, labels = _per_sample_clipped_gradients.batch
+    params = {name: p.detach() for name, p in net.named_parameters()}
+
+    def loss(params, image, label):
+        return F.cross_entropy(functional_call(net, params, (image[None],)), label[None])
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, images, labels)
+    norms = torch.stack([g.reshape(len(g), -1).norm(dim=1) for g in per_sample.values()]).norm(dim=0)
+    scale = 1.0 / (norms / 0.5).clamp(min=1.0)
+    for name, p in net.named_parameters():
+        p.grad = (per_sample[name] * scale.view(-1, *[1] * p.dim())).mean(0)
+
+
+def test_gradients_a_loop_assigns_in_other_strides_are_stepped_as_in_nchw():
+    def forward(net: nn.Module, batch: tuple) -> torch.Tensor:
+        _per_sample_clipped_gradients.batch = batch
+        return net(batch[0])
+
+    run = Run(
+        build=_net,
+        batches=_batches(3),
+        loss=lambda output, batch: F.cross_entropy(output, batch[1]),
+        optimizer=FUSED['adam'],
+        forward=forward,
+        after_backward=_per_sample_clipped_gradients,
+    )
+    assert_same_run(guarded(run, 'guard')[0], nchw(run), 'DP-SGD, fused Adam')
