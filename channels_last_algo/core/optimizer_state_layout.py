@@ -18,9 +18,10 @@ values unchanged) every gradient and state tensor shaped like its 4D/5D paramete
 For a step that may read memory in order (``fused=True``, or a step that is not torch's own: a third
 party's kernels) it does so before every step, and again after the closure the step is given (the
 forward and backward that Composer and Lightning pass); that costs a stride comparison per 4D/5D
-tensor, 50-110 us a step (``benchmarks/optimizer_state_layout.py``). torch's other steps compute right on any strides, only
-slower: for them it does so once after each ``load_state_dict``. Nothing runs once no converted model
-lives. A tensor that shares its memory (a view into a flat buffer, DDP's gradient buckets) keeps it.
+tensor, 50-110 us a step (``benchmarks/optimizer_state_layout.py``). torch's other steps compute right
+on any strides, only slower: for them it does so once after each ``load_state_dict``. Nothing runs once
+no converted model lives. A tensor that shares its memory (a view into a flat buffer, DDP's gradient
+buckets) keeps it.
 
 Example:
     >>> weight = torch.nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
@@ -69,10 +70,14 @@ def _stride_blind(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _loaded(optimizer: torch.optim.Optimizer) -> bool:
-    """``optimizer`` has another state object than at its last step (``load_state_dict`` makes a new one)."""
-    if _states.get(optimizer) is optimizer.state:
-        return False
-    _states[optimizer] = optimizer.state
+    """``optimizer`` has another state object than at its last step (``load_state_dict`` makes a new one); True for
+    an optimizer no weak table can hold (unhashable, or without ``__weakref__``)."""
+    try:
+        if _states.get(optimizer) is optimizer.state:
+            return False
+        _states[optimizer] = optimizer.state
+    except TypeError:
+        pass
     return True
 
 
@@ -105,7 +110,7 @@ def match_state_to_weights(optimizer: torch.optim.Optimizer) -> int:
     state, count = optimizer.state, 0
     for param in _weights(optimizer):
         stride, grad, values = param.stride(), param.grad, state.get(param)
-        if grad is not None and grad.stride() != stride:
+        if grad.__class__ is torch.Tensor and grad.stride() != stride:
             count += _restride(grad, param)
         for value in values.values() if values else ():
             if value.__class__ is torch.Tensor and value.stride() != stride and value.dim() > 1:  # not Adam's 'step'
@@ -116,12 +121,15 @@ def match_state_to_weights(optimizer: torch.optim.Optimizer) -> int:
 def _weights(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """``optimizer``'s 4D/5D parameters, found again when its groups change or a lazy parameter took a shape."""
     key = tuple((id(group['params']), len(group['params'])) for group in optimizer.param_groups)
-    cached = _weights_of.get(optimizer)
+    try:
+        cached, holdable = _weights_of.get(optimizer), True
+    except TypeError:  # no weak table can hold it: found each time
+        cached, holdable = None, False
     if cached is not None and cached[0] == key:
         return cached[1]
     params = [p for group in optimizer.param_groups for p in group['params']]
     weights = [p for p in params if not is_lazy(p) and p.dim() in (4, 5)]
-    if not any(is_lazy(p) for p in params):  # a lazy module's parameter, before its first forward: not yet
+    if holdable and not any(is_lazy(p) for p in params):  # a lazy parameter takes its shape in a forward
         _weights_of[optimizer] = (key, weights)
     return weights
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from channels_last_algo.core.convert import apply_channels_last
 from channels_last_algo.core.guard import LayoutGuard
-from channels_last_algo.core.optimizer_state_layout import match_state_to_weights
+from channels_last_algo.core.optimizer_state_layout import _before_step, match_state_to_weights
 
 FUSED = {
     'adam': lambda params: torch.optim.Adam(params, lr=1e-2, fused=True),
@@ -199,3 +199,26 @@ def test_gradients_a_loop_assigns_in_other_strides_are_stepped_as_in_nchw():
         after_backward=_per_sample_clipped_gradients,
     )
     assert_same_run(guarded(run, 'guard')[0], nchw(run), 'DP-SGD, fused Adam')
+
+
+def test_an_optimizer_no_weak_table_can_hold_is_matched_each_step():
+    class Unhashable(torch.optim.SGD):
+        __hash__ = None  # as a class defining __eq__ alone is
+
+    weight = nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
+    optimizer = Unhashable([weight], lr=0.1, momentum=0.9, fused=True)
+    weight.grad = torch.ones(4, 3, 2, 2)  # NCHW, assigned
+    _before_step(optimizer, (optimizer,), {})
+    assert weight.grad.stride() == weight.stride()
+
+
+def test_a_group_added_later_is_matched_too():
+    first = nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
+    added = nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
+    optimizer = torch.optim.SGD([first], lr=0.1, momentum=0.9, fused=True)
+    first.grad = torch.ones(4, 3, 2, 2).to(memory_format=torch.channels_last)
+    optimizer.step()
+    optimizer.add_param_group({'params': [added]})  # as a fine-tuning schedule unfreezes a stage
+    added.grad = torch.ones(4, 3, 2, 2)  # NCHW
+    assert match_state_to_weights(optimizer) == 1
+    assert added.grad.stride() == added.stride()
