@@ -205,11 +205,12 @@ def test_an_optimizer_no_weak_table_can_hold_is_matched_each_step():
     class Unhashable(torch.optim.SGD):
         __hash__ = None  # as a class defining __eq__ alone is
 
-    weight = nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
-    optimizer = Unhashable([weight], lr=0.1, momentum=0.9, fused=True)
-    weight.grad = torch.ones(4, 3, 2, 2)  # NCHW, assigned
+    conv = nn.Conv2d(3, 4, 2)
+    apply_channels_last(conv)  # a converted model lives: the hook works
+    optimizer = Unhashable(conv.parameters(), lr=0.1, momentum=0.9, fused=True)
+    conv.weight.grad = torch.ones(4, 3, 2, 2)  # NCHW, assigned
     _before_step(optimizer, (optimizer,), {})
-    assert weight.grad.stride() == weight.stride()
+    assert conv.weight.grad.stride() == conv.weight.stride()
 
 
 def test_a_group_added_later_is_matched_too():
