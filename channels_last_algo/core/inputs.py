@@ -11,7 +11,8 @@ package). :class:`InputSelection` decides per batch structure, by the ``inputs``
   outermost one to the end of the first that runs a convolution): a tensor is an image when a
   convolution's input derives from it (through any ops before that convolution), unless the
   model calls ``.view()`` on it (or on what it derives from it before a convolution) with a
-  shape that NHWC strides cannot take. That first batch goes NHWC where a guess says so (in
+  shape that NHWC strides cannot take, or reorders its dimensions to put another one second (a
+  ``(N, H, W, C)`` batch permuted to ``(N, C, H, W)``: NHWC as it comes). That first batch goes NHWC where a guess says so (in
   the guard: its channel count is some convolution's ``in_channels``); a ``.view()`` that the
   guess made fail runs on a contiguous copy instead, and when the following ends, the guess's
   NHWC copies that no convolution took are channels first again, in the batch's own tensors (a
@@ -75,6 +76,11 @@ Inputs = Union[str, Sequence[Union[Hashable, Path]], Predicate]
 
 _RULES = ('auto', 'all')
 _VIEWS = {torch.Tensor.view}
+_REORDERINGS = frozenset(
+    getattr(owner, name)
+    for owner in (torch, torch.Tensor)
+    for name in ('permute', 'transpose', 'movedim', 'moveaxis', 'swapaxes', 'swapdims')
+)
 
 
 def check_inputs(value: Any) -> bool:
@@ -124,6 +130,18 @@ def _view_fails_in_channels_last(tensor: torch.Tensor, args: tuple, kwargs: dict
     return False
 
 
+def _moves_channels(source: Any, result: Any) -> bool:
+    """Whether ``result``, ``source`` with its dimensions reordered, holds another of them second: converting
+    ``source`` to NHWC would then lay ``result`` out in neither layout."""
+    return not (
+        isinstance(source, torch.Tensor)
+        and isinstance(result, torch.Tensor)
+        and result.dim() == source.dim() >= 2
+        and result.size(1) == source.size(1)
+        and result.stride(1) == source.stride(1)
+    )
+
+
 class _Flow(TorchFunctionMode):
     """Follows which batch tensors flow into convolutions (and into incompatible views) before
     any convolution: outputs of a convolution start a new flow, so only the tensors a
@@ -137,6 +155,7 @@ class _Flow(TorchFunctionMode):
             self.origins[tensor] = self.origins.get(tensor, frozenset()) | {path}
         self.fed: set[Path] = set()
         self.viewed: set[Path] = set()
+        self.reordered: set[Path] = set()  # whose dimensions an op reordered, moving the channels (N, H, W, C)
         self.convolutions = 0
         self.copies = AliasedCopies()  # the copies failing views ran on, kept in step with the batch tensors
 
@@ -160,6 +179,9 @@ class _Flow(TorchFunctionMode):
                 return self._noted(self.copies.view(func, args[0], args[1:], kwargs), origins)
         result = func(*args, **kwargs)
         self.copies.written(func, args, kwargs)
+        if func in _REORDERINGS and _moves_channels(args[0], result):
+            self.reordered |= origins
+            return result  # a (N, H, W, C) batch permuted to (N, C, H, W) is NHWC as it came: no flow from it
         return self._noted(result, origins)
 
     def _noted(self, result: Any, origins: frozenset[Path]) -> Any:
@@ -189,7 +211,7 @@ class InputSelection:
             )
         self.inputs = inputs
         self.chosen: dict[Any, frozenset[Path]] = {}
-        self._viewed: dict[Any, frozenset[Path]] = {}  # viewed in a shape NHWC strides cannot take
+        self._left_because: dict[Any, dict[Path, str]] = {}  # why a tensor the forward saw was left as it came
         self._flow: Optional[_Flow] = None
         self._structure: Any = None
         self._restrided: dict[Path, torch.Tensor] = {}  # the NHWC copies the first batch's guess made
@@ -321,7 +343,10 @@ class InputSelection:
         # no convolution seen (a compiled forward, or none ran before the batch ended): keep the guess
         chosen = (flow.fed if flow.convolutions else flow.guessed) - flow.viewed
         self.chosen[self._structure] = chosen
-        self._viewed[self._structure] = frozenset(flow.viewed)
+        self._left_because[self._structure] = {
+            **{path: 'its dimensions reordered before a convolution' for path in flow.reordered - flow.fed},
+            **{path: 'viewed in a shape NHWC cannot take' for path in flow.viewed},
+        }
         self._undo_guess(chosen)
         log.info('channels last inputs: %s', self._describe(self._structure))
 
@@ -342,11 +367,7 @@ class InputSelection:
     def _describe(self, structure: Any) -> str:
         paths = structure[1]
         chosen = self.chosen.get(structure, frozenset())
-        viewed = self._viewed.get(structure, frozenset())
+        because = self._left_because.get(structure, {})
         kept = ', '.join(path_name(p) for p in paths if p in chosen) or 'none'
-        left = ', '.join(
-            path_name(p) + (' (viewed in a shape NHWC cannot take)' if p in viewed else '')
-            for p in paths
-            if p not in chosen
-        )
+        left = ', '.join(path_name(p) + (f' ({because[p]})' if p in because else '') for p in paths if p not in chosen)
         return f'{kept} (fed to a convolution)' + (f'; left as they came: {left}' if left else '')

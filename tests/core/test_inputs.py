@@ -301,3 +301,58 @@ def test_a_first_step_that_fails_shows_its_own_error_and_stops_following(model, 
     assert not guard.inputs.following
     guard.on_batch(torch.randn(2, 3, 8, 8))
     assert not module_calls.tracking(guard.inputs)
+
+
+class _Reordering(nn.Module):
+    """Takes its images with the channels elsewhere, as DALI and FFCV give them ((N, H, W, C)) or a video loader
+    ((N, T, C, H, W)), and moves them second itself: those batch tensors are NHWC (NDHWC) as they come."""
+
+    def __init__(self, video: bool) -> None:
+        super().__init__()
+        self.video = video
+        self.conv = nn.Conv3d(3, 4, 3, padding=1) if video else nn.Conv2d(3, 4, 3, padding=1)
+
+    def forward(self, frames: torch.Tensor) -> torch.Tensor:
+        channels_second = frames.transpose(1, 2) if self.video else frames.permute(0, 3, 1, 2)
+        return self.conv(channels_second.double() / 255).mean()
+
+
+@pytest.mark.parametrize('video', [False, True], ids=['NHWC images', 'NTCHW video'])
+def test_a_batch_the_model_reorders_to_put_the_channels_second_is_left_as_it_came(video, caplog):
+    shape = (2, 4, 3, 6, 6) if video else (2, 6, 6, 3)
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 255, shape, generator=generator, dtype=torch.uint8) for _ in range(3)]
+    torch.manual_seed(0)
+    model = _Reordering(video).double()
+    reference = copy.deepcopy(model)
+    guard = LayoutGuard()
+    guard.on_init(model)
+    with caplog.at_level('INFO', logger='channels_last_algo.core.inputs'):
+        for frames in batches:
+            given = guard.on_batch(frames)
+            assert given is frames  # no copy: NHWC already
+            with guard.step():
+                loss = model(given)
+                loss.backward()
+            torch.testing.assert_close(loss, reference(frames), rtol=1e-12, atol=1e-12)
+    guard.close()
+    assert 'batch (its dimensions reordered before a convolution)' in caplog.text
+
+
+def test_an_image_the_model_transposes_in_height_and_width_still_goes_nhwc():
+    class Transposing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, images: torch.Tensor) -> torch.Tensor:
+            return self.conv(images.transpose(2, 3)).mean()
+
+    model, guard = Transposing(), LayoutGuard()
+    guard.on_init(model)
+    for _ in range(2):
+        images = guard.on_batch(torch.randn(2, 3, 6, 8))
+        with guard.step():
+            model(images).backward()
+    guard.close()
+    assert is_channels_last(images)
