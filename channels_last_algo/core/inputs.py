@@ -12,8 +12,9 @@ package). :class:`InputSelection` decides per batch structure, by the ``inputs``
   convolution's input derives from it (through any ops before that convolution), unless the
   model calls ``.view()`` on it (or on what it derives from it before a convolution) with a
   shape that NHWC strides cannot take, or reorders its dimensions to put another one second (a
-  ``(N, H, W, C)`` batch permuted to ``(N, C, H, W)``: NHWC as it comes). That first batch goes NHWC where a guess says so (in
-  the guard: its channel count is some convolution's ``in_channels``); a ``.view()`` that the
+  ``(N, H, W, C)`` batch permuted to ``(N, C, H, W)``: NHWC as it comes). That first batch goes
+  NHWC where a guess says so (in the guard: its channel count is some convolution's
+  ``in_channels``); a ``.view()`` that the
   guess made fail runs on a contiguous copy instead, and when the following ends, the guess's
   NHWC copies that no convolution took are channels first again, in the batch's own tensors (a
   dense target the loss views). Where no convolution is seen (a compiled forward, whose graph is
