@@ -11,8 +11,9 @@ package). :class:`InputSelection` decides per batch structure, by the ``inputs``
   outermost one to the end of the first that runs a convolution): a tensor is an image when a
   convolution's input derives from it (through any ops before that convolution), unless the
   model calls ``.view()`` on it (or on what it derives from it before a convolution) with a
-  shape that NHWC strides cannot take, or reorders its dimensions to put another one second (a
-  ``(N, H, W, C)`` batch permuted to ``(N, C, H, W)``: NHWC as it comes). That first batch goes
+  shape that NHWC strides cannot take, or reorders its dimensions so that the convolution takes
+  another one as its channels (a ``(N, H, W, C)`` batch permuted to ``(N, C, H, W)``: NHWC as it
+  comes). That first batch goes
   NHWC where a guess says so (in the guard: its channel count is some convolution's
   ``in_channels``); a ``.view()`` that the
   guess made fail runs on a contiguous copy instead, and when the following ends, the guess's
@@ -152,11 +153,13 @@ class _Flow(TorchFunctionMode):
         super().__init__()
         self.guessed = guessed
         self.origins = WeakIdKeyDictionary()
+        self.reorders = WeakIdKeyDictionary()  # tensor -> its origins whose channels a reordering moved on the way
+        self.channels = {path: tensor.shape[1] for path, tensor in tensors}  # each batch tensor's second size
         for path, tensor in tensors:
             self.origins[tensor] = self.origins.get(tensor, frozenset()) | {path}
         self.fed: set[Path] = set()
         self.viewed: set[Path] = set()
-        self.reordered: set[Path] = set()  # whose dimensions an op reordered, moving the channels (N, H, W, C)
+        self.reordered: set[Path] = set()  # left as they came: a reordering put the channels second (N, H, W, C)
         self.convolutions = 0
         self.copies = AliasedCopies()  # the copies failing views ran on, kept in step with the batch tensors
 
@@ -164,32 +167,43 @@ class _Flow(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling() or func in GRADIENT_OPS:  # a compiled forward; gradients
             return func(*args, **kwargs)
-        origins = frozenset().union(
-            *(self.origins.get(t, frozenset()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-        )
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        origins = frozenset().union(*(self.origins.get(t, frozenset()) for t in tensors))
         if not origins:
             return func(*args, **kwargs)
+        reordered = frozenset().union(*(self.reorders.get(t, frozenset()) for t in tensors))
         if _is_convolution(func):
             self.convolutions += 1
             if args and isinstance(args[0], torch.Tensor):
-                self.fed |= self.origins.get(args[0], frozenset())
+                self._fed(args[0])
             return func(*args, **kwargs)
         if func in _VIEWS and _view_fails_in_channels_last(args[0], args[1:], kwargs):
             self.viewed |= self.origins.get(args[0], frozenset())
             if not args[0].is_contiguous():  # NHWC by the first batch's guess: view a contiguous copy
-                return self._noted(self.copies.view(func, args[0], args[1:], kwargs), origins)
+                return self._noted(self.copies.view(func, args[0], args[1:], kwargs), origins, reordered)
         result = func(*args, **kwargs)
         self.copies.written(func, args, kwargs)
         if func in _REORDERINGS and _moves_channels(args[0], result):
-            self.reordered |= origins
-            return result  # a (N, H, W, C) batch permuted to (N, C, H, W) is NHWC as it came: no flow from it
-        return self._noted(result, origins)
+            reordered |= origins
+        return self._noted(result, origins, reordered)
 
-    def _noted(self, result: Any, origins: frozenset[Path]) -> Any:
-        """``result``, its tensors noted as flowing from ``origins``."""
+    def _fed(self, image: torch.Tensor) -> None:
+        """``image`` goes into a convolution: its origins are images, but one a reordering moved another dimension
+        second on the way only where the convolution still takes its second one as the channels (a clip
+        ``(N, C, T, H, W)`` transposed and folded into frames); a ``(N, H, W, C)`` batch permuted is NHWC as it came."""
+        origins = self.origins.get(image, frozenset())
+        moved = self.reorders.get(image, frozenset()) & origins
+        kept = {path for path in moved if self.channels[path] == image.shape[1]}
+        self.fed |= (origins - moved) | kept
+        self.reordered |= moved - kept
+
+    def _noted(self, result: Any, origins: frozenset[Path], reordered: frozenset[Path]) -> Any:
+        """``result``, its tensors noted as flowing from ``origins`` (those of ``reordered`` through a reordering)."""
         for tensor in tree_leaves(result):
             if isinstance(tensor, torch.Tensor):
                 self.origins[tensor] = self.origins.get(tensor, frozenset()) | origins
+                if reordered:
+                    self.reorders[tensor] = self.reorders.get(tensor, frozenset()) | reordered
         return result
 
 

@@ -356,3 +356,26 @@ def test_an_image_the_model_transposes_in_height_and_width_still_goes_nhwc():
             model(images).backward()
     guard.close()
     assert is_channels_last(images)
+
+
+def test_a_clip_the_model_transposes_and_folds_into_frames_still_goes_nhwc():
+    """A temporal-shift-style network folds an (N, C, T, H, W) clip into (N * T, C, H, W) frames for a 2D
+    convolution: the clip's NDHWC copy makes the frames NHWC as views, so the clip is chosen."""
+
+    class Frames(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, clip: torch.Tensor) -> torch.Tensor:
+            n, c, t, h, w = clip.shape
+            return self.conv(clip.transpose(1, 2).reshape(n * t, c, h, w)).mean()
+
+    model, guard = Frames(), LayoutGuard()
+    guard.on_init(model)
+    for _ in range(2):
+        clip = guard.on_batch(torch.randn(2, 3, 4, 6, 6))
+        with guard.step():
+            model(clip).backward()
+    guard.close()
+    assert is_channels_last(clip)
