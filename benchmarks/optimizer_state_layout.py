@@ -20,9 +20,9 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -32,6 +32,7 @@ from results_writer import RunStart, finish, machine_lines
 
 from channels_last_algo.core import optimizer_state_layout
 from channels_last_algo.core.convert import apply_channels_last
+from channels_last_algo.core.timing import time_interleaved
 
 MODELS = ('resnet50', 'efficientnet_b0', 'convnext_tiny')
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
@@ -42,17 +43,9 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
 VARIANTS = ('hook', 'no hook')
 
 
-def _step(optimizer: torch.optim.Optimizer, variant: str) -> float:
-    """The seconds of one ``optimizer.step()`` in ``variant``."""
-    holders = optimizer_state_layout._holders[0]
-    if variant == 'no hook':
-        optimizer_state_layout._holders[0] = 0
-    try:
-        start = time.perf_counter()
-        optimizer.step()
-        return time.perf_counter() - start
-    finally:
-        optimizer_state_layout._holders[0] = holders
+def _hook_for(variant: str, holders: int) -> None:
+    """The hook working (``'hook'``) or idle, as once no converted model lives (``'no hook'``)."""
+    optimizer_state_layout._holders[0] = holders if variant == 'hook' else 0
 
 
 def measure(name: str, optimizer_name: str, args: argparse.Namespace) -> dict:
@@ -63,20 +56,26 @@ def measure(name: str, optimizer_name: str, args: argparse.Namespace) -> dict:
         p.grad = torch.randn_like(p) * 1e-3  # in p's layout, as a backward gives it
     optimizer = OPTIMIZERS[optimizer_name](model.parameters())
     optimizer.step()  # the state made
-    times = {variant: [] for variant in VARIANTS}
-    for _ in range(args.warmup + args.rounds):
-        for variant in VARIANTS:
-            times[variant].append(_step(optimizer, variant))
-    times = {v: s[args.warmup :] for v, s in times.items()}
-    extra = statistics.median(a - u for a, u in zip(times['hook'], times['no hook']))
+    holders = optimizer_state_layout._holders[0]
+    try:
+        timings = time_interleaved(
+            {variant: optimizer.step for variant in VARIANTS},
+            rounds=args.rounds,
+            warmup=args.warmup,
+            prepare=functools.partial(_hook_for, holders=holders),
+        )
+    finally:
+        optimizer_state_layout._holders[0] = holders
+    hook, bare = timings.seconds['hook'], timings.seconds['no hook']
+    extra = statistics.median(a - b for a, b in zip(hook, bare))
     return {
         'model': name,
         'optimizer': optimizer_name,
         'tensors_4d': sum(p.dim() == 4 for p in model.parameters()),
-        'step_ms': {v: 1e3 * statistics.median(s) for v, s in times.items()},
-        'step_min_ms': {v: 1e3 * min(s) for v, s in times.items()},
+        'step_ms': {v: 1e3 * timings.median(v) for v in VARIANTS},
+        'step_min_ms': {v: 1e3 * timings.min(v) for v in VARIANTS},
         'extra_us': 1e6 * extra,
-        'extra_share_of_a_step': extra / statistics.median(times['no hook']),
+        'extra_share_of_a_step': extra / timings.median('no hook'),
     }
 
 
@@ -107,7 +106,7 @@ def markdown(result: dict) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = benchmark_parser(
-        __doc__, warmup=Option(3), rounds=Option(30), out='folder for optimizer_state_layout.json and .md', epilog=False
+        __doc__, warmup=Option(3), rounds=Option(30), out='folder for the .json and .md', epilog=False
     )
     parser.add_argument('--models', nargs='+', default=zoo.installed(MODELS), choices=MODELS, metavar='MODEL')
     parser.add_argument('--optimizers', nargs='+', default=list(OPTIMIZERS), choices=list(OPTIMIZERS))

@@ -18,7 +18,7 @@ values unchanged) every gradient and state tensor shaped like its 4D/5D paramete
 For a step that may read memory in order (``fused=True``, or a step that is not torch's own: a third
 party's kernels) it does so before every step, and again after the closure the step is given (the
 forward and backward that Composer and Lightning pass); that costs a stride comparison per 4D/5D
-tensor, 50-110 us a step (``benchmarks/optimizer_state_layout.py``). torch's other steps compute right
+tensor, 30-100 us a step (``benchmarks/optimizer_state_layout.py``). torch's other steps compute right
 on any strides, only slower: for them it does so once after each ``load_state_dict``. Nothing runs once
 no converted model lives. A tensor that shares its memory (a view into a flat buffer, DDP's gradient
 buckets) keeps it.
