@@ -38,7 +38,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from channels_last_algo.core.convert import Optimizers, restride
+from channels_last_algo.core.convert import Optimizers, refuse_under_ddp, restride
 from channels_last_algo.core.layout import MemoryFormat
 from channels_last_algo.core.saved_state import plain_attributes, put_back
 from channels_last_algo.core.timing import Timings, synchronizer, time_interleaved
@@ -198,6 +198,7 @@ class _Trials:
     after a CUDA device's queue drains, and everything a trial touches put back."""
 
     def __init__(self, model: torch.nn.Module, optimizers: Optimizers, timer: Callable[[], float]) -> None:
+        refuse_under_ddp(model)  # once: the trials restride the weights in every round
         self.model, self.optimizers, self.timer = model, optimizers, timer
         self.sync = synchronizer(next((p.device for p in model.parameters()), torch.device('cpu')))
 
@@ -210,7 +211,7 @@ class _Trials:
         """Drop the gradients and restride the model (and its optimizer state) to ``layout``."""
         for p in self.model.parameters():
             p.grad = None
-        restride(self.model, layout == _LAST, self.optimizers)
+        restride(self.model, layout == _LAST, self.optimizers, outside_ddp=True)  # looked for once, in __init__
 
     def time(self, run_step: Callable[[bool], Any], rule: _Rule) -> Timings:
         """Both layouts timed until ``rule`` stops; the model left in the layout kept, as it was otherwise."""

@@ -34,10 +34,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch.nn.parameter import is_lazy
@@ -49,9 +50,16 @@ from channels_last_algo.core.layout import MemoryFormat, channels_last_format, t
 from channels_last_algo.core.optimizer_state_layout import keep_state_in_weight_layout
 from channels_last_algo.core.safety.bugs import make_safe, unsafe_subclasses
 from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
-from channels_last_algo.core.weight_layout import weight_layout_for
+from channels_last_algo.core.weight_layout import ddp_around, weight_layout_for
 
-__all__ = ['ConversionSummary', 'apply_channels_first', 'apply_channels_last', 'convert_quietly', 'restride']
+__all__ = [
+    'ConversionSummary',
+    'apply_channels_first',
+    'apply_channels_last',
+    'convert_quietly',
+    'refuse_under_ddp',
+    'restride',
+]
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +120,27 @@ _RESTRIDES: dict[MemoryFormat, Restride] = {
 }
 
 
-def _restride_in_place(tensor: torch.Tensor, restride: Restride) -> bool:
-    """Give ``tensor`` new strides by swapping its ``.data``; True if it changed."""
+def _restride_in_place(tensor: torch.Tensor, restride: Restride, before: Callable[[], Any] = lambda: None) -> bool:
+    """Give ``tensor`` new strides by swapping its ``.data``, calling ``before()`` first; True if it changed."""
     data = tensor.data  # a new alias object on each access: compare against this one
     restrided = restride(data)
     if restrided is data:
         return False
+    before()
     tensor.data = restrided
     return True
+
+
+def refuse_under_ddp(model: torch.nn.Module) -> None:
+    """RuntimeError where a live DistributedDataParallel wraps ``model``, whose weights are about to be restrided."""
+    if ddp_around(model):
+        raise RuntimeError(
+            f'channels last: the weights of {type(model).__name__} would be restrided while DistributedDataParallel '
+            'wraps it: its gradient buckets keep the strides the weights had when it was built, and DDP would then '
+            "hand back wrong gradients. Where code views a weight, pass weights='contiguous' (ChannelsLast, "
+            'ChannelsLastCallback, LayoutGuard, algorithms.channels_last.weights in a recipe) so the weights are '
+            'contiguous before DDP wraps the model (activations still go NHWC); else restride before wrapping.'
+        )
 
 
 def _restride_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], params: set[int], restride: Restride) -> int:
@@ -191,10 +212,13 @@ def _restride_model(
     model: torch.nn.Module,
     memory_format: MemoryFormat,
     optimizers: Optimizers,
+    outside_ddp: bool = False,
 ) -> ConversionSummary:
     restride = _RESTRIDES[memory_format]
     summary = ConversionSummary(layout=str(memory_format))
     restrided: set[int] = set()
+    # before the first weight changes: a walk over the objects alive, where a process group exists
+    not_under_ddp = (lambda: None) if outside_ddp else functools.cache(functools.partial(refuse_under_ddp, model))
     for name, tensor, reason in _tensors_by_use(model):
         if is_lazy(tensor):
             summary.uninitialized.append(name)
@@ -203,7 +227,7 @@ def _restride_model(
             summary.left[name] = reason
             continue
         restrided.add(id(tensor))
-        changed = _restride_in_place(tensor, restride)
+        changed = _restride_in_place(tensor, restride, not_under_ddp)
         grad = getattr(tensor, 'grad', None)
         if grad is not None and channels_last_format(grad) is not None:
             changed = _restride_in_place(grad, restride) or changed
@@ -329,8 +353,10 @@ def restride(
     model: torch.nn.Module,
     channels_last: bool,
     optimizers: Optimizers = None,
+    outside_ddp: bool = False,
 ) -> ConversionSummary:
     """Only restride (no repair, no warning): to channels last, or back to channels first.
-    What auto mode does between its trial steps."""
+    What auto mode does between its trial steps. ``outside_ddp``: the caller made sure no DDP wraps
+    ``model`` (:func:`refuse_under_ddp`), which is otherwise looked for before a weight changes."""
     memory_format = MemoryFormat.CHANNELS_LAST if channels_last else MemoryFormat.CHANNELS_FIRST
-    return _restride_model(model, memory_format, optimizers)
+    return _restride_model(model, memory_format, optimizers, outside_ddp)

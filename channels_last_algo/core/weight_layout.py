@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Optional, Union
@@ -44,7 +45,15 @@ from channels_last_algo.core.first_optimizer_step import FirstStep, torch_step
 from channels_last_algo.core.flattening_optimizers import flattening
 from channels_last_algo.core.layout import MemoryFormat
 
-__all__ = ['WEIGHTS', 'OptimizerWatch', 'WeightLayoutPlan', 'for_training', 'optimizer_plan', 'weight_layout_for']
+__all__ = [
+    'WEIGHTS',
+    'OptimizerWatch',
+    'WeightLayoutPlan',
+    'ddp_around',
+    'for_training',
+    'optimizer_plan',
+    'weight_layout_for',
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,3 +286,23 @@ def _wrapped_now(model: torch.nn.Module) -> Optional[WeightLayoutPlan]:
         if isinstance(param, DTensor):
             return WeightLayoutPlan(True, f'parameter {name!r} is a sharded DTensor', sharded=True)
     return None
+
+
+def ddp_around(model: torch.nn.Module) -> bool:
+    """Whether a live ``DistributedDataParallel`` wraps ``model``: restriding its weights now would leave DDP's
+    gradient buckets in the old strides, and with ``gradient_as_bucket_view=False`` (the default) DDP then hands
+    back wrong gradients, silently (torch 2.7.0 and 2.14.1, CPU). Found by a walk over the objects alive, for the
+    rare restride after the start; False at once without a process group.
+
+    Example:
+        >>> ddp_around(torch.nn.Conv2d(3, 8, 3))
+        False
+    """
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return False
+    from torch.nn.parallel import DistributedDataParallel
+
+    return any(  # type(), not isinstance(): a weak proxy whose object is gone raises on __class__
+        issubclass(type(obj), DistributedDataParallel) and any(module is model for module in obj.module.modules())
+        for obj in gc.get_objects()
+    )

@@ -244,6 +244,12 @@ class ChannelsLast(GuardedIntegration, Algorithm):
         layout, auto mode's layout settled once (its decision logged), the start block shown."""
         if event == Event.AFTER_LOAD:
             self.guard.on_load(state.model, state.optimizers)
+        if self.guard.auto.enabled and self.decision is None and event == Event.FIT_START and dist.get_world_size() > 1:
+            log.warning(  # restriding a model DDP wraps would give wrong gradients (core/convert.py)
+                'auto layout: the train dataloader came with fit(), after DDP wrapped the model: the run trains '
+                "channels last; pass the dataloader to the Trainer's constructor for auto mode to decide"
+            )
+            self.guard.auto.stand_down()
         if self.guard.auto.enabled and self.decision is None:
             trial = functools.partial(_trial, event, state)
             rank, world_size = dist.get_global_rank(), dist.get_world_size()
@@ -259,11 +265,6 @@ def _trial(event: Event, state: State) -> Optional[Trial]:
     loss on it; None until the train dataloader is known (it may come with ``fit``)."""
     if state.dataloader is None:
         return None  # the train dataloader comes with fit(): decide at FIT_START
-    if event == Event.FIT_START and dist.get_world_size() > 1:
-        log.warning(
-            'auto layout: deciding after DDP wrapping (the train dataloader was passed to fit()); '
-            "pass it to the Trainer's constructor so the layout is settled before wrapping"
-        )
     batch = _float_images(state.device.batch_to_device(next(iter(state.dataloader))))
 
     def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:

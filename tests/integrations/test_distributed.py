@@ -19,12 +19,14 @@ Deselect with ``-m 'not distributed'``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -233,7 +235,12 @@ def _run_rank(out: Path) -> None:
         LayoutGuard().on_init(wrapped)
     except ValueError as error:
         result['guard_refuses_ddp'] = str(error)
-    apply_channels_last(net)
+    try:
+        apply_channels_last(net)
+    except RuntimeError as error:
+        result['restride_after_wrap_refused'] = str(error)
+    for p in net.parameters():  # what the refusal avoids: restrided behind DDP's back
+        p.data = p.data.contiguous(memory_format=torch.channels_last) if p.dim() == 4 else p.data
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         wrapped(probe_images().to(memory_format=torch.channels_last)).sum().backward()
@@ -435,6 +442,7 @@ def test_restriding_after_ddp_is_built_warns_and_the_guard_refuses_it(two_ranks)
     for record in ranks:
         assert 'already wrapped in DistributedDataParallel' in record['guard_refuses_ddp']
         assert 'then wrap it' in record['guard_refuses_ddp']
+        assert 'DistributedDataParallel wraps it' in record['restride_after_wrap_refused']
         assert record['restrided_after_wrap_warnings'], 'the stride warning check would miss a real mismatch'
 
 
@@ -518,6 +526,50 @@ def test_guard_refuses_a_model_already_wrapped_in_ddp(one_rank_group):
     wrapped = nn.parallel.DistributedDataParallel(small_net())
     with pytest.raises(ValueError, match='already wrapped in DistributedDataParallel.*then wrap it'):
         LayoutGuard().on_init(wrapped)
+
+
+class _ViewsAWeight(nn.Module):
+    """From its second call the forward views a convolution's weight (a penalty by filter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Linear(8, 4)
+        self.calls = 0
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out = self.head(self.conv(images).mean((2, 3)))
+        return out + 1e-3 * self.conv.weight.view(8, -1).norm(dim=1).sum() if self.calls >= 2 else out
+
+
+def _ddp_steps(options: Optional[dict]) -> dict[str, torch.Tensor]:
+    """Three float64 DDP steps of _ViewsAWeight; through a guard with ``options`` unless None."""
+    torch.manual_seed(0)
+    net = _ViewsAWeight().double()
+    guard = None if options is None else LayoutGuard(**options)
+    if guard is not None:
+        guard.on_init(net)
+    model = nn.parallel.DistributedDataParallel(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    generator = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(3):
+            images = torch.rand(2, 3, 8, 8, generator=generator, dtype=torch.float64)
+            optimizer.zero_grad()
+            with guard.step() if guard is not None else contextlib.nullcontext():
+                model(guard.on_batch(images) if guard is not None else images).sum().backward()
+            optimizer.step()
+    finally:
+        if guard is not None:
+            guard.close()
+    return parameters_of(net)
+
+
+def test_a_weight_viewed_under_ddp_is_refused_and_weights_contiguous_trains_as_nchw(one_rank_group):
+    with pytest.raises(RuntimeError, match="DistributedDataParallel wraps it.*weights='contiguous'"):
+        _ddp_steps({})
+    _assert_close(_ddp_steps({'weights': 'contiguous'}), _ddp_steps(None), "weights='contiguous'")
 
 
 if __name__ == '__main__':
