@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
 from arguments import Option, benchmark_parser
-from results_writer import RunStart, finish, machine_lines
+from results_writer import RunStart, finish, markdown_report, median_and_min
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -105,27 +105,26 @@ def measure(name: str, args: argparse.Namespace) -> dict:
 
 def markdown(result: dict) -> str:
     s = result['settings']
-    lines = [
-        "# The late-view wrappers' cost: a guarded training step after the watched ones",
-        '',
-        *machine_lines(result),
-        '',
+    intro = (
         f'float32, batch {s["batch_size"]}, each model at its zoo size unless --image-size; forward, cross entropy '
         f'and backward through the guard after its watched first step; {s["rounds"]} rounds after {s["warmup"]} '
         'warm-up, the variants interleaved. Medians (min) in ms. "extra" is the median over rounds of the paired '
-        'difference, armed minus unarmed; noise of either sign at this size.',
-        '',
-        '| model | views a step | armed | unarmed | extra | extra / step |',
-        '|---|---:|---:|---:|---:|---:|',
-    ]
-    for row in result['rows']:
-        med, low = row['step_ms'], row['step_min_ms']
-        lines.append(
-            f'| {row["model"]} | {row["views_per_step"]} | {med["armed"]:.1f} ({low["armed"]:.1f}) | '
-            f'{med["unarmed"]:.1f} ({low["unarmed"]:.1f}) | {row["extra_ms"]:+.2f} | '
-            f'{row["extra_share_of_a_step"]:+.3f} |'
-        )
-    return '\n'.join(lines) + '\n'
+        'difference, armed minus unarmed; noise of either sign at this size.'
+    )
+    columns = ['model', 'views a step:', 'armed:', 'unarmed:', 'extra:', 'extra / step:']
+    return markdown_report(
+        result,
+        "The late-view wrappers' cost: a guarded training step after the watched ones",
+        intro,
+        columns,
+        lambda row: [
+            row['model'],
+            str(row['views_per_step']),
+            *(median_and_min(row, 'step', variant) for variant in VARIANTS),
+            f'{row["extra_ms"]:+.2f}',
+            f'{row["extra_share_of_a_step"]:+.3f}',
+        ],
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

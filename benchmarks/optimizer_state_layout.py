@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
 from arguments import Option, benchmark_parser
-from results_writer import RunStart, finish, machine_lines
+from results_writer import RunStart, finish, markdown_report, median_and_min
 
 from channels_last_algo.core import optimizer_state_layout
 from channels_last_algo.core.convert import apply_channels_last
@@ -81,27 +81,27 @@ def measure(name: str, optimizer_name: str, args: argparse.Namespace) -> dict:
 
 def markdown(result: dict) -> str:
     s = result['settings']
-    lines = [
-        "# The optimizer step pre-hook's cost: an optimizer step of a converted model",
-        '',
-        *machine_lines(result),
-        '',
+    intro = (
         f'float32, each model converted by apply_channels_last, its gradients set, one step taken first; '
         f'{s["rounds"]} rounds after {s["warmup"]} warm-up, the variants interleaved. Medians (min) of the '
         'optimizer step in ms. "extra" is the median over rounds of the paired difference, hook minus no hook, '
-        'in microseconds; noise of either sign at this size.',
-        '',
-        '| model | optimizer | 4D weights | hook | no hook | extra (us) | extra / step |',
-        '|---|---|---:|---:|---:|---:|---:|',
-    ]
-    for row in result['rows']:
-        med, low = row['step_ms'], row['step_min_ms']
-        lines.append(
-            f'| {row["model"]} | {row["optimizer"]} | {row["tensors_4d"]} | {med["hook"]:.2f} ({low["hook"]:.2f}) | '
-            f'{med["no hook"]:.2f} ({low["no hook"]:.2f}) | {row["extra_us"]:+.0f} | '
-            f'{row["extra_share_of_a_step"]:+.3f} |'
-        )
-    return '\n'.join(lines) + '\n'
+        'in microseconds; noise of either sign at this size.'
+    )
+    columns = ['model', 'optimizer', '4D weights:', 'hook:', 'no hook:', 'extra (us):', 'extra / step:']
+    return markdown_report(
+        result,
+        "The optimizer step pre-hook's cost: an optimizer step of a converted model",
+        intro,
+        columns,
+        lambda row: [
+            row['model'],
+            row['optimizer'],
+            str(row['tensors_4d']),
+            *(median_and_min(row, 'step', variant, digits=2) for variant in VARIANTS),
+            f'{row["extra_us"]:+.0f}',
+            f'{row["extra_share_of_a_step"]:+.3f}',
+        ],
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
 from arguments import Option, benchmark_parser
-from results_writer import RunStart, finish, machine_lines
+from results_writer import RunStart, finish, markdown_report, median_and_min
 from torch import nn
 
 from channels_last_algo.core.convert import apply_channels_last
@@ -94,28 +94,38 @@ def measure(name: str, args: argparse.Namespace) -> dict:
 
 def markdown(result: dict) -> str:
     s = result['settings']
-    lines = [
-        "# The repair check's cost: the first training step with and without it",
-        '',
-        *machine_lines(result),
-        '',
+    intro = (
         f'float32, batch {s["batch_size"]} x 3 x {s["image_size"]} x {s["image_size"]}, forward and backward; '
         f'{s["rounds"]} rounds after {s["warmup"]} warm-up, each on fresh copies, interleaved. Medians (min) in ms. '
         '"extra" is the median over rounds of the paired difference of the first steps; the check runs on '
-        'the first call of each swapped layer only, so later steps pay nothing.',
-        '',
-        '| model | rules | layers checked | first step, rules | first step, rules + check | extra | '
-        'a later step | extra / later step |',
-        '|---|---|---:|---:|---:|---:|---:|---:|',
+        'the first call of each swapped layer only, so later steps pay nothing.'
+    )
+    columns = [
+        'model',
+        'rules',
+        'layers checked:',
+        'first step, rules:',
+        'first step, rules + check:',
+        'extra:',
+        'a later step:',
+        'extra / later step:',
     ]
-    for row in result['rows']:
-        med, low = row['first_step_ms'], row['first_step_min_ms']
-        lines.append(
-            f'| {row["model"]} | {", ".join(row["rules"])} | {row["checked_layers"]} | '
-            f'{med["rules"]:.1f} ({low["rules"]:.1f}) | {med["rules+check"]:.1f} ({low["rules+check"]:.1f}) | '
-            f'{row["extra_ms"]:.1f} | {row["later_step_ms"]:.1f} | {row["extra_share_of_a_step"]:.2f} |'
-        )
-    return '\n'.join(lines) + '\n'
+    return markdown_report(
+        result,
+        "The repair check's cost: the first training step with and without it",
+        intro,
+        columns,
+        lambda row: [
+            row['model'],
+            ', '.join(row['rules']),
+            str(row['checked_layers']),
+            median_and_min(row, 'first_step', 'rules'),
+            median_and_min(row, 'first_step', 'rules+check'),
+            f'{row["extra_ms"]:.1f}',
+            f'{row["later_step_ms"]:.1f}',
+            f'{row["extra_share_of_a_step"]:.2f}',
+        ],
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

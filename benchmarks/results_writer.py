@@ -24,7 +24,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -125,6 +125,43 @@ def machine_lines(result: dict[str, Any]) -> list[str]:
         '',
         f'1-minute load average {load["before"]:.1f} before and {load["after"]:.1f} after.',
     ]
+
+
+def markdown_report(
+    result: dict[str, Any], title: str, intro: str, columns: list[str], cells: Callable[[dict], list[str]]
+) -> str:
+    """A benchmark's Markdown: ``title``, its machine lines, ``intro``, and a table of ``columns`` (a name ending
+    in ``:`` is right-aligned) with the cells ``cells(row)`` of each of the result's rows.
+
+    Example:
+        >>> record = {'machine': {'cpu': 'AMD EPYC', 'cores_usable': 2, 'torch_threads': 2, 'torch': '2.14.1',
+        ...                       'torchvision': '0.29.1'}, 'command': 'python benchmarks/demo.py',
+        ...           'load_average_1min': {'before': 0.5, 'after': 0.7}, 'rows': [{'model': 'm', 'ms': 1.5}]}
+        >>> print(markdown_report(record, 'Demo', 'One row.', ['model', 'ms:'], lambda r: [r['model'], f"{r['ms']}"]))
+        ... # doctest: +ELLIPSIS
+        # Demo
+        ...
+        One row.
+        <BLANKLINE>
+        | model | ms |
+        |---|---:|
+        | m | 1.5 |
+        <BLANKLINE>
+    """
+    header = '| ' + ' | '.join(column.rstrip(':') for column in columns) + ' |'
+    rule = '|' + '|'.join('---:' if column.endswith(':') else '---' for column in columns) + '|'
+    rows = ['| ' + ' | '.join(cells(row)) + ' |' for row in result['rows']]
+    return '\n'.join([f'# {title}', '', *machine_lines(result), '', intro, '', header, rule, *rows]) + '\n'
+
+
+def median_and_min(row: dict[str, Any], key: str, variant: str, digits: int = 1) -> str:
+    """``'12.3 (11.9)'``: ``row[key + '_ms'][variant]`` and, in brackets, ``row[key + '_min_ms'][variant]``.
+
+    Example:
+        >>> median_and_min({'step_ms': {'a': 12.34}, 'step_min_ms': {'a': 11.9}}, 'step', 'a')
+        '12.3 (11.9)'
+    """
+    return f'{row[f"{key}_ms"][variant]:.{digits}f} ({row[f"{key}_min_ms"][variant]:.{digits}f})'
 
 
 def finish(benchmark: str, start: RunStart, argv: Optional[list[str]], args: Any, rows: list, markdown: Any) -> dict:
