@@ -47,7 +47,7 @@ from channels_last_algo.core.argument_checks import require_flags, require_modul
 from channels_last_algo.core.extension_functions import cover_extension_functions
 from channels_last_algo.core.layers import repair_model, unrepaired_subclasses
 from channels_last_algo.core.layout import MemoryFormat, channels_last_format, to_channels_first, to_channels_last
-from channels_last_algo.core.optimizer_state_layout import keep_state_in_weight_layout
+from channels_last_algo.core.optimizer_state_layout import keep_state_in_weight_layout, match_state_to_weights
 from channels_last_algo.core.safety.bugs import make_safe, unsafe_subclasses
 from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 from channels_last_algo.core.weight_layout import ddp_around, weight_layout_for
@@ -76,7 +76,7 @@ class ConversionSummary:
             as text), the format the tensors now have.
         converted: names (as in ``state_dict``) of the 4D/5D tensors that were restrided.
         unchanged: names of the 4D/5D tensors that already had that layout.
-        optimizer_states: how many optimizer state tensors were restrided with their parameter.
+        optimizer_states: how many optimizer state tensors were restrided to their parameter's strides.
         uninitialized: names of lazy-module parameters that have no shape yet and were skipped.
         repaired: the layers swapped for NHWC-preserving ones (``repair=True``; kind ``'repair'``).
         made_safe: the layers routed around a known layout kernel bug (``kernel_safety=True``;
@@ -143,18 +143,6 @@ def refuse_under_ddp(model: torch.nn.Module) -> None:
         )
 
 
-def _restride_optimizer_state(optimizers: Iterable[torch.optim.Optimizer], params: set[int], restride: Restride) -> int:
-    count = 0
-    for optimizer in optimizers:
-        for param, state in optimizer.state.items():
-            if id(param) not in params:
-                continue
-            for value in state.values():  # in place: code in the step may hold the state tensors
-                if isinstance(value, torch.Tensor) and value.shape == param.shape:
-                    count += _restride_in_place(value, restride)
-    return count
-
-
 def _owned_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """``module``'s own parameters and buffers, and those its parametrizations keep (``weight_norm``'s
     ``parametrizations.weight.original0``), under their ``state_dict`` names relative to it."""
@@ -216,7 +204,6 @@ def _restride_model(
 ) -> ConversionSummary:
     restride = _RESTRIDES[memory_format]
     summary = ConversionSummary(layout=str(memory_format))
-    restrided: set[int] = set()
     # before the first weight changes: a walk over the objects alive, where a process group exists
     not_under_ddp = (lambda: None) if outside_ddp else functools.cache(functools.partial(refuse_under_ddp, model))
     for name, tensor, reason in _tensors_by_use(model):
@@ -226,7 +213,6 @@ def _restride_model(
         if reason is not None:
             summary.left[name] = reason
             continue
-        restrided.add(id(tensor))
         changed = _restride_in_place(tensor, restride, not_under_ddp)
         grad = getattr(tensor, 'grad', None)
         if grad is not None and channels_last_format(grad) is not None:
@@ -236,7 +222,7 @@ def _restride_model(
     if optimizers is not None:
         if isinstance(optimizers, torch.optim.Optimizer):
             optimizers = [optimizers]
-        summary.optimizer_states = _restride_optimizer_state(optimizers, restrided, restride)
+        summary.optimizer_states = sum(match_state_to_weights(optimizer) for optimizer in optimizers)
     return summary
 
 

@@ -43,6 +43,7 @@ from torch.nn.parameter import is_lazy
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from channels_last_algo.core.first_optimizer_step import torch_step
+from channels_last_algo.core.layout import channels_last_format
 
 __all__ = ['keep_state_in_weight_layout', 'match_state_to_weights']
 
@@ -149,5 +150,4 @@ def _restridable(value: torch.Tensor, param: torch.Tensor) -> bool:
         return False
     if value.untyped_storage().nbytes() != value.numel() * value.element_size():
         return False
-    formats = (torch.contiguous_format, torch.channels_last if param.dim() == 4 else torch.channels_last_3d)
-    return any(param.is_contiguous(memory_format=f) for f in formats)
+    return param.is_contiguous() or param.is_contiguous(memory_format=channels_last_format(param))
