@@ -245,14 +245,15 @@ class LayoutGuard:
         return apply_channels_first(model, optimizers=optimizers)
 
     def _trial_step(self, model: torch.nn.Module, batch: Any, loss_fn: LossFn, channels_last: bool) -> None:
-        """One of auto mode's timed steps; the first (a warm-up, channels last) finds the batch's images, watched as a
-        first step is, so that a view NHWC strides refuse runs and is placed before the steps timed."""
-        layout = to_channels_last if channels_last else to_channels_first
-        if self.inputs.known(batch):
+        """One of auto mode's timed steps; the first (a warm-up) finds the batch's images, NHWC, watched as a first
+        step is, so that a view NHWC strides refuse runs and is placed before the steps timed; the others in
+        channels last are watched as later steps are (ViewedOutputs.start_trial)."""
+        first = not self.inputs.known(batch)
+        layout = to_channels_last if channels_last or first else to_channels_first
+        if not self._viewed.start_trial(first, channels_last):
             return loss_fn(model, self.inputs.convert(batch, layout)).backward()
-        self._viewed.start()
         try:
-            loss = loss_fn(model, self.inputs.start(batch, self._looks_like_an_image, to_channels_last))
+            loss = loss_fn(model, self.inputs.put(batch, self._looks_like_an_image, layout))
             self.inputs.finish()
             loss.backward()
         finally:
@@ -296,10 +297,7 @@ class LayoutGuard:
             self._repair_check.start()  # before the model's first call; nothing once every layer is checked
         if not self.channels_last:
             return batch
-        if self.inputs.known(batch):
-            batch = self.inputs.convert(batch, to_channels_last)
-        else:
-            batch = self.inputs.start(batch, self._looks_like_an_image, to_channels_last)
+        batch = self.inputs.put(batch, self._looks_like_an_image, to_channels_last)
         if self._viewed is not None:  # after the input search: its mode leaves first
             self._viewed.begin(whole_step=False, loop=loop)
         return batch

@@ -273,6 +273,12 @@ class InputSelection:
 
         return map_leaves(batch, restride_selected)
 
+    def put(
+        self, batch: Any, guess: Callable[[torch.Tensor], bool], restride: Callable[[torch.Tensor], torch.Tensor]
+    ) -> Any:
+        """``batch`` through :meth:`convert` where it is :meth:`known`, else through :meth:`start`."""
+        return self.convert(batch, restride) if self.known(batch) else self.start(batch, guess, restride)
+
     def _check_named(self, candidates: Sequence[Path]) -> None:
         """ValueError when an entry of the ``inputs`` list names no 4D/5D tensor of a batch whose 4D/5D
         tensors are at ``candidates`` (a key or position that is not there: nothing would go NHWC)."""

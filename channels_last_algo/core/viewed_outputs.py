@@ -2,25 +2,22 @@
 step, made channels first where they are made.
 
 ``x.view(-1, 16 * 5 * 5)`` after a convolution and a pool (the LeNet flatten), a loss's
-``logits.view(n * k, h * w)`` or a hook's ``output.view(n, -1)`` raise on an NHWC activation
-("view size is not compatible with input tensor's size and stride"). While :class:`ViewedOutputs`
-watches a step (its mode: :mod:`~channels_last_algo.core.view_watch`), a view that fails so runs
-on a channels-first copy instead, which in-place writes keep in step with the activation
-(:mod:`~channels_last_algo.core.aliased_copies`), and the module whose output the viewed tensor
-derives from (through any ops, but no other module) is noted. From then
-on that module's NHWC outputs are made channels first (one copy, which the layout audit counts
-as an exit) by a forward hook that runs before the module's own hooks, so the view aliases the
-activation as in NCHW. The same holds where a ``.reshape()``, ``.flatten()``, ``.unflatten()`` or
-``.contiguous()`` copies an NHWC tensor that NCHW would have aliased (itself or a view) and an in-place
-write then goes through either of them: the write reaches the other, and the module is noted; and
-where NHWC returns a view NCHW would copy (``z.permute(0, 2, 3, 1).reshape(-1, c)``) and one of them
-is written (:mod:`~channels_last_algo.core.nchw_twins` tells which case is which).
-A module called more than once a step (a pool shared by two stages) is passed over for the
-modules its viewed output came from. A view of a tensor that no module made (a batch tensor; a
-gradient in a tensor hook, whose layout its consumers decide) cannot be placed so: the watch then
-stays on for every step, at the cost of following each op. An extension op given 4D/5D tensors runs
-as in NCHW (:mod:`~channels_last_algo.core.extension_ops`); a light watch, of extension ops only,
-then stays on for every step. A view first reached on a later step starts the watch there
+``logits.view(n * k, h * w)`` or a hook's ``output.view(n, -1)`` raise on an NHWC activation ("view size is not
+compatible with input tensor's size and stride"). While :class:`ViewedOutputs` watches a step (its mode:
+:mod:`~channels_last_algo.core.view_watch`), a view that fails so runs on a channels-first copy instead, which
+in-place writes keep in step with the activation (:mod:`~channels_last_algo.core.aliased_copies`), and the module
+whose output the viewed tensor derives from (through any ops, but no other module) is noted. From then on that
+module's NHWC outputs are made channels first (one copy, which the layout audit counts as an exit) by a forward hook
+that runs before the module's own hooks, so the view aliases the activation as in NCHW. The same holds where a
+``.reshape()``, ``.flatten()``, ``.unflatten()`` or ``.contiguous()`` copies an NHWC tensor that NCHW would have
+aliased (itself or a view) and an in-place write then goes through either of them: the write reaches the other, and
+the module is noted; and where NHWC returns a view NCHW would copy (``z.permute(0, 2, 3, 1).reshape(-1, c)``) and
+one of them is written (:mod:`~channels_last_algo.core.nchw_twins` tells which case is which). A module called more
+than once a step (a pool shared by two stages) is passed over for the modules its viewed output came from. A view of
+a tensor that no module made (a batch tensor; a gradient in a tensor hook, whose layout its consumers decide) cannot
+be placed so: the watch then stays on for every step, at the cost of following each op. An extension op given 4D/5D
+tensors runs as in NCHW (:mod:`~channels_last_algo.core.extension_ops`); a light watch, of extension ops only, then
+stays on for every step. A view first reached on a later step starts the watch there
 (:mod:`~channels_last_algo.core.late_views`).
 
 Example:
@@ -202,6 +199,13 @@ class ViewedOutputs:
         if (whole_step or self.loop is not None) and (self._mode is None or self._mode.light):
             self._armed = whole_step  # a view no watch follows, until the step or batch ends: core/late_views.py
             arm(self)
+
+    def start_trial(self, first: bool, channels_last: bool) -> bool:
+        """Watch one of auto mode's trial steps: the ``first`` as a first training step is, the others in channels
+        last as later steps are (while a view could not be placed, or extension ops run); whether a watch started."""
+        if first or (channels_last and (self.unplaced or self.extensions)):
+            self.start(light=not (first or self.unplaced))
+        return self.watching
 
     def _training(self) -> bool:
         model = self._model()

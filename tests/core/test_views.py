@@ -734,3 +734,28 @@ def test_auto_modes_trial_steps_run_a_model_that_views_as_in_nchw(integration):
     run = Run(build=LeNet, batches=_batches(), loss=_cross_entropy)
     steps, _, _ = guarded(run, integration, mode='auto')
     assert_same_run(steps, nchw(run), f'{integration}, auto mode')
+
+
+def _gradient_penalty_loss(critic: nn.Module, batch: tuple) -> torch.Tensor:
+    """WGAN-GP: the critic's gradient at images between the batch and its reverse, flattened by ``.view``
+    (NHWC, as the batch is: a tensor no module made)."""
+    images = batch[0]
+    alpha = torch.linspace(0, 1, images.shape[0], dtype=images.dtype).view(-1, 1, 1, 1)
+    between = (alpha * images + (1 - alpha) * images.flip(0)).requires_grad_(True)
+    (gradient,) = torch.autograd.grad(critic(between).sum(), between, create_graph=True)
+    penalty = ((gradient.view(gradient.size(0), -1).norm(2, dim=1) - 1) ** 2).mean()
+    return critic(images).mean() + 10 * penalty
+
+
+@EACH_INTEGRATION
+def test_auto_modes_timed_steps_watch_a_view_no_module_can_place(integration):
+    """A view of a tensor no module made (a gradient penalty's input gradient) is watched on every step: auto
+    mode's timed steps in channels last are watched so too, instead of raising inside the trial."""
+    run = Run(
+        build=lambda: nn.Sequential(nn.Conv2d(3, 4, 3, 2, 1), nn.LeakyReLU(0.2), nn.Flatten(), nn.Linear(4 * 8 * 8, 1)),
+        batches=[(images,) for images, _ in _batches(shape=(4, 3, 16, 16))],
+        loss=lambda output, batch: output,
+        forward=_gradient_penalty_loss,
+    )
+    steps, _, _ = guarded(run, integration, mode='auto')
+    assert_same_run(steps, nchw(run), f'{integration}, auto mode')
