@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -62,6 +63,8 @@ class AutoMode:
         step: ``step(model, batch, loss_fn, channels_last)`` runs one trial step (forward, loss,
             backward) with the batch in the layout asked for; the guard's converts the batch.
         show: where the timing line and the decision go (the guard's console).
+        weights_viewed: ``weights_viewed(weakref.ref(model), why)`` makes the weights contiguous, as the step
+            does that finds them viewed: where a trial step did on rank 0, :meth:`settle` has every rank follow.
     """
 
     def __init__(
@@ -69,11 +72,14 @@ class AutoMode:
         enabled: bool,
         step: Callable[[torch.nn.Module, Any, LossFn, bool], None],
         show: Callable[[str], None] = log.info,
+        weights_viewed: Callable[[weakref.ref, str], Any] = lambda model, why: None,
     ) -> None:
         self.enabled = enabled
         self.decision: Optional[LayoutDecision] = None
+        self.stood_down_because: Optional[str] = None
         self._step = step
         self._show = show
+        self._weights_viewed = weights_viewed
         self._resumed: Optional[LayoutDecision] = None  # the decision of the checkpoint a run resumed from
 
     @property
@@ -81,16 +87,18 @@ class AutoMode:
         """The layout decided; channels last until a decision is made."""
         return self.decision is None or self.decision.channels_last
 
-    def stand_down(self) -> None:
-        """Auto mode no longer applies: the run acts as ``mode='on'``."""
+    def stand_down(self, because: Optional[str] = None) -> None:
+        """Auto mode no longer applies: the run acts as ``mode='on'``; ``because`` the weights must stay contiguous."""
         self.enabled = False
+        self.stood_down_because = self.stood_down_because or because
 
     def decide(
         self, model: torch.nn.Module, batch: Any, loss_fn: LossFn, optimizers: Optimizers = None, **options: Any
-    ) -> LayoutDecision:
+    ) -> Optional[LayoutDecision]:
         """Time ``loss_fn(model, batch).backward()`` in both layouts; keep channels first only on evidence
         that channels last is slower (docs/auto.md). ``options`` go to
-        :func:`~channels_last_algo.core.auto.decide_layout`. The model is left in the chosen layout.
+        :func:`~channels_last_algo.core.auto.decide_layout`. The model is left in the chosen layout. None where a
+        trial step found the weights viewed: they are contiguous then, and the run acts as ``mode='on'``.
         """
         if not self.enabled:
             raise RuntimeError("decide() is for mode='auto', and this run does not act in auto mode")
@@ -102,8 +110,17 @@ class AutoMode:
 
         def run_step(channels_last: bool) -> None:
             self._step(model, batch, loss_fn, channels_last)
+            if not self.enabled:
+                raise _StoodDown
 
-        self.decision = decide_layout(model, run_step, optimizers=optimizers, **options)
+        try:
+            self.decision = decide_layout(model, run_step, optimizers=optimizers, **options)
+        except _StoodDown:
+            self._show(
+                f'auto layout: not decided, the weights must stay contiguous ({self.stood_down_because}); '
+                "the run acts as mode 'on'"
+            )
+            return None
         self._show(str(self.decision))
         return self.decision
 
@@ -140,9 +157,15 @@ class AutoMode:
         if timed is None:
             return
         decision = self.decide(model, timed.draw(), timed.loss_fn, optimizers) if rank == 0 else None
-        if world_size > 1:  # rank 0 decided; every rank takes its layout
-            decision = LayoutDecision.from_dict(broadcast(None if decision is None else decision.to_dict()))
-            self.apply(model, decision, optimizers)
+        if world_size <= 1:
+            return
+        # rank 0 decided, or found the weights viewed; every rank takes its outcome
+        sent = None if rank else {'stood_down': self.stood_down_because} if decision is None else decision.to_dict()
+        outcome = broadcast(sent)
+        if 'stood_down' not in outcome:
+            self.apply(model, LayoutDecision.from_dict(outcome), optimizers)
+        elif rank:
+            self._weights_viewed(weakref.ref(model), outcome['stood_down'])
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the decision (None before one)."""
@@ -152,6 +175,10 @@ class AutoMode:
         """Take a checkpointed run's decision, which :meth:`settle` then applies instead of measuring."""
         if state.get('decision') is not None:
             self._resumed = LayoutDecision.from_dict(state['decision'])
+
+
+class _StoodDown(Exception):
+    """A trial step found the weights viewed: auto mode stood down, and the timing ends."""
 
 
 def _shapeless(model: torch.nn.Module) -> Optional[str]:

@@ -100,7 +100,7 @@ class LayoutGuard:
         self.options['weights'] = weights
         check_options(**self.options)
         self.inputs = InputSelection(inputs)
-        self.auto = AutoMode(mode == 'auto', self._trial_step, self._show)
+        self.auto = AutoMode(mode == 'auto', self._trial_step, self._show, self._weights_viewed)
         self.summary: Optional[ConversionSummary] = None
         self.weight_layout: Optional[WeightLayoutPlan] = None
         self.console: Optional[Callable[[str], None]] = None  # an integration's console; None: the log
@@ -227,7 +227,7 @@ class LayoutGuard:
     def _weights_contiguous(self, model: weakref.ref, optimizer: Optimizers, plan: WeightLayoutPlan) -> None:
         """An optimizer made after :meth:`on_init`, or code in a step, flattens the weights: contiguous now."""
         self.weight_layout = plan
-        self.auto.stand_down()
+        self.auto.stand_down(plan.reason)
         if self._optimizer_watch is not None:
             self._optimizer_watch.stop()  # perhaps inside an optimizer's step hooks
         if not plan.sharded and model() is not None:
@@ -245,9 +245,8 @@ class LayoutGuard:
         return apply_channels_first(model, optimizers=optimizers)
 
     def _trial_step(self, model: torch.nn.Module, batch: Any, loss_fn: LossFn, channels_last: bool) -> None:
-        """One of auto mode's timed steps; the first (a warm-up) finds the batch's images, NHWC, watched as a first
-        step is, so that a view NHWC strides refuse runs and is placed before the steps timed; the others in
-        channels last are watched as later steps are (ViewedOutputs.start_trial)."""
+        """One of auto mode's timed steps, watched as training steps are (ViewedOutputs.start_trial); the first (a
+        warm-up) finds the batch's images, NHWC, so that a view NHWC strides refuse is placed before any is timed."""
         first = not self.inputs.known(batch)
         layout = to_channels_last if channels_last or first else to_channels_first
         if not self._viewed.start_trial(first, channels_last):

@@ -36,7 +36,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import logging
 import weakref
 from collections.abc import Callable
@@ -45,18 +44,17 @@ from typing import Any, Optional
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_leaves
 
-from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.backward_hooks import BackwardHooks
 from channels_last_algo.core.between_batches import BetweenBatches
+from channels_last_algo.core.channels_first_outputs import make_outputs_channels_first
 from channels_last_algo.core.late_views import arm, disarm, retrying_refused_traces
 from channels_last_algo.core.module_calls import (
     compiled_network,
     compiled_wrapper,
     eager_forward,
     exit_mode,
-    in_graph_capture,
     on_mode_stack,
     paused,
     subscribe,
@@ -65,7 +63,7 @@ from channels_last_algo.core.module_calls import (
 from channels_last_algo.core.saved_state import leaving_no_trace
 from channels_last_algo.core.view_watch import ViewWatch, contiguous_gradient, nhwc
 
-__all__ = ['ViewedOutputs', 'channels_first_output', 'channels_first_outputs']
+__all__ = ['ViewedOutputs']
 
 log = logging.getLogger(__name__)
 
@@ -73,41 +71,6 @@ log = logging.getLogger(__name__)
 def _on_top(mode: TorchFunctionMode) -> bool:
     depth = torch._C._len_torch_function_stack()
     return depth > 0 and torch._C._get_function_stack_at(depth - 1) is mode
-
-
-def _channels_first(output: Any) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: t.contiguous() if nhwc(t) else t, output)
-
-
-def channels_first_outputs(module: torch.nn.Module, args: tuple, output: Any) -> Any:
-    """A forward hook: ``output`` with its NHWC tensors made contiguous (channels first), which the
-    layout audit counts as exits."""
-    if in_graph_capture():
-        return _channels_first(output)
-    with exit_copies():
-        return _channels_first(output)
-
-
-def channels_first_output(module: Any, args: tuple[torch.Tensor], output: torch.Tensor) -> torch.Tensor:
-    """:func:`channels_first_outputs` for a module of one tensor in and one out, in a form
-    ``torch.jit.script`` compiles: a scripted model makes the output contiguous as eager does."""
-    if torch.jit.is_scripting():
-        return output.contiguous()
-    return _eager_channels_first(module, args, output)
-
-
-@torch.jit.unused
-def _eager_channels_first(module: Any, args: Any, output: Any) -> Any:
-    return channels_first_outputs(module, args, output)
-
-
-def _one_tensor_in(module: torch.nn.Module) -> bool:
-    """Whether ``module.forward`` takes one argument (the hook TorchScript types as ``Tuple[Tensor]``)."""
-    try:
-        parameters = inspect.signature(module.forward).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return len(parameters) == 1 and next(iter(parameters)).kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
 
 
 def _hook_first(tensor: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> None:
@@ -159,6 +122,7 @@ class ViewedOutputs:
         self._depth = 0  # module calls under way
         self._model = weakref.ref(model)
         self._step_watched = False  # a whole training step was watched
+        self._trial_watched = False  # a channels-last trial step of auto mode was watched
         self._forwards_watched: set[tuple] = set()  # (model.training, loop) of the batches whose forward was watched
         self.loop: Optional[str] = None  # its batch and the code after it watched until its end
         self._rehearsed = weakref.WeakKeyDictionary()  # compiled wrapper -> the modes (training) it ran eagerly in
@@ -192,20 +156,28 @@ class ViewedOutputs:
             if whole_step
             else (training, self.loop) in self._forwards_watched or (training and self._step_watched)
         )
+        self._watch_or_arm(whole_step, seen)
+
+    def _watch_or_arm(self, whole_step: bool, seen: bool) -> None:
+        """Watch where not ``seen``, while a view could not be placed, after a view first reached late (``rearm``), and
+        the extension ops while some ran; else arm for a view no watch follows, until the step or batch ends."""
         rearm = whole_step in self._rearm
         if self.unplaced or not seen or self.extensions or rearm:
             self._rearm.discard(whole_step)
             self.start(whole_step, light=seen and not self.unplaced and not rearm)
         if (whole_step or self.loop is not None) and (self._mode is None or self._mode.light):
-            self._armed = whole_step  # a view no watch follows, until the step or batch ends: core/late_views.py
+            self._armed = whole_step  # core/late_views.py
             arm(self)
 
     def start_trial(self, first: bool, channels_last: bool) -> bool:
-        """Watch one of auto mode's trial steps: the ``first`` as a first training step is, the others in channels
-        last as later steps are (while a view could not be placed, or extension ops run); whether a watch started."""
-        if first or (channels_last and (self.unplaced or self.extensions)):
-            self.start(light=not (first or self.unplaced))
-        return self.watching
+        """Watch one of auto mode's trial steps as training would: the ``first`` (it finds the batch's images) and the
+        first in channels last whole, the later ones in channels last as later training steps; whether it is watched."""
+        if first:
+            self.start()
+        elif channels_last:
+            self._watch_or_arm(True, seen=self._trial_watched)
+            self._trial_watched = True
+        return first or channels_last
 
     def _training(self) -> bool:
         model = self._model()
@@ -392,8 +364,7 @@ class ViewedOutputs:
             network = compiled_network(module)  # a compiled wrapper: named by its network
             path = self._paths.get(network)  # None: a module outside the model (a teacher the forward calls)
             name = f'a {type(network).__name__} outside the model' if path is None else path or type(network).__name__
-            one_tensor = module in self._one_tensor_out and _one_tensor_in(module)
-            module.register_forward_hook(channels_first_output if one_tensor else channels_first_outputs, prepend=True)
+            make_outputs_channels_first(module, one_tensor=module in self._one_tensor_out)
             self._hooked.add(module)
             self.placed.append(name)
             self._new.append(f'{name} outputs made channels first ({how})')

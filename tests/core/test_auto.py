@@ -15,6 +15,7 @@ from torch import nn
 from channels_last_algo import LayoutGuard, WeightLayoutPlan, has_channels_last_strides
 from channels_last_algo.core import auto_mode as auto_mode_module
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
+from channels_last_algo.core.auto_mode import Trial
 from channels_last_algo.core.timing import FakeClock
 
 
@@ -278,3 +279,34 @@ def test_resumed_run_keeps_the_decision_without_measuring(monkeypatch, tmp_path)
     resumed, algorithm = _trainer('auto', load_path=str(tmp_path / 'ep0-ba3-rank0.pt'))
     assert algorithm.decision == decided  # the interval and the rounds come back with the layout
     assert not has_channels_last_strides(resumed.state.model.module[0].weight)
+
+
+class _WeightViewingNet(torch.nn.Module):
+    """A convolution whose forward views its own weight (a per-filter norm), which NHWC strides refuse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.conv.weight.view(4, -1)
+        weight = (flat / flat.norm(dim=1, keepdim=True)).view_as(self.conv.weight)
+        return torch.nn.functional.conv2d(x, weight, self.conv.bias)
+
+
+def test_a_trial_that_finds_the_weights_viewed_stops_timing_and_every_rank_keeps_them_contiguous():
+    """Rank 0's trial finds the weight viewed: the weights go contiguous, nothing is decided, the run acts as
+    mode 'on'; the other ranks, which time nothing, take the same outcome from the broadcast."""
+    x = torch.randn(2, 3, 8, 8)
+    trial = lambda: Trial(lambda: x, lambda m, batch: m(batch).sum())  # noqa: E731
+    sent = []
+    rank_0, model_0 = LayoutGuard(mode='auto'), _WeightViewingNet()
+    rank_0.on_init(model_0)
+    rank_0.auto.settle(model_0, trial, rank=0, world_size=2, broadcast=lambda obj: sent.append(obj) or obj)
+    assert rank_0.auto.decision is None and rank_0.effective_mode == 'on' and rank_0.weight_layout.contiguous
+    assert model_0.conv.weight.is_contiguous() and 'viewed' in sent[0]['stood_down']
+    rank_1, model_1 = LayoutGuard(mode='auto'), _WeightViewingNet()
+    rank_1.on_init(model_1)
+    assert has_channels_last_strides(model_1.conv.weight)
+    rank_1.auto.settle(model_1, trial, rank=1, world_size=2, broadcast=lambda obj: sent[0])
+    assert rank_1.effective_mode == 'on' and rank_1.weight_layout.contiguous and model_1.conv.weight.is_contiguous()

@@ -759,3 +759,45 @@ def test_auto_modes_timed_steps_watch_a_view_no_module_can_place(integration):
     )
     steps, _, _ = guarded(run, integration, mode='auto')
     assert_same_run(steps, nchw(run), f'{integration}, auto mode')
+
+
+class _WeightNormalizingNet(nn.Module):
+    """Normalizes each filter through a ``.view`` of its weight, which NHWC strides refuse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.conv.weight.view(8, -1)
+        weight = (flat / flat.norm(dim=1, keepdim=True)).view_as(self.conv.weight)
+        return self.head(F.conv2d(x, weight, self.conv.bias, padding=1))
+
+
+class _ViewsFromItsFourthCall(nn.Module):
+    """Flattens by ``.reshape`` on its first three calls, then by ``.view``: a view first reached in a later trial."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 32 * 32, 10)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = F.relu(self.conv(x))
+        return self.head(y.view(y.size(0), -1) if self.calls > 3 else y.reshape(y.size(0), -1))
+
+
+@EACH_INTEGRATION
+@pytest.mark.parametrize('build', [_WeightNormalizingNet, _ViewsFromItsFourthCall])
+def test_auto_modes_channels_last_trials_take_views_as_training_steps_do(integration, build):
+    """Auto mode's trial steps with channels-last weights find a weight viewed (the warm-up's channels-first
+    weights cannot show it) and take a view first reached on a later trial, instead of raising inside the trial."""
+    run = Run(build=build, batches=_batches(steps=5), loss=_cross_entropy)
+    steps, net, owner = guarded(run, integration, mode='auto')
+    assert_same_run(steps, nchw(run), f'{integration}, auto mode')
+    if build is _WeightNormalizingNet:
+        guard = getattr(owner, 'guard', owner)
+        assert guard.effective_mode == 'on' and net.conv.weight.is_contiguous()
