@@ -67,7 +67,8 @@ def follow_strategy(
 
 
 def first_training_batch(trainer: pl.Trainer) -> Any:
-    """The first batch of the train dataloader(s), on the device, as ``training_step`` gets it.
+    """The first batch of the train dataloader(s), on the device, as ``training_step`` gets it before the
+    guard's ``on_batch`` (each trial step puts it in its own layout).
 
     The dataloaders are not built before ``fit``'s loop starts, so this asks their source (the
     module, the datamodule, or what was passed to ``fit``) as the loop will. The random state is
@@ -75,7 +76,8 @@ def first_training_batch(trainer: pl.Trainer) -> Any:
     loaders = trainer.fit_loop._data_source.dataloader()
     with torch.random.fork_rng(devices=[]):
         batch, _, _ = next(iter(CombinedLoader(loaders, 'max_size_cycle')))
-    return trainer.strategy.batch_to_device(batch)
+    strategy = trainer.strategy
+    return type(strategy).batch_to_device(strategy, batch)  # the class's: not follow_strategy's on the instance
 
 
 def example_forward(module: pl.LightningModule, on_batch: Callable[[Any], Any]) -> bool:

@@ -233,12 +233,14 @@ def test_a_dense_target_the_first_guess_restrided_is_viewed_in_the_loss():
 
 
 @pytest.mark.parametrize('integration', ['composer', 'lightning'])
-def test_a_trainer_dense_target_viewed_in_the_loss(integration):
-    """The same through the Composer algorithm and the Lightning callback: the loss views the target."""
+@pytest.mark.parametrize('mode', ['on', 'auto'])
+def test_a_trainer_dense_target_viewed_in_the_loss(integration, mode):
+    """The same through the Composer algorithm and the Lightning callback: the loss views the target; auto
+    mode's trial steps (some channels first, unwatched) get the batch as it came, its target not guessed NHWC."""
     from guarded_runs import Run, guarded
 
     run = Run(lambda: build(CLASSES), data(dense=True), lambda out, batch: dense_loss(out, batch[1]))
-    steps, _, _ = guarded(run, integration)
+    steps, _, _ = guarded(run, integration, mode=mode)
     assert_same_run(steps, reference(dense=True))
 
 
