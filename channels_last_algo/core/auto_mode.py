@@ -156,16 +156,35 @@ class AutoMode:
         timed = trial()
         if timed is None:
             return
-        decision = self.decide(model, timed.draw(), timed.loss_fn, optimizers) if rank == 0 else None
+        outcome = self._timed_on_rank_0(model, timed, optimizers) if rank == 0 else None
         if world_size <= 1:
             return
-        # rank 0 decided, or found the weights viewed; every rank takes its outcome
-        sent = None if rank else {'stood_down': self.stood_down_because} if decision is None else decision.to_dict()
-        outcome = broadcast(sent)
-        if 'stood_down' not in outcome:
+        outcome = broadcast(outcome)  # every rank takes rank 0's
+        if 'stood_down' in outcome:
+            if rank:
+                self._weights_viewed(weakref.ref(model), outcome['stood_down'])
+        elif 'untimed' in outcome:
+            self.stand_down()
+        else:
             self.apply(model, LayoutDecision.from_dict(outcome), optimizers)
-        elif rank:
-            self._weights_viewed(weakref.ref(model), outcome['stood_down'])
+
+    def _timed_on_rank_0(self, model: torch.nn.Module, timed: Trial, optimizers: Optimizers) -> dict[str, Any]:
+        """Rank 0 decides (the decision's dict), or says why not: ``{'stood_down': why}``, a trial found the
+        weights viewed (they are contiguous now); ``{'untimed': why}``, the step raised before training, where
+        it may read what only the training loop sets up (``self.optimizers()``): the run acts as ``mode='on'``,
+        and the step raises in training if it must."""
+        try:
+            decision = self.decide(model, timed.draw(), timed.loss_fn, optimizers)
+        except Exception as error:
+            said = (str(error).splitlines() or [''])[0][:300]
+            why = f'the step on the first training batch raised before training ({type(error).__name__}: {said})'
+            log.warning("auto layout: not decided, %s; the run acts as mode 'on'", why)
+            if self.stood_down_because is not None:
+                return {'stood_down': self.stood_down_because}
+            restride(model, True, optimizers)  # a channels-first trial may have raised
+            self.stand_down()
+            return {'untimed': why}
+        return {'stood_down': self.stood_down_because} if decision is None else decision.to_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps: the decision (None before one)."""

@@ -310,3 +310,28 @@ def test_a_trial_that_finds_the_weights_viewed_stops_timing_and_every_rank_keeps
     assert has_channels_last_strides(model_1.conv.weight)
     rank_1.auto.settle(model_1, trial, rank=1, world_size=2, broadcast=lambda obj: sent[0])
     assert rank_1.effective_mode == 'on' and rank_1.weight_layout.contiguous and model_1.conv.weight.is_contiguous()
+
+
+def test_a_step_that_raises_before_training_leaves_the_run_channels_last_on_every_rank(caplog):
+    """A step that cannot run before training (it reads what only the loop sets up) is not timed: rank 0 says
+    why and acts as mode 'on', channels last, even where the channels-first trial raised; the other ranks follow."""
+
+    def loss_fn(model, batch):
+        if not has_channels_last_strides(model[0].weight):
+            raise AttributeError("'list' object has no attribute 'param_groups'")
+        return model(batch).sum()
+
+    x = torch.randn(2, 3, 8, 8)
+    sent = []
+    rank_0, model_0 = LayoutGuard(mode='auto'), _model()
+    rank_0.on_init(model_0)
+    rank_0.auto.settle(
+        model_0, lambda: Trial(lambda: x, loss_fn), world_size=2, broadcast=lambda o: sent.append(o) or o
+    )
+    assert rank_0.auto.decision is None and rank_0.effective_mode == 'on' and rank_0.channels_last
+    assert has_channels_last_strides(model_0[0].weight) and 'param_groups' in sent[0]['untimed']
+    assert any('param_groups' in r.getMessage() and "acts as mode 'on'" in r.getMessage() for r in caplog.records)
+    rank_1, model_1 = LayoutGuard(mode='auto'), _model()
+    rank_1.on_init(model_1)
+    rank_1.auto.settle(model_1, lambda: Trial(lambda: x, loss_fn), rank=1, world_size=2, broadcast=lambda o: sent[0])
+    assert rank_1.effective_mode == 'on' and has_channels_last_strides(model_1[0].weight)

@@ -624,3 +624,31 @@ def test_ddp_on_two_ranks_is_nhwc_throughout_and_matches_one_nchw_process(two_ra
 
 if __name__ == '__main__':
     _run_rank(Path(sys.argv[1]))
+
+
+class _ReadsItsOptimizers(Classifier):
+    """Logs its learning rate from ``self.optimizers()`` and ``self.lr_schedulers()``: the fit loop sets them up."""
+
+    def training_step(self, batch, batch_idx):
+        self.log('lr', self.optimizers().param_groups[0]['lr'])
+        self.log('scheduled_lr', self.lr_schedulers().get_last_lr()[0])
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, 1)]
+
+
+def test_auto_mode_trains_a_step_that_reads_its_optimizers_channels_last_untimed(quick_decisions):
+    """Auto mode times training_step before the optimizers exist: one that reads them is not timed, and the fit
+    trains channels last as mode 'on' does, to the same numbers."""
+    results = {}
+    for mode in ('on', 'auto'):
+        torch.manual_seed(0)
+        callback, module = ChannelsLastCallback(mode=mode), _ReadsItsOptimizers()
+        lightning_trainer(max_steps=2, callbacks=[callback]).fit(module, loader(n=8))
+        results[mode] = weights_4d(module.net)
+        assert callback.guard.effective_mode == 'on' and callback.decision is None
+        assert all(module.inputs_nhwc) and all(has_channels_last_strides(w) for w in results[mode].values())
+    for name, weight in results['on'].items():
+        torch.testing.assert_close(results['auto'][name], weight, rtol=0, atol=0)
