@@ -10,8 +10,9 @@ the tie band ``[1 / (1 + margin), 1 + margin]`` (or inside it), at most ``max_ro
 and ``max_seconds``. Channels last, the algorithm's purpose, is the default: NCHW is kept only
 on evidence that channels last is slower; a tie, or no evidence within the bound, keeps
 channels last and is recorded as a tie (docs/auto.md argues the choice). Everything a trial
-step touches is put back: gradients, buffers (BatchNorm running statistics), the plain attributes
-a forward counts in (``self.calls += 1``), and the torch, CUDA, Python and NumPy random states;
+step touches is put back: gradients, buffers (BatchNorm running statistics), what the modules count or
+collect in attributes of their own (``self.calls += 1``, a list of losses, a metric's state), and the torch,
+CUDA, Python and NumPy random states;
 parameters and optimizer state are never updated, only restrided.
 
 Example:
@@ -40,7 +41,7 @@ import torch
 
 from channels_last_algo.core.convert import Optimizers, refuse_under_ddp, restride
 from channels_last_algo.core.layout import MemoryFormat
-from channels_last_algo.core.saved_state import plain_attributes, put_back
+from channels_last_algo.core.saved_state import AttributeState
 from channels_last_algo.core.timing import Timings, synchronizer, time_interleaved
 
 __all__ = ['LayoutDecision', 'decide_layout']
@@ -124,7 +125,7 @@ class _Snapshot:
     grads: list[Optional[torch.Tensor]]
     buffers: list[torch.Tensor]
     rng: tuple[Any, ...]
-    attributes: list[tuple[dict, str, Any]]  # what the forward counts (``self.calls += 1``)
+    attributes: AttributeState  # what the step counts or collects (``self.calls += 1``, a list of losses)
 
     @classmethod
     def take(cls, model: torch.nn.Module) -> _Snapshot:
@@ -133,7 +134,7 @@ class _Snapshot:
             grads=[None if p.grad is None else p.grad.clone() for p in model.parameters()],
             buffers=[b.clone() for b in model.buffers()],
             rng=(torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()),
-            attributes=plain_attributes(model),
+            attributes=AttributeState(model),
         )
 
     def restore(self, model: torch.nn.Module) -> None:
@@ -148,7 +149,7 @@ class _Snapshot:
             torch.cuda.set_rng_state_all(cuda_rng)
         random.setstate(python_rng)
         np.random.set_state(numpy_rng)
-        put_back(self.attributes)
+        self.attributes.put_back()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from channels_last_algo.core import module_calls
-from channels_last_algo.core.saved_state import SavedState, plain_attributes, put_back
+from channels_last_algo.core.saved_state import AttributeState, SavedState
 from channels_last_algo.core.swap import qualified_name, swap_back
 from channels_last_algo.core.swap_records import SwapRecord
 
@@ -193,11 +193,11 @@ class RepairCheck:
             return None
         pending = self._pending[id(module)]
         gradients = torch.is_grad_enabled()
-        after, attributes = SavedState(), plain_attributes(module)  # the random state and attributes the real call left
+        after, attributes = SavedState(), AttributeState(module)  # the random state and attributes the real call left
         with module_calls.paused(), _disable_current_modes():
             reason = self._compare(pending, module, args, kwargs, before, gradients)
         after.restore_random_state()
-        put_back(attributes)
+        attributes.put_back()
         if reason is None:
             pending.outputs_checked = True
             if gradients or not module.training:

@@ -1,9 +1,10 @@
-"""The random state, the buffer values and the plain attributes of a module at one moment, for an extra pass that
+"""The random state, the buffer values and the attributes of a module at one moment, for an extra pass that
 must leave no trace.
 
 The repair check runs a swapped layer's original beside it, and the view watch rehearses a compiled
 forward eagerly: each pass draws random numbers, updates running statistics and advances what a forward
-counts in attributes of its own (``self.calls += 1``, a warm-up ramp) that the real pass must not see.
+counts in attributes of its own (``self.calls += 1``, a warm-up ramp) or collects in them (a list of losses, a
+metric's state) that the real pass must not see.
 
 Example:
     >>> import torch
@@ -18,16 +19,19 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
 
-__all__ = ['SavedState', 'leaving_no_trace', 'plain_attributes', 'put_back']
+__all__ = ['AttributeState', 'SavedState', 'leaving_no_trace', 'plain_attributes', 'put_back']
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # torch's own attributes of every module
 _PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None)})
+_CONTAINERS = (list, dict, set, collections.deque)
+_BY_VALUE_UP_TO = 1 << 20  # elements: a tensor kept in an attribute (a metric's state) is saved by value up to this
 
 
 def plain_attributes(module: torch.nn.Module) -> list[tuple[dict, str, Any]]:
@@ -57,15 +61,79 @@ def put_back(attributes: list[tuple[dict, str, Any]]) -> None:
         namespace[key] = value
 
 
+def _kept(value: Any) -> bool:
+    """State a pass may rebind or fill: a plain value, a container, a tensor (never a function or module)."""
+    return type(value) in _PLAIN or isinstance(value, (*_CONTAINERS, torch.Tensor))
+
+
+def _refill(value: Any) -> Callable[[], Any]:
+    """What puts ``value``'s contents back as they are now: a tensor's values (up to :data:`_BY_VALUE_UP_TO`
+    elements), a container's items and the values of the tensors among them; nothing for the rest."""
+    if isinstance(value, torch.Tensor) and value.numel() <= _BY_VALUE_UP_TO:
+        saved = value.detach().clone()
+        return lambda: value.data.copy_(saved) if value.shape == saved.shape else None
+    if not isinstance(value, _CONTAINERS):
+        return lambda: None
+    items = list(value.items()) if isinstance(value, dict) else list(value)
+    inner = [
+        _refill(item)
+        for item in (value.values() if isinstance(value, dict) else value)
+        if isinstance(item, torch.Tensor)
+    ]
+
+    def refill() -> None:
+        value.clear()
+        value.update(items) if isinstance(value, (dict, set)) else value.extend(items)
+        for tensor in inner:
+            tensor()
+
+    return refill
+
+
+class AttributeState:
+    """What ``module`` and its submodules hold in attributes of their own (not parameters, buffers, submodules or
+    hooks) at one moment: plain values a pass rebinds (``self.calls += 1``), lists, dicts and sets it fills
+    (``self.outputs.append(loss)``) and tensors it updates (a torchmetrics metric's state). :meth:`put_back`
+    restores them and drops such attributes the pass added; functions and other objects stay as they are.
+
+    Example:
+        >>> head = torch.nn.Linear(2, 2)
+        >>> head.outputs, head.calls = [], 0
+        >>> state = AttributeState(head)
+        >>> head.outputs.append(1.0); head.calls += 1; head.first = torch.ones(1)
+        >>> state.put_back()
+        >>> head.outputs, head.calls, hasattr(head, 'first')
+        ([], 0, False)
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._saved = [
+            (vars(m), {key: (value, _refill(value)) for key, value in vars(m).items() if _own(key, value)})
+            for m in module.modules()
+        ]
+
+    def put_back(self) -> None:
+        for namespace, saved in self._saved:
+            for key in [key for key, value in namespace.items() if key not in saved and _own(key, value)]:
+                del namespace[key]
+            for key, (value, refill) in saved.items():
+                namespace[key] = value
+                refill()
+
+
+def _own(key: str, value: Any) -> bool:
+    return key not in _MODULE_INTERNALS and _kept(value)
+
+
 class SavedState:
-    """The random state (CPU and CUDA), the values of ``module``'s buffers and its plain attributes now. Buffers are
+    """The random state (CPU and CUDA), the values of ``module``'s buffers and its attributes now. Buffers are
     written back through ``.data``: a graph that saved them (BatchNorm's) keeps its version counters."""
 
     def __init__(self, module: Optional[torch.nn.Module] = None) -> None:
         self.rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         self.buffers = [] if module is None else [(b, b.detach().clone()) for b in module.buffers()]
-        self.attributes = [] if module is None else plain_attributes(module)
+        self.attributes = None if module is None else AttributeState(module)
 
     def restore_random_state(self) -> None:
         torch.set_rng_state(self.rng)
@@ -73,9 +141,10 @@ class SavedState:
             torch.cuda.set_rng_state_all(self.cuda_rng)
 
     def restore(self) -> None:
-        """The random state, the buffer values and the plain attributes as they were."""
+        """The random state, the buffer values and the attributes as they were."""
         self.restore_random_state()
-        put_back(self.attributes)
+        if self.attributes is not None:
+            self.attributes.put_back()
         with torch.no_grad():
             for buffer, value in self.buffers:
                 buffer.data.copy_(value)
@@ -97,7 +166,7 @@ class SavedState:
 
 @contextlib.contextmanager
 def leaving_no_trace(module: torch.nn.Module) -> Iterator[None]:
-    """An extra pass of ``module`` inside: on copies of its buffers, and the random state and plain attributes put
+    """An extra pass of ``module`` inside: on copies of its buffers, and the random state and attributes put
     back after.
 
     Example:
@@ -113,4 +182,4 @@ def leaving_no_trace(module: torch.nn.Module) -> Iterator[None]:
             yield
     finally:
         state.restore_random_state()
-        put_back(state.attributes)
+        state.attributes.put_back()

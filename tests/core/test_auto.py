@@ -154,10 +154,21 @@ def test_trial_steps_leave_no_trace():
 
     model[1].calls = 0  # a count the forward keeps in an attribute of its own (a warm-up ramp)
     model[1].register_forward_pre_hook(lambda module, args: setattr(module, 'calls', module.calls + 1))
+    outputs, total = [], torch.zeros(1)  # what a step collects: a list of outputs, a metric's running total
+    model[0].outputs, model[0].total = outputs, total
+
+    def collect(module, args, output):
+        module.outputs.append(output.detach())
+        module.total += output.detach().sum()
+        module.last = output.detach()  # an attribute the step adds
+
+    model[0].register_forward_hook(collect)
 
     decision = decide_layout(model, _step(model, x), optimizers=optimizer, timer=LayoutClock(model[0].weight))
 
     assert decision.channels_last and decision.rounds == 6 and model[1].calls == 0
+    assert model[0].outputs is outputs == [] and model[0].total is total and total.item() == 0
+    assert not hasattr(model[0], 'last')
     assert (torch.rand(3), random.random(), np.random.rand())[1:] == expected[1:]
     torch.manual_seed(123)
     torch.testing.assert_close(torch.rand(3), expected[0])

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from channels_last_algo.core.saved_state import plain_attributes, put_back
+from channels_last_algo.core.saved_state import AttributeState
 
 __all__ = ['FLOAT64_RTOL', 'ExampleCheck', 'max_relative_error', 'why']
 
@@ -136,9 +136,9 @@ class ExampleCheck:
             return None
         with torch.no_grad():
             if not self._expected:
-                attributes = plain_attributes(self.model)  # an extra call: what the forward counts is put back
+                attributes = AttributeState(self.model)  # an extra call: what the forward counts is put back
                 self._expected.append(self.model(*self.inputs))
-                put_back(attributes)
+                attributes.put_back()
             error = max_relative_error(self._run(fused), self._expected[0])
         if error <= self.rtol:
             return None
