@@ -30,18 +30,16 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import random
 import statistics
 import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from channels_last_algo.core.convert import Optimizers, refuse_under_ddp, restride
 from channels_last_algo.core.layout import MemoryFormat
-from channels_last_algo.core.saved_state import AttributeState
+from channels_last_algo.core.saved_state import AttributeState, RandomStates
 from channels_last_algo.core.timing import Timings, synchronizer, time_interleaved
 
 __all__ = ['LayoutDecision', 'decide_layout']
@@ -124,16 +122,15 @@ class LayoutDecision:
 class _Snapshot:
     grads: list[Optional[torch.Tensor]]
     buffers: list[torch.Tensor]
-    rng: tuple[Any, ...]
+    random: RandomStates
     attributes: AttributeState  # what the step counts or collects (``self.calls += 1``, a list of losses)
 
     @classmethod
     def take(cls, model: torch.nn.Module) -> _Snapshot:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
         return cls(
             grads=[None if p.grad is None else p.grad.clone() for p in model.parameters()],
             buffers=[b.clone() for b in model.buffers()],
-            rng=(torch.get_rng_state(), cuda, random.getstate(), np.random.get_state()),
+            random=RandomStates.take(),
             attributes=AttributeState(model),
         )
 
@@ -143,12 +140,7 @@ class _Snapshot:
                 p.grad = None if grad is None else torch.empty_like(p).copy_(grad)  # in p's layout
             for buffer, saved in zip(model.buffers(), self.buffers):
                 buffer.copy_(saved)
-        torch_rng, cuda_rng, python_rng, numpy_rng = self.rng
-        torch.set_rng_state(torch_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        random.setstate(python_rng)
-        np.random.set_state(numpy_rng)
+        self.random.restore()
         self.attributes.put_back()
 
 

@@ -21,12 +21,23 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import random
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
-__all__ = ['AttributeState', 'SavedState', 'leaving_no_trace', 'plain_attributes', 'put_back']
+__all__ = [
+    'AttributeState',
+    'RandomStates',
+    'SavedState',
+    'leaving_no_trace',
+    'plain_attributes',
+    'put_back',
+    'random_states_kept',
+]
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))  # torch's own attributes of every module
 _PLAIN = frozenset({bool, int, float, complex, str, bytes, type(None)})
@@ -125,20 +136,56 @@ def _own(key: str, value: Any) -> bool:
     return key not in _MODULE_INTERNALS and _kept(value)
 
 
+@dataclasses.dataclass(frozen=True)
+class RandomStates:
+    """The torch (CPU and, once initialized, CUDA), Python and NumPy random states at one moment."""
+
+    cpu: torch.Tensor
+    cuda: Optional[list[torch.Tensor]]
+    python: Any
+    numpy: Any
+
+    @classmethod
+    def take(cls) -> RandomStates:
+        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        return cls(torch.get_rng_state(), cuda, random.getstate(), np.random.get_state())
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+
+
+@contextlib.contextmanager
+def random_states_kept() -> Iterator[None]:
+    """Inside, draw freely (a batch taken from a loader ahead of its loop): every random state is put back after.
+
+    Example:
+        >>> with random_states_kept():
+        ...     drawn = torch.rand(1)
+        >>> bool(torch.rand(1) == drawn)
+        True
+    """
+    states = RandomStates.take()
+    try:
+        yield
+    finally:
+        states.restore()
+
+
 class SavedState:
-    """The random state (CPU and CUDA), the values of ``module``'s buffers and its attributes now. Buffers are
+    """The random states, the values of ``module``'s buffers and its attributes now. Buffers are
     written back through ``.data``: a graph that saved them (BatchNorm's) keeps its version counters."""
 
     def __init__(self, module: Optional[torch.nn.Module] = None) -> None:
-        self.rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+        self.random = RandomStates.take()
         self.buffers = [] if module is None else [(b, b.detach().clone()) for b in module.buffers()]
         self.attributes = None if module is None else AttributeState(module)
 
     def restore_random_state(self) -> None:
-        torch.set_rng_state(self.rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
+        self.random.restore()
 
     def restore(self) -> None:
         """The random state, the buffer values and the attributes as they were."""

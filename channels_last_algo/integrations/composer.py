@@ -32,6 +32,7 @@ from channels_last_algo.core.auto_mode import Trial
 from channels_last_algo.core.batch_tree import Path, map_leaves
 from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.inputs import Inputs
+from channels_last_algo.core.saved_state import random_states_kept
 from channels_last_algo.core.weight_layout import weight_layout_for
 from channels_last_algo.integrations.composer_adapter import save_canonical
 from channels_last_algo.integrations.composer_fused_eval import FusedEval, unwrapped
@@ -265,7 +266,8 @@ def _trial(event: Event, state: State) -> Optional[Trial]:
     loss on it; None until the train dataloader is known (it may come with ``fit``)."""
     if state.dataloader is None:
         return None  # the train dataloader comes with fit(): decide at FIT_START
-    batch = _float_images(state.device.batch_to_device(next(iter(state.dataloader))))
+    with random_states_kept():  # a loader's new iterator draws its seeds: the run's data order and draws stay
+        batch = _float_images(state.device.batch_to_device(next(iter(state.dataloader))))
 
     def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         with get_precision_context(state.precision, state.precision_config):

@@ -23,6 +23,8 @@ require('lightning', 'lightning')
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import CombinedLoader
 
+from channels_last_algo.core.saved_state import random_states_kept
+
 __all__ = ['example_forward', 'first_training_batch', 'follow_strategy', 'replace_on_instance']
 
 
@@ -74,7 +76,7 @@ def first_training_batch(trainer: pl.Trainer) -> Any:
     module, the datamodule, or what was passed to ``fit``) as the loop will. The random state is
     put back, so drawing it does not change the run's data order."""
     loaders = trainer.fit_loop._data_source.dataloader()
-    with torch.random.fork_rng(devices=[]):
+    with random_states_kept():
         batch, _, _ = next(iter(CombinedLoader(loaders, 'max_size_cycle')))
     strategy = trainer.strategy
     return type(strategy).batch_to_device(strategy, batch)  # the class's: not follow_strategy's on the instance

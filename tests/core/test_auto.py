@@ -346,3 +346,36 @@ def test_a_step_that_raises_before_training_leaves_the_run_channels_last_on_ever
     rank_1.on_init(model_1)
     rank_1.auto.settle(model_1, lambda: Trial(lambda: x, loss_fn), rank=1, world_size=2, broadcast=lambda o: sent[0])
     assert rank_1.effective_mode == 'on' and has_channels_last_strides(model_1[0].weight)
+
+
+def test_composer_auto_deciding_at_fit_start_keeps_the_runs_data_order_and_draws(monkeypatch):
+    """With the train dataloader given to ``fit``, auto mode draws its trial batch at FIT_START: a fresh iterator
+    of a shuffled loader draws its seeds, which must not move the run's data order or its dropout masks."""
+    pytest.importorskip('composer', reason='the Composer integration needs composer (the torch 2.7 environment)')
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from channels_last_algo import ChannelsLast
+
+    monkeypatch.setattr(auto_mode_module, 'decide_layout', _decide_with_costs(0.5))
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(24, 3, 8, 8, generator=generator), torch.randint(0, 10, (24,), generator=generator)
+    )
+    runs = {}
+    for mode in ('on', 'auto'):
+        algorithm = ChannelsLast(mode=mode)
+        trainer = Trainer(
+            model=ComposerClassifier(_model(), num_classes=10),
+            max_duration='4ba',
+            device='cpu',
+            algorithms=[algorithm],
+            seed=7,
+            progress_bar=False,
+        )
+        trainer.fit(train_dataloader=DataLoader(data, batch_size=4, shuffle=True))
+        runs[mode] = list(trainer.state.model.parameters())
+    assert algorithm.decision is not None and algorithm.decision.channels_last
+    for a, b in zip(runs['on'], runs['auto']):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
