@@ -79,18 +79,18 @@ def _kept(value: Any) -> bool:
 
 def _refill(value: Any) -> Callable[[], Any]:
     """What puts ``value``'s contents back as they are now: a tensor's values (up to :data:`_BY_VALUE_UP_TO`
-    elements), a container's items and the values of the tensors among them; nothing for the rest."""
+    elements), a container's items and the values of the tensors among them (up to as many in all: a dataset kept
+    in a list is not copied); nothing for the rest."""
     if isinstance(value, torch.Tensor) and value.numel() <= _BY_VALUE_UP_TO:
         saved = value.detach().clone()
         return lambda: value.data.copy_(saved) if value.shape == saved.shape else None
     if not isinstance(value, _CONTAINERS):
         return lambda: None
     items = list(value.items()) if isinstance(value, dict) else list(value)
-    inner = [
-        _refill(item)
-        for item in (value.values() if isinstance(value, dict) else value)
-        if isinstance(item, torch.Tensor)
+    tensors = [
+        item for item in (value.values() if isinstance(value, dict) else value) if isinstance(item, torch.Tensor)
     ]
+    inner = [_refill(tensor) for tensor in tensors] if sum(t.numel() for t in tensors) <= _BY_VALUE_UP_TO else []
 
     def refill() -> None:
         value.clear()

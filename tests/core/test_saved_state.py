@@ -1,0 +1,51 @@
+"""What an extra pass (auto mode's trials, the repair check, a rehearsal) must leave as it found it: the random
+states, and what the modules keep in attributes of their own."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch import nn
+
+from channels_last_algo.core.saved_state import AttributeState, random_states_kept
+
+
+def test_attributes_a_pass_rebinds_fills_updates_or_adds_are_put_back():
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+    head = net[0]
+    losses, seen, total, names = [], {'steps': 0}, torch.zeros(2), {'a'}
+    head.losses, head.seen, head.total, head.names, head.calls, head.hook_fn = losses, seen, total, names, 0, print
+    state = AttributeState(net)
+    head.losses.append(torch.ones(1))
+    head.seen['steps'] += 1
+    head.total += 3  # in place, as a metric's update does
+    head.names.add('b')
+    head.calls += 1
+    head.last = torch.ones(1)  # added by the pass
+    head.hook_fn = len  # a function: left as the pass set it
+    state.put_back()
+    assert head.losses is losses == [] and head.seen is seen == {'steps': 0} and head.names is names == {'a'}
+    assert head.total is total and total.tolist() == [0.0, 0.0] and head.calls == 0
+    assert not hasattr(head, 'last') and head.hook_fn is len
+
+
+def test_a_large_collection_keeps_its_items_but_is_not_copied_by_value():
+    module = nn.Identity()
+    module.dataset = [torch.zeros(1 << 20), torch.zeros(4)]  # more elements in all than copied by value
+    module.table = torch.zeros(1 << 21)
+    state = AttributeState(module)
+    module.dataset[1] += 1
+    module.dataset.append(torch.zeros(1))
+    module.table += 1
+    state.put_back()
+    assert len(module.dataset) == 2 and module.dataset[1].sum() == 4 and module.table.sum() == 1 << 21
+
+
+def test_every_random_state_is_put_back_after_a_draw():
+    with random_states_kept():
+        drawn = (torch.rand(2), random.random(), np.random.rand())
+    again = (torch.rand(2), random.random(), np.random.rand())
+    torch.testing.assert_close(again[0], drawn[0], rtol=0, atol=0)
+    assert again[1:] == drawn[1:]
