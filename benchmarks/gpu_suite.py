@@ -197,7 +197,7 @@ def part_zoo(settings: Settings) -> dict[str, Any]:
         LayoutGuard().on_init(audited)
         report = audit_model(audited, x.contiguous(memory_format=torch.channels_last))
         results[name] = result | {
-            'auto_kept': decision.layout,
+            'auto_kept': decision.layout if decision is not None else f'on: {guard.auto.stood_down_because}',
             'breaks_after_rules': len(report.breaks),
             'breaks': sorted({f'{b.op} {b.phase} in {b.where}' for b in report.breaks}),
         }
