@@ -39,7 +39,7 @@ import torch
 
 from channels_last_algo.core.convert import Optimizers, refuse_under_ddp, restride
 from channels_last_algo.core.layout import MemoryFormat
-from channels_last_algo.core.saved_state import AttributeState, RandomStates
+from channels_last_algo.core.saved_state import AttributeState, BufferState, RandomStates
 from channels_last_algo.core.timing import Timings, synchronizer, time_interleaved
 
 __all__ = ['LayoutDecision', 'decide_layout']
@@ -120,26 +120,25 @@ class LayoutDecision:
 
 @dataclasses.dataclass
 class _Snapshot:
-    grads: list[Optional[torch.Tensor]]
-    buffers: list[torch.Tensor]
+    grads: list[tuple[torch.nn.Parameter, Optional[torch.Tensor]]]
+    buffers: BufferState
     random: RandomStates
     attributes: AttributeState  # what the step counts or collects (``self.calls += 1``, a list of losses)
 
     @classmethod
     def take(cls, model: torch.nn.Module) -> _Snapshot:
         return cls(
-            grads=[None if p.grad is None else p.grad.clone() for p in model.parameters()],
-            buffers=[b.clone() for b in model.buffers()],
+            grads=[(p, None if p.grad is None else p.grad.clone()) for p in model.parameters()],
+            buffers=BufferState(model),
             random=RandomStates.take(),
             attributes=AttributeState(model),
         )
 
-    def restore(self, model: torch.nn.Module) -> None:
+    def restore(self) -> None:
         with torch.no_grad():
-            for p, grad in zip(model.parameters(), self.grads):
+            for p, grad in self.grads:
                 p.grad = None if grad is None else torch.empty_like(p).copy_(grad)  # in p's layout
-            for buffer, saved in zip(model.buffers(), self.buffers):
-                buffer.copy_(saved)
+        self.buffers.restore()
         self.random.restore()
         self.attributes.put_back()
 
@@ -222,7 +221,7 @@ class _Trials:
             )
             self.prepare(_FIRST if rule.verdict(timings) == 'slower' else _LAST)
         finally:
-            snapshot.restore(self.model)
+            snapshot.restore()
         return timings
 
 

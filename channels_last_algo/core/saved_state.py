@@ -31,6 +31,7 @@ import torch
 
 __all__ = [
     'AttributeState',
+    'BufferState',
     'RandomStates',
     'SavedState',
     'leaving_no_trace',
@@ -175,13 +176,36 @@ def random_states_kept() -> Iterator[None]:
         states.restore()
 
 
+class BufferState:
+    """``module``'s buffers where they are held (a module and a name) and their values now. :meth:`restore` binds
+    each object to its name again, where a pass bound another (``self.ema = 0.9 * self.ema + ...``), and writes its
+    values back through ``.data``: a graph that saved it (BatchNorm's) keeps its version counter. A buffer a pass
+    registers (a cache made on the first call) stays."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.held = [
+            (owner, name, buffer, buffer.detach().clone())
+            for owner in module.modules()
+            for name, buffer in owner._buffers.items()
+            if buffer is not None
+        ]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for owner, name, buffer, value in self.held:
+                owner._buffers[name] = buffer
+                if buffer.shape == value.shape:
+                    buffer.data.copy_(value)
+                else:  # resized in place
+                    buffer.data = value.clone()
+
+
 class SavedState:
-    """The random states, the values of ``module``'s buffers and its attributes now. Buffers are
-    written back through ``.data``: a graph that saved them (BatchNorm's) keeps its version counters."""
+    """The random states, the values of ``module``'s buffers (:class:`BufferState`) and its attributes now."""
 
     def __init__(self, module: Optional[torch.nn.Module] = None) -> None:
         self.random = RandomStates.take()
-        self.buffers = [] if module is None else [(b, b.detach().clone()) for b in module.buffers()]
+        self.buffers = None if module is None else BufferState(module)
         self.attributes = None if module is None else AttributeState(module)
 
     def restore_random_state(self) -> None:
@@ -192,15 +216,14 @@ class SavedState:
         self.restore_random_state()
         if self.attributes is not None:
             self.attributes.put_back()
-        with torch.no_grad():
-            for buffer, value in self.buffers:
-                buffer.data.copy_(value)
+        if self.buffers is not None:
+            self.buffers.restore()
 
     @contextlib.contextmanager
     def buffer_copies(self, module: torch.nn.Module) -> Iterator[None]:
         """Inside, every buffer of ``module`` is a copy of its saved value: an extra pass updates the
         copies, and the real buffers keep their values and version counters."""
-        values = {id(buffer): value for buffer, value in self.buffers}
+        values = {id(buffer): value for _, _, buffer, value in self.buffers.held}
         held = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
         for owner, name, buffer in held:
             owner._buffers[name] = values[id(buffer)].clone(memory_format=torch.preserve_format)

@@ -49,3 +49,44 @@ def test_every_random_state_is_put_back_after_a_draw():
     again = (torch.rand(2), random.random(), np.random.rand())
     torch.testing.assert_close(again[0], drawn[0], rtol=0, atol=0)
     assert again[1:] == drawn[1:]
+
+
+class _Cached(nn.Module):
+    """Registers a buffer on its first call (a cache), so the buffers after a pass are not those before it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if 'cache' not in self._buffers:
+            self.register_buffer('cache', torch.full((x.shape[1],), 0.5))
+        return x + self.cache.view(1, -1, 1, 1)
+
+
+class _RebindingAverage(nn.Module):
+    """Keeps a running mean by binding a new tensor to its buffer's name, as many hand-written norms do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer('mean', torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mean = 0.9 * self.mean + 0.1 * x.detach().mean((0, 2, 3))
+        return x
+
+
+def test_auto_modes_trials_put_each_buffer_back_by_where_it_is_held():
+    """A buffer registered by the first trial must not shift the others (BatchNorm's statistics were written
+    into each other's places), and a buffer a trial rebinds gets its object and values back."""
+    from channels_last_algo.core.auto import decide_layout
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), _Cached(), _RebindingAverage(), nn.BatchNorm2d(8), nn.ReLU())
+    x = torch.randn(4, 3, 8, 8)
+    average, before = model[2].mean, {k: v.clone() for k, v in model.state_dict().items()}
+
+    def step(channels_last: bool) -> None:
+        model(x.contiguous(memory_format=torch.channels_last) if channels_last else x).sum().backward()
+
+    decide_layout(model, step, max_rounds=2, warmup=0)
+    after = model.state_dict()
+    assert model[2].mean is average and after.pop('1.cache').tolist() == [0.5] * 8
+    for key, value in before.items():
+        torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
