@@ -29,7 +29,7 @@ from composer.loggers import ConsoleLogger, Logger, ProgressBarLogger
 from composer.utils import dist
 
 from channels_last_algo.core.auto_mode import Trial
-from channels_last_algo.core.batch_tree import Path, map_leaves
+from channels_last_algo.core.batch_tree import Path, leaves, map_leaves
 from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.inputs import Inputs
 from channels_last_algo.core.saved_state import random_states_kept
@@ -103,6 +103,20 @@ def _float_images(batch: Any) -> Any:
         return leaf.float() if is_integer_image else leaf
 
     return map_leaves(batch, as_float)
+
+
+def _first_microbatch(batch: Any, size: Any) -> Any:
+    """The first ``size`` samples of ``batch`` (every tensor whose first dimension is the images' sliced), where
+    Composer splits it into microbatches of ``size`` (``device_train_microbatch_size``): a step of the whole batch
+    may not fit in the device's memory. The whole batch where no 4D/5D tensor gives its sample count."""
+    counts = [leaf.shape[0] for _, leaf in leaves(batch) if isinstance(leaf, torch.Tensor) and leaf.dim() in (4, 5)]
+    if not isinstance(size, int) or not counts or not 0 < size < counts[0]:
+        return batch
+    return map_leaves(batch, lambda path, leaf: leaf[:size] if _batched(leaf, counts[0]) else leaf)
+
+
+def _batched(leaf: Any, samples: int) -> bool:
+    return isinstance(leaf, torch.Tensor) and leaf.dim() > 0 and leaf.shape[0] == samples
 
 
 class _LastCallback(Callback):
@@ -262,12 +276,13 @@ class ChannelsLast(GuardedIntegration, Algorithm):
 
 
 def _trial(event: Event, state: State) -> Optional[Trial]:
-    """Auto mode's trial step: the first train batch (integer images as float) and the ComposerModel's
-    loss on it; None until the train dataloader is known (it may come with ``fit``)."""
+    """Auto mode's trial step: the first train batch's first microbatch (integer images as float) and the
+    ComposerModel's loss on it; None until the train dataloader is known (it may come with ``fit``)."""
     if state.dataloader is None:
         return None  # the train dataloader comes with fit(): decide at FIT_START
     with random_states_kept():  # a loader's new iterator draws its seeds: the run's data order and draws stay
         batch = _float_images(state.device.batch_to_device(next(iter(state.dataloader))))
+    batch = _first_microbatch(batch, state.device_train_microbatch_size)
 
     def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
         with get_precision_context(state.precision, state.precision_config):

@@ -379,3 +379,51 @@ def test_composer_auto_deciding_at_fit_start_keeps_the_runs_data_order_and_draws
     assert algorithm.decision is not None and algorithm.decision.channels_last
     for a, b in zip(runs['on'], runs['auto']):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_composer_auto_times_one_microbatch_where_composer_splits_the_batch(monkeypatch):
+    """With ``device_train_microbatch_size`` set, a step of the whole batch may not fit on the device: the trial
+    steps run the first microbatch, as the training steps do, and the run trains as the chosen layout's."""
+    pytest.importorskip('composer', reason='the Composer integration needs composer (the torch 2.7 environment)')
+    from composer import Trainer
+    from composer.models import ComposerClassifier
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from channels_last_algo import ChannelsLast
+
+    monkeypatch.setattr(auto_mode_module, 'decide_layout', _decide_with_costs(0.5))
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(12, 3, 8, 8, generator=generator), torch.randint(0, 10, (12,), generator=generator)
+    )
+    runs, seen = {}, []
+    for mode in ('on', 'auto'):
+        model, algorithm = _model(), ChannelsLast(mode=mode)
+        model.register_forward_pre_hook(lambda module, args: seen.append(len(args[0])))
+        trainer = Trainer(
+            model=ComposerClassifier(model, num_classes=10),
+            train_dataloader=DataLoader(data, batch_size=4),
+            device_train_microbatch_size=2,
+            max_duration='3ba',
+            device='cpu',
+            algorithms=[algorithm],
+            seed=7,
+            progress_bar=False,
+        )
+        trainer.fit()
+        runs[mode] = list(trainer.state.model.parameters())
+    assert algorithm.decision is not None and set(seen) == {2}
+    for a, b in zip(runs['on'], runs['auto']):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+def test_the_first_microbatch_slices_what_has_the_images_sample_count():
+    pytest.importorskip('composer', reason='the Composer integration needs composer (the torch 2.7 environment)')
+    from channels_last_algo.integrations.composer import _first_microbatch
+
+    batch = {'images': torch.zeros(4, 3, 2, 2), 'labels': torch.arange(4), 'scale': torch.ones(3), 'name': 'b'}
+    first = _first_microbatch(batch, 2)
+    assert first['images'].shape[0] == 2 and first['labels'].tolist() == [0, 1]
+    assert first['scale'] is batch['scale'] and first['name'] == 'b'
+    assert _first_microbatch(batch, 4) is batch and _first_microbatch(batch, 'auto') is batch
+    assert _first_microbatch((torch.arange(4),), 2)[0].tolist() == [0, 1, 2, 3]  # no images: as it came
