@@ -245,11 +245,10 @@ class LayoutGuard:
         return apply_channels_first(model, optimizers=optimizers)
 
     def _trial_step(self, model: torch.nn.Module, batch: Any, loss_fn: LossFn, channels_last: bool) -> None:
-        """One of auto mode's timed steps, watched as training steps are (ViewedOutputs.start_trial); the first (a
-        warm-up) finds the batch's images, NHWC, so that a view NHWC strides refuse is placed before any is timed."""
-        first = not self.inputs.known(batch)
-        layout = to_channels_last if channels_last or first else to_channels_first
-        if not self._viewed.start_trial(first, channels_last):
+        """One of auto mode's timed steps, its batch in the layout timed; the first finds the batch's images, the ones
+        in channels last are watched as training steps are (ViewedOutputs.start_trial)."""
+        first, layout = not self.inputs.known(batch), to_channels_last if channels_last else to_channels_first
+        if not (self._viewed.start_trial(channels_last) or first):
             return loss_fn(model, self.inputs.convert(batch, layout)).backward()
         try:
             loss = loss_fn(model, self.inputs.put(batch, self._looks_like_an_image, layout))

@@ -169,15 +169,13 @@ class ViewedOutputs:
             self._armed = whole_step  # core/late_views.py
             arm(self)
 
-    def start_trial(self, first: bool, channels_last: bool) -> bool:
-        """Watch one of auto mode's trial steps as training would: the ``first`` (it finds the batch's images) and the
-        first in channels last whole, the later ones in channels last as later training steps; whether it is watched."""
-        if first:
-            self.start()
-        elif channels_last:
+    def start_trial(self, channels_last: bool) -> bool:
+        """Watch one of auto mode's trial steps in ``channels_last`` as training would: the first whole, the later ones
+        as later training steps; whether it is watched (or armed). A channels-first one has nothing to watch."""
+        if channels_last:
             self._watch_or_arm(True, seen=self._trial_watched)
             self._trial_watched = True
-        return first or channels_last
+        return channels_last
 
     def _training(self) -> bool:
         model = self._model()

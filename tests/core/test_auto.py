@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from channels_last_algo import LayoutGuard, WeightLayoutPlan, has_channels_last_strides
+from channels_last_algo import LayoutGuard, WeightLayoutPlan, has_channels_last_strides, is_channels_last
 from channels_last_algo.core import auto_mode as auto_mode_module
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
 from channels_last_algo.core.auto_mode import Trial
@@ -427,3 +427,19 @@ def test_the_first_microbatch_slices_what_has_the_images_sample_count():
     assert first['scale'] is batch['scale'] and first['name'] == 'b'
     assert _first_microbatch(batch, 4) is batch and _first_microbatch(batch, 'auto') is batch
     assert _first_microbatch((torch.arange(4),), 2)[0].tolist() == [0, 1, 2, 3]  # no images: as it came
+
+
+def test_every_trial_step_gets_its_batch_in_the_layout_it_times(monkeypatch):
+    """The first trial step also finds the batch's images: it takes them in the layout its weights have, so the
+    warm-up runs each layout as the timed rounds do (a compiled model is not traced again in a timed round)."""
+    model = _model()
+    guard = LayoutGuard(mode='auto')
+    guard.on_init(model)
+    seen = []
+    model.register_forward_pre_hook(
+        lambda module, args: seen.append((is_channels_last(args[0]), has_channels_last_strides(module[0].weight)))
+    )
+    timer = LayoutClock(model[0].weight)
+    monkeypatch.setattr(auto_mode_module, 'decide_layout', functools.partial(decide_layout, timer=timer))
+    guard.auto.decide(model, torch.randn(4, 3, 8, 8), lambda m, x: m(x).sum())
+    assert len(seen) >= 4 and all(images == weights for images, weights in seen), seen
