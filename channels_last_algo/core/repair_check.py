@@ -216,7 +216,7 @@ class RepairCheck:
         runs = []
         for forward in (type(module).forward, pending.original.forward):
             before.restore_random_state()
-            with before.buffer_copies(module):
+            with before.buffer_copies():
                 runs.append(_side_run(forward, module, args, kwargs, gradients))
         (swapped_out, swapped_grads), (original_out, original_grads) = runs
         return _difference('output', original_out, swapped_out) or _difference(

@@ -10,7 +10,7 @@ Example:
     >>> import torch
     >>> bn = torch.nn.BatchNorm2d(3)
     >>> state = SavedState(bn)
-    >>> with state.buffer_copies(bn):
+    >>> with state.buffer_copies():
     ...     _ = bn(torch.randn(2, 3, 4, 4))
     >>> state.restore_random_state()
     >>> bn.running_mean.abs().sum().item(), int(bn.num_batches_tracked)
@@ -220,18 +220,18 @@ class SavedState:
             self.buffers.restore()
 
     @contextlib.contextmanager
-    def buffer_copies(self, module: torch.nn.Module) -> Iterator[None]:
-        """Inside, every buffer of ``module`` is a copy of its saved value: an extra pass updates the
-        copies, and the real buffers keep their values and version counters."""
-        values = {id(buffer): value for _, _, buffer, value in self.buffers.held}
-        held = [(m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
-        for owner, name, buffer in held:
-            owner._buffers[name] = values[id(buffer)].clone(memory_format=torch.preserve_format)
+    def buffer_copies(self) -> Iterator[None]:
+        """Inside, every buffer saved is a copy of its saved value, where it is held: an extra pass updates the
+        copies, and the buffers held now (the same objects, or those a pass since bound there) keep their values
+        and version counters."""
+        held = [(owner, name, owner._buffers.get(name), value) for owner, name, _, value in self.buffers.held]
+        for owner, name, _, value in held:
+            owner._buffers[name] = value.clone(memory_format=torch.preserve_format)
         try:
             yield
         finally:
-            for owner, name, buffer in held:
-                owner._buffers[name] = buffer
+            for owner, name, now, _ in held:
+                owner._buffers[name] = now
 
 
 @contextlib.contextmanager
@@ -248,7 +248,7 @@ def leaving_no_trace(module: torch.nn.Module) -> Iterator[None]:
     """
     state = SavedState(module)
     try:
-        with state.buffer_copies(module):
+        with state.buffer_copies():
             yield
     finally:
         state.restore_random_state()

@@ -90,3 +90,18 @@ def test_auto_modes_trials_put_each_buffer_back_by_where_it_is_held():
     assert model[2].mean is average and after.pop('1.cache').tolist() == [0.5] * 8
     for key, value in before.items():
         torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_an_extra_pass_on_buffer_copies_leaves_the_buffers_a_real_pass_bound():
+    """A real call rebinds its buffer after the state was saved; an extra pass runs on copies of the saved
+    values and leaves the buffer the real call bound, with its values."""
+    from channels_last_algo.core.saved_state import SavedState
+
+    average, x = _RebindingAverage(), torch.ones(2, 8, 3, 3)
+    before = SavedState(average)
+    average(x)  # the real call
+    bound = average.mean
+    with before.buffer_copies():
+        average(x)  # the extra pass
+        assert average.mean is not bound
+    assert average.mean is bound and torch.allclose(bound, torch.full((8,), 0.1))
