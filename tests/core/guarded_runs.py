@@ -154,6 +154,7 @@ def _composer(run: Run, net: nn.Module, options: dict) -> tuple[list, nn.Module,
         algorithms=[algorithm],
         callbacks=[record],
         progress_bar=False,
+        seed=0,  # the same seed for every run, so that runs of a model that draws random numbers compare
     )
     try:
         trainer.fit()
