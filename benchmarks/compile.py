@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import statistics
 import sys
 import time
 from typing import Optional
@@ -37,7 +36,7 @@ from arguments import Option, benchmark_parser  # benchmarks/, next to this scri
 from results_writer import RunStart, results_folder, run_record, write_results
 from zoo import training_step
 from zoo_models import build, by_name
-from zoo_report import cell
+from zoo_report import cell, measure_each, timed_row
 
 from channels_last_algo.core.compiled_backward import channels_first_buffers
 from channels_last_algo.core.convert import apply_channels_last
@@ -48,7 +47,6 @@ from channels_last_algo.core.runtime import torch_release
 from channels_last_algo.core.timing import time_interleaved
 
 VARIANTS = ('nchw', 'channels_last', 'ours', 'compiled_nchw', 'compiled_ours', 'compiled_guarded')
-MARGIN = 0.02
 
 
 def _steps(model_name: str, batch_size: int, size: int) -> dict:
@@ -107,22 +105,9 @@ def measure(model_name: str, args: argparse.Namespace) -> dict:
     timings = time_interleaved(
         {k: v for k, v in steps.items() if k not in warmup.errors}, rounds=args.rounds, warmup=0, catch=True
     )
-    row = {
-        'model': model_name,
-        'build_seconds': warm - started,
-        'warmup_seconds': compile_seconds,
-        'errors': warmup.errors | timings.errors,
-        'buffers_not_nhwc': layouts,
-        'ms': {},
-        'ratios': {},
-    }
-    for name, seconds in timings.seconds.items():
-        row['ms'][name] = {'min': 1e3 * min(seconds), 'median': 1e3 * statistics.median(seconds)}
-        if name != 'nchw' and 'nchw' in timings.seconds:
-            ratio = timings.ratio('nchw', name)
-            row['ratios'][name] = {'median': ratio.median, 'interval': ratio.interval, 'verdict': ratio.verdict(MARGIN)}
-    fastest = min(row['ms'], key=lambda n: row['ms'][n]['median']) if row['ms'] else None
-    row['fastest'] = fastest
+    row = timed_row(model_name, timings)
+    row.update(build_seconds=warm - started, warmup_seconds=compile_seconds, buffers_not_nhwc=layouts)
+    row['errors'] = warmup.errors | timings.errors
     return row
 
 
@@ -188,18 +173,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     start = RunStart.now()
     args = parse_args(argv)
-    for name in args.models:
-        by_name(name)  # an unknown name: ValueError naming the zoo, before any compiling
-    torch.set_num_threads(args.threads)
-    rows = []
-    for name in args.models:
-        rows.append(measure(name, args))
-        print(rows[-1]['model'], {k: cell(v) for k, v in rows[-1]['ratios'].items()}, rows[-1]['errors'], flush=True)
+    rows = measure_each(args.models, args.threads, lambda name: measure(name, args))
     settings = {k: getattr(args, k) for k in ('batch_size', 'image_size', 'rounds', 'threads')}
     result = run_record('compile', start, argv, settings=settings, rows=rows)
-    out = results_folder(args.out, result['machine'])
     text = markdown(result)
-    write_results(out, args.name, result, text)
+    write_results(results_folder(args.out, result['machine']), args.name, result, text)
     print(text)
     return 0
 

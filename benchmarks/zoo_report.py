@@ -1,5 +1,6 @@
 """The report of ``benchmarks/zoo.py``: each model's paired speedups with their verdicts, auto
-mode's agreement with the faster format, the geometric means, the findings, and the Markdown.
+mode's agreement with the faster format, the geometric means, the findings, and the Markdown; and the
+rows of the benchmarks that time variants of each model interleaved (``compile.py``, ``lightning_fit.py``).
 
 Example:
     >>> row = {'seconds': {'nchw': [2.0] * 6, 'ours': [1.0] * 6, 'auto': [1.0] * 6}, 'errors': {},
@@ -16,11 +17,24 @@ import statistics
 from collections.abc import Callable
 from typing import Optional
 
+import torch
+from zoo_models import by_name
+
 from channels_last_algo.core.layout import MemoryFormat
 from channels_last_algo.core.machine_description import machine_label
-from channels_last_algo.core.timing import Ratio
+from channels_last_algo.core.timing import Ratio, Timings
 
-__all__ = ['MARGIN', 'VARIANTS', 'cell', 'findings', 'geometric_means', 'markdown', 'summarise']
+__all__ = [
+    'MARGIN',
+    'VARIANTS',
+    'cell',
+    'findings',
+    'geometric_means',
+    'markdown',
+    'measure_each',
+    'summarise',
+    'timed_row',
+]
 
 VARIANTS = ('nchw', 'composer', 'ours', 'auto')
 MARGIN = 0.02  # the tie band, as auto mode's default
@@ -78,6 +92,40 @@ def cell(ratio: Optional[dict]) -> str:
     interval = '' if ratio['interval'] is None else f' [{ratio["interval"][0]:.2f}, {ratio["interval"][1]:.2f}]'
     mark = {'faster': ' +', 'slower': ' **-**'}.get(ratio['verdict'], '')
     return f'{ratio["median"]:.2f}x{interval}{mark}'
+
+
+def timed_row(model: str, timings: Timings, steps_per_call: int = 1) -> dict:
+    """A model's row from :func:`~channels_last_algo.core.timing.time_interleaved`: each variant's min and
+    median ms per step (a call ran ``steps_per_call`` steps), its speedup over ``nchw`` with interval and
+    verdict, the fastest variant, and the errors.
+
+    Example:
+        >>> row = timed_row('m', Timings({'nchw': [2.0] * 6, 'ours': [1.0] * 6}, {}, 1, 1, 'rounds'))
+        >>> row['ms']['ours'], row['ratios']['ours']['verdict'], row['fastest']
+        ({'min': 1000.0, 'median': 1000.0}, 'faster', 'ours')
+    """
+    row = {'model': model, 'errors': dict(timings.errors), 'ms': {}, 'ratios': {}}
+    for name, seconds in timings.seconds.items():
+        per_step = [1e3 * s / steps_per_call for s in seconds]
+        row['ms'][name] = {'min': min(per_step), 'median': statistics.median(per_step)}
+        if name != 'nchw' and 'nchw' in timings.seconds:
+            ratio = timings.ratio('nchw', name)
+            row['ratios'][name] = {'median': ratio.median, 'interval': ratio.interval, 'verdict': ratio.verdict(MARGIN)}
+    row['fastest'] = min(row['ms'], key=lambda n: row['ms'][n]['median']) if row['ms'] else None
+    return row
+
+
+def measure_each(models: list[str], threads: int, measure: Callable[[str], dict]) -> list[dict]:
+    """``measure(model)`` of each zoo model on ``threads`` torch threads, each row's speedups printed as it
+    comes; an unknown name raises (naming the zoo) before anything runs."""
+    for name in models:
+        by_name(name)
+    torch.set_num_threads(threads)
+    rows = []
+    for name in models:
+        rows.append(measure(name))
+        print(rows[-1]['model'], {k: cell(v) for k, v in rows[-1]['ratios'].items()}, rows[-1]['errors'], flush=True)
+    return rows
 
 
 def _header(result: dict) -> list[str]:

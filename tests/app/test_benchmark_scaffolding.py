@@ -4,10 +4,13 @@ doctests run here."""
 
 import doctest
 import importlib
+import sys
 
 import pytest
 
-import conftest  # noqa: F401  (puts the repository root on sys.path, for `benchmarks`)
+import conftest  # puts the repository root on sys.path, for `benchmarks`
+
+sys.path.insert(0, str(conftest.ROOT / 'benchmarks'))  # the scripts import their neighbours by their own names
 
 
 @pytest.mark.parametrize(
@@ -19,6 +22,7 @@ import conftest  # noqa: F401  (puts the repository root on sys.path, for `bench
         'benchmarks.functional_blocks',
         'benchmarks.results_writer',
         'benchmarks.arguments',
+        'benchmarks.zoo_report',
     ],
 )
 def test_examples_hold(module):
