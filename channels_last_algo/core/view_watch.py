@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
+from torch.autograd.function import BackwardCFunction, Function
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -44,7 +45,16 @@ from channels_last_algo.core.late_views import original, passing_through
 from channels_last_algo.core.layout import is_4d_or_5d, uninitialized_among
 from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, SHAPE_OPS, NchwTwins, aliases
 
-__all__ = ['GRADIENT_OPS', 'VIEWS', 'ViewWatch', 'calling_code', 'contiguous_gradient', 'hook_watched', 'nhwc']
+__all__ = [
+    'GRADIENT_OPS',
+    'VIEWS',
+    'ViewWatch',
+    'calling_code',
+    'contiguous_gradient',
+    'hook_watched',
+    'nhwc',
+    'watched_function',
+]
 
 VIEWS = (torch.Tensor.view, torch.Tensor.view_as)
 _AS_STRIDED = (torch.Tensor.as_strided, torch.as_strided)  # strides given outright: they index NCHW's memory
@@ -160,6 +170,7 @@ class ViewWatch(TorchFunctionMode):
         self.copies = AliasedCopies()  # copies of tensors NCHW aliases, kept in step with their originals
         self.flattened: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors of other ranks strided by NHWC ones
         self.twins = NchwTwins()  # what NCHW would have: a view or a copy
+        self.functions: dict[type, Optional[type]] = {}  # a custom autograd Function -> its watched subclass
 
     def origins(self, tensor: torch.Tensor) -> frozenset:
         made = self.made.get(tensor)
@@ -191,6 +202,7 @@ class ViewWatch(TorchFunctionMode):
             return self._view(func, args, kwargs, by_torch)
         if func in _AS_STRIDED and self.strided_by_nhwc(args[0]):
             return self._as_strided(func, args, kwargs, by_torch)
+        self._watch_custom_backwards(args, kwargs)
         if func is torch.Tensor.register_hook and is_4d_or_5d(args[0]):
             args = (args[0], hook_watched(args[1], self.owner), *args[2:])
         result = self._as_in_nchw(func, args, kwargs, func(*args, **kwargs), by_torch)
@@ -252,6 +264,21 @@ class ViewWatch(TorchFunctionMode):
             if is_4d_or_5d(tensor) and tensor.requires_grad:
                 tensor.register_hook(contiguous_gradient)
         return result
+
+    def _watch_custom_backwards(self, args: tuple, kwargs: dict) -> None:
+        """The backward of each custom autograd Function of the user's that made a tensor among ``args`` runs
+        under a watch of its own (autograd calls it outside every mode, as a hook), set on its node of this
+        step's graph. torch's own (a ``torch.library`` op's, whose backward gets contiguous gradients as an
+        extension op; a checkpoint's) run as they are."""
+        for tensor in tree_leaves((args, kwargs)):
+            node = tensor.grad_fn if isinstance(tensor, torch.Tensor) else None
+            if isinstance(node, BackwardCFunction) and node._forward_cls is type(node)._forward_cls:
+                function = node._forward_cls
+                if function not in self.functions:
+                    torchs_own = function.__module__.partition('.')[0] == 'torch'
+                    self.functions[function] = None if torchs_own else watched_function(function, self.owner)
+                if self.functions[function] is not None:
+                    node._forward_cls = self.functions[function]
 
     def strided_by_nhwc(self, tensor: Any) -> bool:
         """An NHWC tensor, or one of another rank whose strides an NHWC one set (``z.flatten(2)``)."""
@@ -329,3 +356,23 @@ def hook_watched(
             return hook(*args, **kwargs)
 
     return watched
+
+
+def watched_function(function: type, owner: Any) -> type:
+    """A subclass of the custom autograd Function ``function`` whose backward (or ``vjp``) runs as
+    :func:`hook_watched` runs a hook: under a watch of its own that reports to ``owner``.
+
+    Example:
+        >>> class Double(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x):
+        ...         return 2 * x
+        ...     @staticmethod
+        ...     def backward(ctx, grad):
+        ...         return 2 * grad
+        >>> watched = watched_function(Double, owner=None)
+        >>> issubclass(watched, Double), watched.backward is Double.backward
+        (True, False)
+    """
+    name = 'vjp' if function.vjp is not Function.vjp else 'backward'  # autograd calls the one defined
+    return type(function.__name__, (function,), {name: staticmethod(hook_watched(getattr(function, name), owner))})

@@ -10,7 +10,8 @@ views and mixes, a positional embedding added to an activation, and writes throu
 weight, a batch tensor), and through what NHWC views where NCHW copies (a permute's reshape, a
 channels-last ``.contiguous()``), reads and writes through ``.as_strided()`` with NCHW's strides, and a
 teacher outside the model that views its activations, a WGAN-GP penalty that views an input gradient,
-and backward hooks registered with the model (on a weight, on a module) that view their gradients.
+backward hooks registered with the model (on a weight, on a module) that view their gradients, and a custom
+autograd Function whose forward and backward view (autograd runs the backward outside every mode).
 """
 
 from __future__ import annotations
@@ -344,6 +345,41 @@ class HookedAtConstruction(_ThreeConvolutions):
         return self.head(self.last(F.relu(self.mid(F.relu(self.stem(x))))))
 
 
+class _GatedBySigmoid(torch.autograd.Function):
+    """A custom autograd Function that views: its forward its input as (N, -1); its backward, which autograd
+    calls outside every mode, the gradient and the saved input, and it writes its result through
+    ``.view(-1)`` of an ``empty_like`` of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        rows = x.view(x.size(0), -1)
+        return (rows * torch.sigmoid(rows)).view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        rows, gate = grad.view(grad.size(0), -1), torch.sigmoid(x.view(x.size(0), -1))
+        result = torch.empty_like(grad)
+        result.view(-1).copy_((rows * gate * (1 + x.view(x.size(0), -1) * (1 - gate))).reshape(-1))
+        return result
+
+
+class CustomFunctionViewing(_ThreeConvolutions):
+    """``_GatedBySigmoid`` between two convolutions, applied from the second call on (first reached on an
+    unwatched step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        x = F.relu(self.stem(x))
+        x = _GatedBySigmoid.apply(self.mid(x)) if self.calls > 1 else self.mid(x)
+        return self.head(self.last(x))
+
+
 class DistilledFromATeacher(nn.Module):
     """A student trained on a frozen LeNet teacher that is no submodule (kept outside the model, as
     distillation code keeps it out of the optimizer and the checkpoint); the teacher views its activations."""
@@ -407,6 +443,7 @@ RUNS = {
     'gradient-penalty': Run(GradientPenalised, _batches(), _cross_entropy),
     'activation-gradient-penalty': Run(ActivationGradientPenalised, _batches((2, 3, 8, 8)), _cross_entropy),
     'hooked-at-construction': Run(HookedAtConstruction, _batches((2, 3, 8, 8)), _cross_entropy),
+    'custom-function-viewing': Run(CustomFunctionViewing, _batches((2, 3, 8, 8)), _cross_entropy),
 }
 WEIGHTS_FLATTENED = ('lbfgs', 'parameters-to-vector', 'max-normed-through-reshape')
 
