@@ -365,18 +365,30 @@ class _GatedBySigmoid(torch.autograd.Function):
         return result
 
 
-class CustomFunctionViewing(_ThreeConvolutions):
-    """``_GatedBySigmoid`` between two convolutions, applied from the second call on (first reached on an
-    unwatched step)."""
+class _TripledByVjp(torch.autograd.Function):
+    """A custom autograd Function whose backward is a ``vjp`` (autograd calls that one) that views the gradient."""
 
-    def __init__(self) -> None:
+    @staticmethod
+    def forward(ctx, x):
+        return 3 * x
+
+    @staticmethod
+    def vjp(ctx, grad):
+        return (3 * grad.view(grad.size(0), -1)).view_as(grad)
+
+
+class CustomFunctionViewing(_ThreeConvolutions):
+    """``function`` (default ``_GatedBySigmoid``) between two convolutions, applied from the second call on
+    (first reached on an unwatched step)."""
+
+    def __init__(self, function: type = _GatedBySigmoid) -> None:
         super().__init__()
-        self.calls = 0
+        self.function, self.calls = function, 0
 
     def forward(self, x):
         self.calls += 1
         x = F.relu(self.stem(x))
-        x = _GatedBySigmoid.apply(self.mid(x)) if self.calls > 1 else self.mid(x)
+        x = self.function.apply(self.mid(x)) if self.calls > 1 else self.mid(x)
         return self.head(self.last(x))
 
 
@@ -444,6 +456,7 @@ RUNS = {
     'activation-gradient-penalty': Run(ActivationGradientPenalised, _batches((2, 3, 8, 8)), _cross_entropy),
     'hooked-at-construction': Run(HookedAtConstruction, _batches((2, 3, 8, 8)), _cross_entropy),
     'custom-function-viewing': Run(CustomFunctionViewing, _batches((2, 3, 8, 8)), _cross_entropy),
+    'custom-function-vjp': Run(lambda: CustomFunctionViewing(_TripledByVjp), _batches((2, 3, 8, 8)), _cross_entropy),
 }
 WEIGHTS_FLATTENED = ('lbfgs', 'parameters-to-vector', 'max-normed-through-reshape')
 
