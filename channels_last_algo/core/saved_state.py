@@ -28,10 +28,12 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+from torch.nn.parameter import is_lazy
 
 __all__ = [
     'AttributeState',
     'BufferState',
+    'ParameterValues',
     'RandomStates',
     'SavedState',
     'leaving_no_trace',
@@ -200,24 +202,53 @@ class BufferState:
                     buffer.data = value.clone()
 
 
+class ParameterValues:
+    """The values of ``module``'s parameters now, for a pass whose forward may write them in place where no
+    optimizer does (an EMA codebook kept as a frozen ``Parameter``, a gain clamped through ``.data``).
+    :meth:`restore` writes them back through ``.data``, into each parameter's layout now, so its version counter
+    (which a saved graph checks) stays as it is. Parameters not materialized yet (lazy modules) are left alone.
+
+    Example:
+        >>> scale = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+        >>> holder = torch.nn.Module(); holder.scale = scale
+        >>> values = ParameterValues(holder)
+        >>> _ = scale.mul_(0.5)
+        >>> values.restore()
+        >>> scale.tolist()
+        [1.0, 1.0]
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.held = [(p, p.detach().clone()) for p in module.parameters() if not is_lazy(p)]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for parameter, value in self.held:
+                if parameter.shape == value.shape:
+                    parameter.data.copy_(value)
+
+
 class SavedState:
-    """The random states, the values of ``module``'s buffers (:class:`BufferState`) and its attributes now."""
+    """The random states, the values of ``module``'s buffers (:class:`BufferState`) and parameters
+    (:class:`ParameterValues`), and its attributes now."""
 
     def __init__(self, module: Optional[torch.nn.Module] = None) -> None:
         self.random = RandomStates.take()
         self.buffers = None if module is None else BufferState(module)
+        self.parameters = None if module is None else ParameterValues(module)
         self.attributes = None if module is None else AttributeState(module)
 
     def restore_random_state(self) -> None:
         self.random.restore()
 
     def restore(self) -> None:
-        """The random state, the buffer values and the attributes as they were."""
+        """The random state, the buffer and parameter values and the attributes as they were."""
         self.restore_random_state()
         if self.attributes is not None:
             self.attributes.put_back()
         if self.buffers is not None:
             self.buffers.restore()
+            self.parameters.restore()
 
     @contextlib.contextmanager
     def buffer_copies(self) -> Iterator[None]:
@@ -236,8 +267,8 @@ class SavedState:
 
 @contextlib.contextmanager
 def leaving_no_trace(module: torch.nn.Module) -> Iterator[None]:
-    """An extra pass of ``module`` inside: on copies of its buffers, and the random state and attributes put
-    back after.
+    """An extra pass of ``module`` inside: on copies of its buffers, and the random state, the parameters' values
+    and the attributes put back after.
 
     Example:
         >>> bn = torch.nn.BatchNorm2d(3)
@@ -252,4 +283,5 @@ def leaving_no_trace(module: torch.nn.Module) -> Iterator[None]:
             yield
     finally:
         state.restore_random_state()
+        state.parameters.restore()
         state.attributes.put_back()

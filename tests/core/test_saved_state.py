@@ -6,7 +6,9 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import pytest
 import torch
+from guarded_runs import Run, assert_same_run, guarded, nchw
 from torch import nn
 
 from channels_last_algo.core.saved_state import AttributeState, random_states_kept
@@ -105,3 +107,83 @@ def test_an_extra_pass_on_buffer_copies_leaves_the_buffers_a_real_pass_bound():
         average(x)  # the extra pass
         assert average.mean is not bound
     assert average.mean is bound and torch.allclose(bound, torch.full((8,), 0.1))
+
+
+class _EmaCodebook(nn.Module):
+    """A VQ-VAE quantizer whose codebook is a frozen ``Parameter`` its training forward moves towards the codes it
+    picked (an exponential moving average), with a trainable gain it clamps through ``.data``: a training pass
+    writes parameters in place, which the optimizer never sees."""
+
+    def __init__(self, codes: int, channels: int) -> None:
+        super().__init__()
+        self.codebook = nn.Parameter(torch.randn(codes, channels), requires_grad=False)
+        self.gain = nn.Parameter(torch.ones(channels))
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        flat = z.permute(0, 2, 3, 1).reshape(-1, z.shape[1])
+        picked = torch.cdist(flat, self.codebook).argmin(1)
+        if self.training:
+            with torch.no_grad():
+                onehot = nn.functional.one_hot(picked, len(self.codebook)).to(flat.dtype)
+                sums, counts = onehot.t() @ flat, onehot.sum(0)[:, None].clamp(min=1)
+                self.codebook.mul_(0.9).add_(0.1 * sums / counts)
+                self.gain.data.clamp_(max=0.95)
+        quantized = self.codebook[picked].view(z.shape[0], z.shape[2], z.shape[3], -1).permute(0, 3, 1, 2)
+        return (z + (quantized - z).detach()) * self.gain[None, :, None, None]
+
+
+def _vq_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), _EmaCodebook(5, 4), nn.Conv2d(4, 3, 1))
+
+
+def test_auto_modes_trials_put_back_parameters_a_forward_writes_in_place():
+    """The trials' training forwards move the codebook and clamp the gain; the parameters must be as found after,
+    the same objects."""
+    from channels_last_algo.core.auto import decide_layout
+
+    torch.manual_seed(0)
+    model, x = _vq_net(), torch.randn(2, 3, 6, 6)
+    params = dict(model.named_parameters())
+    before = {name: p.detach().clone() for name, p in params.items()}
+
+    def step(channels_last: bool) -> None:
+        model(x.contiguous(memory_format=torch.channels_last) if channels_last else x).sum().backward()
+
+    decide_layout(model, step, max_rounds=2, warmup=0)
+    for name, p in model.named_parameters():
+        assert p is params[name], name
+        torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, msg=name)
+
+
+def test_an_extra_pass_leaving_no_trace_puts_back_the_parameters_it_wrote():
+    from channels_last_algo.core.saved_state import leaving_no_trace
+
+    torch.manual_seed(0)
+    model = _vq_net()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad(), leaving_no_trace(model):
+        model(torch.randn(2, 3, 6, 6))
+        assert not torch.equal(model[1].codebook, before['1.codebook'])  # the pass did write it
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize('integration', ['composer', 'lightning'])
+def test_auto_mode_trains_a_model_writing_its_parameters_in_its_forward_as_nchw(integration):
+    """Auto mode's trials run inside the trainers' fit: a codebook they moved changed every step after (the loss
+    0.04 off from the first step)."""
+    torch.manual_seed(0)
+    batches = [(torch.randn(2, 3, 6, 6, dtype=torch.float64),) for _ in range(3)]
+    frozen = []
+    run = Run(
+        build=_vq_net,
+        batches=batches,
+        loss=lambda output, batch: nn.functional.mse_loss(output, batch[0]),
+        batch_end=lambda net, output: frozen.append(net[1].codebook.detach().clone()),
+    )
+    expected = nchw(run)
+    expected_codebooks, frozen[:] = list(frozen), []
+    steps, _, _ = guarded(run, integration, mode='auto')
+    assert_same_run(steps, expected, f'{integration}, auto')
+    for step, (codebook, nchw_codebook) in enumerate(zip(frozen, expected_codebooks, strict=True), 1):
+        torch.testing.assert_close(codebook, nchw_codebook, rtol=1e-10, atol=1e-10, msg=f'codebook after step {step}')
