@@ -168,7 +168,7 @@ def _tensors_by_use(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor,
             if id(tensor) in seen or not (is_lazy(tensor) or channels_last_format(tensor) is not None):
                 continue
             seen.add(id(tensor))
-            reason = None if convolution else f'a {type(module).__name__} tensor, not a convolution weight'
+            reason = None if convolution else f'a tensor of {type(module).__name__}, not a convolution weight'
             yield (f'{path}.{name}' if path else name), tensor, sharing.get(id(tensor), reason)
 
 
