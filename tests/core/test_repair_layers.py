@@ -118,6 +118,29 @@ def test_instance_norm_matches(affine):
     _compare_layers(norm, ChannelsLastInstanceNorm2d, torch.randn(2, 8, 7, 5) * 2 - 1)
 
 
+@pytest.mark.parametrize(
+    'native,replacement,shape',
+    [
+        (nn.InstanceNorm2d(3), ChannelsLastInstanceNorm2d, (2, 3, 1, 1)),
+        (nn.InstanceNorm2d(3, affine=True), ChannelsLastInstanceNorm2d, (3, 1, 1)),  # unbatched
+        (nn.GroupNorm(4, 4), ChannelsLastGroupNorm, (1, 4, 1, 1)),  # one value per group
+    ],
+    ids=['instance-norm', 'instance-norm-unbatched', 'group-norm'],
+)
+@pytest.mark.parametrize('training', [True, False])
+def test_a_norm_over_one_value_fails_as_the_native_layer_does(native, replacement, shape, training):
+    """torch refuses to normalise a single value (a 1x1 map in instance norm, one value per group): the
+    replacement must fail there too, with torch's words, not return zeros."""
+    swapped = copy.deepcopy(native)
+    swapped.__class__ = replacement
+    x = torch.randn(shape)
+    with pytest.raises(ValueError) as expected:
+        native.train(training)(x)
+    with pytest.raises(ValueError) as actual:
+        swapped.train(training)(x)
+    assert str(actual.value) == str(expected.value)
+
+
 def test_instance_norm_keeps_native_behaviour_outside_4d_input():
     norm = nn.InstanceNorm2d(4)
     swapped = copy.deepcopy(norm)

@@ -29,6 +29,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -59,6 +60,7 @@ def group_norm_nhwc(
     n, c = x.shape[0], x.shape[1]
     if c % groups:
         raise ValueError(f'group norm needs channels divisible by groups; got {c} channels and {groups} groups')
+    _refuse_one_value([n * c // groups, groups, *x.shape[2:]], 'value per channel')  # as F.group_norm does
     cuda_autocast = x.device.type == 'cuda' and torch.is_autocast_enabled('cuda')
     out_dtype = torch.float32 if cuda_autocast else x.dtype
     compute_dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
@@ -91,11 +93,20 @@ def instance_norm_nhwc(
     count other than ``num_features`` and a plain one normalises every channel it gets."""
     if x.dim() == 3:
         return instance_norm_nhwc(x.unsqueeze(0), num_features, weight, bias, eps).squeeze(0)
+    _refuse_one_value([1, 1, *x.shape[2:]], 'spatial element', shown=x.size())  # as F.instance_norm does
     if x.shape[1] != num_features and weight is not None:
         raise ValueError(
             f"expected input's size at dim=1 to match num_features ({num_features}), but got: {x.shape[1]}."
         )
     return group_norm_nhwc(x, x.shape[1], weight, bias, eps)
+
+
+def _refuse_one_value(size: list[int], what: str, shown: object = None) -> None:
+    """torch's refusal of a norm over a single value (``size[0]`` times the sizes after the second), word for word."""
+    if size[0] * math.prod(size[2:]) == 1:
+        raise ValueError(
+            f'Expected more than 1 {what} when training, got input size {size if shown is None else shown}'
+        )
 
 
 torch.fx.wrap('group_norm_nhwc')
