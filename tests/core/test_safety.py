@@ -211,6 +211,17 @@ def test_nchw_avg_pool_equals_avg_pool_in_float64(settings, double_precision):
     torch.testing.assert_close(torch.autograd.grad(actual, x, grad)[0], torch.autograd.grad(expected, x, grad)[0])
 
 
+def test_nchw_avg_pool_takes_an_unbatched_input_as_avg_pool_does():
+    """A 3D (C, H, W) input has no channels-last form: the safe path returns what AvgPool2d returns, not an error."""
+    pool = nn.AvgPool2d(3, 2, padding=1)
+    safe = copy.deepcopy(pool)
+    safe.__class__ = NCHWAvgPool2d
+    x = torch.randn(4, 9, 8)
+    expected, actual = pool(x), safe(x)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    assert actual.stride() == expected.stride()
+
+
 DROPOUT = BUGS['dropout_mask_memory_order']
 
 

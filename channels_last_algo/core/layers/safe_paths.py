@@ -5,9 +5,10 @@ classes; :func:`~channels_last_algo.core.safety.bugs.make_safe` swaps a matching
 
 Each subclasses the layer it replaces (and :class:`~channels_last_algo.core.swap.Replacement`, so
 it pickles as that layer) and overrides ``forward`` only, so a module whose class is swapped
-keeps its ``Parameter`` objects, buffers, hooks and ``state_dict`` keys. Neither
-branches on its input, calls ``super()`` or holds a helper module, so a model keeps working
-with ``torch.fx.symbolic_trace``, ``torch.jit.script``, ``torch.export`` and ONNX export.
+keeps its ``Parameter`` objects, buffers, hooks and ``state_dict`` keys. No ``forward`` branches
+on its input (the one rank check is a ``torch.fx.wrap`` leaf), calls ``super()`` or holds a helper
+module, so a model keeps working with ``torch.fx.symbolic_trace``, ``torch.jit.script``,
+``torch.export`` and ONNX export.
 
 - :class:`SubsampledConv2d`: a 1x1 convolution with stride s, padding 0, is the unit-stride
   1x1 convolution of ``x[..., ::s, ::s]``. oneDNN's 1x1 kernels compute the strided case by
@@ -16,7 +17,8 @@ with ``torch.fx.symbolic_trace``, ``torch.jit.script``, ``torch.export`` and ONN
   copies to NHWC (channels-last weights decide its layout): the layer stays NHWC in forward and
   moves a quarter of the bytes a stride-2 round trip through NCHW would.
 - :class:`NCHWAvgPool2d`: average pooling computed on an NCHW copy, the output restrided to
-  channels last: the NHWC backward kernel is never called.
+  channels last (an unbatched 3D one left as the native layer gives it): the NHWC backward kernel is
+  never called.
 - :class:`NCHWMaskDropout`: dropout whose mask is drawn in NCHW order whatever the input's layout
   (a contiguous noise tensor of the input's shape, as torch's CPU dropout draws it for an NCHW
   input); the product keeps the input's layout, and the same seed drops the same elements as NCHW.
@@ -40,7 +42,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from channels_last_algo.core.swap import Replacement
 
-__all__ = ['NCHWAvgPool2d', 'NCHWMaskDropout', 'SubsampledConv2d']
+__all__ = ['NCHWAvgPool2d', 'NCHWMaskDropout', 'SubsampledConv2d', 'channels_last_if_batched']
 
 
 class SubsampledConv2d(Replacement, nn.Conv2d):
@@ -66,7 +68,18 @@ class NCHWAvgPool2d(Replacement, nn.AvgPool2d):
             self.count_include_pad,
             self.divisor_override,
         )
-        return output.contiguous(memory_format=torch.channels_last)
+        return channels_last_if_batched(output)
+
+
+def channels_last_if_batched(output: torch.Tensor) -> torch.Tensor:
+    """A 4D ``output`` restrided to channels last; an unbatched (C, H, W) one, which has no such form, as it is.
+    A ``torch.fx.wrap`` leaf, since it looks at the rank."""
+    if output.dim() != 4:
+        return output
+    return output.contiguous(memory_format=torch.channels_last)
+
+
+torch.fx.wrap('channels_last_if_batched')
 
 
 class NCHWMaskDropout(Replacement, nn.Dropout):
