@@ -39,7 +39,7 @@ import torch
 
 from channels_last_algo.core.convert import Optimizers, refuse_under_ddp, restride
 from channels_last_algo.core.layout import MemoryFormat
-from channels_last_algo.core.saved_state import AttributeState, BufferState, ParameterValues, RandomStates
+from channels_last_algo.core.saved_state import SavedState
 from channels_last_algo.core.timing import Timings, synchronizer, time_interleaved
 
 __all__ = ['LayoutDecision', 'decide_layout']
@@ -121,29 +121,18 @@ class LayoutDecision:
 @dataclasses.dataclass
 class _Snapshot:
     grads: list[tuple[torch.nn.Parameter, Optional[torch.Tensor]]]
-    buffers: BufferState
-    parameters: ParameterValues  # what a training forward writes in place (an EMA codebook, a clamp)
-    random: RandomStates
-    attributes: AttributeState  # what the step counts or collects (``self.calls += 1``, a list of losses)
+    state: SavedState  # random states, buffers, parameters a forward writes, what the step counts or collects
 
     @classmethod
     def take(cls, model: torch.nn.Module) -> _Snapshot:
-        return cls(
-            grads=[(p, None if p.grad is None else p.grad.clone()) for p in model.parameters()],
-            buffers=BufferState(model),
-            parameters=ParameterValues(model),
-            random=RandomStates.take(),
-            attributes=AttributeState(model),
-        )
+        grads = [(p, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
+        return cls(grads=grads, state=SavedState(model))
 
     def restore(self) -> None:
         with torch.no_grad():
             for p, grad in self.grads:
                 p.grad = None if grad is None else torch.empty_like(p).copy_(grad)  # in p's layout
-        self.buffers.restore()
-        self.parameters.restore()
-        self.random.restore()
-        self.attributes.put_back()
+        self.state.restore()
 
 
 @dataclasses.dataclass(frozen=True)
