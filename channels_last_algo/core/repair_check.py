@@ -6,8 +6,9 @@ in a way no zoo did. So :class:`RepairCheck` checks every swapped layer on its f
 
 - it runs the layer's forward twice more, from detached copies of the same inputs, with the same
   random state and buffer values: once as the replacement, once as the original class;
-- it compares the outputs and, where the call records gradients, the gradients that a fixed random
-  cotangent gives the inputs and the layer's parameters;
+- it compares the outputs (dtype included: equal values in another dtype change every op after the
+  layer) and, where the call records gradients, the gradients that a fixed random cotangent gives the
+  inputs and the layer's parameters;
 - each difference is relative to the largest magnitude among the original's outputs (or among its
   gradients), and must be within :data:`TOLERANCES` for its dtype.
 
@@ -137,6 +138,8 @@ def _difference(what: str, expected: list, actual: list) -> Optional[str]:
             continue
         if e.shape != a.shape:
             return f'its {what} has shape {tuple(a.shape)}, the original {tuple(e.shape)}'
+        if e.dtype != a.dtype:  # equal values in another dtype still change every op after the layer
+            return f'its {what} is {a.dtype}, the original {e.dtype}'
         same_nan = torch.isnan(e) == torch.isnan(a)
         error = (torch.nan_to_num(a.double()) - torch.nan_to_num(e.double())).abs().max().item() if e.numel() else 0
         tolerance = TOLERANCES.get(e.dtype, TOLERANCES[torch.float32])

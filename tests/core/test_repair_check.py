@@ -97,6 +97,22 @@ def test_a_repair_that_changes_a_result_is_taken_back_and_said(monkeypatch, capl
     assert [r.reason for r in guard.summary.repaired] == ['global_avg_pool']
 
 
+def test_a_repair_that_returns_another_dtype_is_taken_back_though_its_values_are_equal(monkeypatch):
+    """Equal values in another dtype change every op after the layer (a half activation made float32 under
+    autocast runs the rest of the block in float32): the check compares dtypes too."""
+    monkeypatch.setattr(ChannelsLastInstanceNorm2d, 'forward', lambda self, x: CORRECT(self, x).double())
+    torch.manual_seed(0)
+    model, guard = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True)), LayoutGuard()
+    expected = copy.deepcopy(model)(torch.ones(2, 3, 8, 8))
+    guard.on_init(model)
+    with guard.step():
+        output = model(guard.on_batch(torch.ones(2, 3, 8, 8)))
+        output.sum().backward()
+    assert type(model[1]) is nn.InstanceNorm2d and output.dtype == torch.float32
+    torch.testing.assert_close(output, expected)
+    assert guard.refused_repairs[0].reason == 'its output is torch.float64, the original torch.float32'
+
+
 def test_a_first_call_without_gradients_checks_outputs_then_the_first_with_gradients(monkeypatch):
     monkeypatch.setattr(ChannelsLastInstanceNorm2d, 'forward', _wrong_gradient)
     model = _model()

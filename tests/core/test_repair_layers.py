@@ -172,6 +172,58 @@ def test_bicubic_upsample_above_the_matrix_size_limit_uses_the_native_kernel(mon
     torch.testing.assert_close(bicubic_upsample_nhwc(x, scale_factor=2), up(x), rtol=1e-5, atol=1e-6)
 
 
+# under autocast and in half precision: the native layer's dtype and rounding
+
+_LOW_PRECISION_LAYERS = {
+    'bicubic': (lambda: nn.Upsample(scale_factor=1.5, mode='bicubic'), ChannelsLastBicubicUpsample),
+    'group_norm': (lambda: nn.GroupNorm(2, 6), ChannelsLastGroupNorm),
+    'instance_norm': (lambda: nn.InstanceNorm2d(6, affine=True), ChannelsLastInstanceNorm2d),
+}
+
+
+def _output_and_input_grad(layer, x, autocast):
+    """``layer(x)`` under autocast to ``autocast`` (None: off), and the gradient of a fixed float64 loss."""
+    x = x.detach().requires_grad_()
+    with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        out = layer(x)
+    torch.manual_seed(2)
+    (out.double() * torch.randn(out.shape, dtype=torch.float64)).sum().backward()
+    return out, x.grad
+
+
+@pytest.mark.parametrize('device', ['cpu', pytest.param('cuda', marks=pytest.mark.cuda)])
+@pytest.mark.parametrize('name', sorted(_LOW_PRECISION_LAYERS))
+@pytest.mark.parametrize(
+    'dtype,autocast',
+    [
+        (torch.float32, torch.bfloat16),  # after a float32 op: autocast casts matrix products, not these layers
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.bfloat16),  # after a convolution under autocast
+        (torch.float16, torch.float16),
+        (torch.bfloat16, None),  # a model in bfloat16
+    ],
+)
+def test_under_autocast_and_in_half_precision_a_replacement_returns_and_rounds_as_the_native_layer(
+    device, name, dtype, autocast
+):
+    """The native kernels compute half inputs in float32 and round once; autocast has no policy for these layers but
+    CUDA's group norm (float32): a replacement's dtype is the native one, and its error from float64 is no larger."""
+    make, replacement = _LOW_PRECISION_LAYERS[name]
+    torch.manual_seed(0)
+    native, x = make().to(device), torch.randn(3, 6, 9, 5, device=device)
+    swapped = copy.deepcopy(native)
+    swapped.__class__ = replacement
+    exact = _output_and_input_grad(copy.deepcopy(native).double(), x.double(), None)
+    if autocast is None:
+        native, swapped = native.to(dtype), swapped.to(dtype)
+    expected = _output_and_input_grad(native, x.to(dtype), autocast)
+    actual = _output_and_input_grad(swapped, to_channels_last(x.to(dtype)), autocast)
+    for what, got, want, reference in zip(('output', 'input gradient'), actual, expected, exact):
+        assert got.dtype == want.dtype, f'{name}: {what} is {got.dtype}, natively {want.dtype}'
+        error, native_error = ((t.double() - reference).abs().max().item() for t in (got, want))
+        assert error <= 1.5 * native_error + 1e-6, f'{name}: {what} off by {error:.2e}, natively {native_error:.2e}'
+
+
 def test_global_pool_and_channel_interleave_match():
     x = torch.randn(2, 6, 5, 4)
     torch.testing.assert_close(global_avg_pool_nhwc(to_channels_last(x)), F.adaptive_avg_pool2d(x, 1))

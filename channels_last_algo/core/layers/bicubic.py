@@ -7,6 +7,8 @@ hold the cubic-convolution weights, border clamping included. Applied as batched
 products over the (N, H, W, C) view, forward and backward both read and write NHWC. The
 weight matrices are obtained from ``F.interpolate`` itself (it interpolates an identity), so
 they follow PyTorch's coordinate rules for ``size``, ``scale_factor`` and ``align_corners``.
+The products run with autocast off, half and bfloat16 inputs in float32, as the native kernel
+computes them (:mod:`.native_precision`): under autocast a float32 input stays float32.
 
 The products cost O(H_in) multiply-adds per output pixel and axis instead of 4, yet on CPU
 they beat the native kernels (whose channels-last backward is slow) up to about 512 x 512
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from channels_last_algo.core.layers.native_precision import compute_dtype, output_dtype
 from channels_last_algo.core.swap import Replacement
 
 __all__ = ['ChannelsLastBicubicUpsample', 'MATMUL_MAX_SIZE', 'bicubic_upsample', 'bicubic_upsample_nhwc', 'is_bicubic']
@@ -88,12 +91,14 @@ def bicubic_upsample_nhwc(
     """``F.interpolate(x, ..., mode='bicubic')`` of a 4D tensor, NHWC in and out, forward and backward."""
     n, c, h, w = x.shape
     sizes, scales = _per_axis(size), _per_axis(scale_factor)
-    a_h = _axis_weights(h, sizes[0], scales[0], align_corners, recompute_scale_factor, x)
-    a_w = _axis_weights(w, sizes[1], scales[1], align_corners, recompute_scale_factor, x)
-    out_h, out_w = a_h.shape[0], a_w.shape[0]
-    rows = torch.matmul(a_w, x.permute(0, 2, 3, 1).reshape(n * h, w, c))  # (N*H, W_out, C)
-    out = torch.matmul(a_h, rows.view(n, h, out_w * c))  # (N, H_out, W_out*C)
-    return out.view(n, out_h, out_w, c).permute(0, 3, 1, 2)
+    with torch.autocast(x.device.type, enabled=False):  # the native kernel's precision (native_precision)
+        computed = x.to(compute_dtype(x))
+        a_h = _axis_weights(h, sizes[0], scales[0], align_corners, recompute_scale_factor, computed)
+        a_w = _axis_weights(w, sizes[1], scales[1], align_corners, recompute_scale_factor, computed)
+        out_h, out_w = a_h.shape[0], a_w.shape[0]
+        rows = torch.matmul(a_w, computed.permute(0, 2, 3, 1).reshape(n * h, w, c))  # (N*H, W_out, C)
+        out = torch.matmul(a_h, rows.view(n, h, out_w * c))  # (N, H_out, W_out*C)
+    return out.view(n, out_h, out_w, c).permute(0, 3, 1, 2).to(output_dtype(x))
 
 
 def bicubic_upsample(

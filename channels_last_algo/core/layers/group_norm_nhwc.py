@@ -9,9 +9,10 @@ per-channel scale and shift (the form the native CPU kernels use, x * scale + sh
 every op reads and writes NHWC, forward and backward, and the result is a new tensor (not a
 view, which an in-place activation after the norm would have to copy whole in backward).
 Instance norm is the case of one channel per group.
-Half and bfloat16 inputs are normalised in float32, as the native kernels do, and the output
-has the dtype the native layer gives (float32 under CUDA autocast, whose policy runs group
-norm in float32).
+Half and bfloat16 inputs are normalised in float32 with autocast off, as the native kernels do,
+and the output has the dtype the native layer gives (:mod:`.native_precision`: float32 for group
+norm under CUDA autocast, whose policy runs it in float32; the input's dtype for instance norm,
+which has no policy).
 
 The functions decide on the input's dtype and device, so they are ``torch.fx.wrap`` leaves:
 ``symbolic_trace`` records one call; ``torch.export`` and ONNX export trace through them;
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from channels_last_algo.core.layers.native_precision import compute_dtype, output_dtype
 from channels_last_algo.core.swap import Replacement
 
 __all__ = [
@@ -45,8 +47,6 @@ __all__ = [
     'instance_norm_nhwc',
     'uses_input_statistics',
 ]
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def group_norm_nhwc(
@@ -61,24 +61,29 @@ def group_norm_nhwc(
     if c % groups:
         raise ValueError(f'group norm needs channels divisible by groups; got {c} channels and {groups} groups')
     _refuse_one_value([n * c // groups, groups, *x.shape[2:]], 'value per channel')  # as F.group_norm does
-    cuda_autocast = x.device.type == 'cuda' and torch.is_autocast_enabled('cuda')
-    out_dtype = torch.float32 if cuda_autocast else x.dtype
-    compute_dtype = torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    return _normalized(x, groups, weight, bias, eps).to(output_dtype(x, float32_under_autocast=('cuda',)))
+
+
+def _normalized(
+    x: torch.Tensor, groups: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
+) -> torch.Tensor:
+    """``x`` normalised per sample and group, in :func:`compute_dtype` with autocast off; x's layout out."""
+    n, c = x.shape[0], x.shape[1]
+    dtype = compute_dtype(x)
     per_group = (groups, c // groups)
     per_channel = (n, c) + (1,) * (x.dim() - 2)
     with torch.autocast(x.device.type, enabled=False):
-        x = x.to(compute_dtype)
+        x = x.to(dtype)
         grouped = x.movedim(1, -1).reshape(n, -1, *per_group)  # (N, H*W, G, C/G): a view of NHWC
         var, mean = torch.var_mean(grouped, dim=(1, 3), keepdim=True, correction=0)  # (N, 1, G, 1)
         scale = torch.rsqrt(var + eps)
         if weight is not None:
-            scale = scale * weight.to(compute_dtype).view(per_group)
+            scale = scale * weight.to(dtype).view(per_group)
         shift = -mean * scale
         if bias is not None:
-            shift = shift + bias.to(compute_dtype).view(per_group)
+            shift = shift + bias.to(dtype).view(per_group)
         scale, shift = (t.expand(n, 1, *per_group).reshape(per_channel) for t in (scale, shift))
-        out = torch.addcmul(shift, x, scale)  # elementwise on x: a new tensor in x's layout
-    return out.to(out_dtype)
+        return torch.addcmul(shift, x, scale)  # elementwise on x: a new tensor in x's layout
 
 
 def instance_norm_nhwc(
@@ -98,7 +103,7 @@ def instance_norm_nhwc(
         raise ValueError(
             f"expected input's size at dim=1 to match num_features ({num_features}), but got: {x.shape[1]}."
         )
-    return group_norm_nhwc(x, x.shape[1], weight, bias, eps)
+    return _normalized(x, x.shape[1], weight, bias, eps).to(output_dtype(x))
 
 
 def _refuse_one_value(size: list[int], what: str, shown: object = None) -> None:
