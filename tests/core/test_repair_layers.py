@@ -221,7 +221,10 @@ def test_under_autocast_and_in_half_precision_a_replacement_returns_and_rounds_a
     for what, got, want, reference in zip(('output', 'input gradient'), actual, expected, exact):
         assert got.dtype == want.dtype, f'{name}: {what} is {got.dtype}, natively {want.dtype}'
         error, native_error = ((t.double() - reference).abs().max().item() for t in (got, want))
-        assert error <= 1.5 * native_error + 1e-6, f'{name}: {what} off by {error:.2e}, natively {native_error:.2e}'
+        float32_rounding = 8 * torch.finfo(torch.float32).eps * reference.abs().max().item()  # summation order
+        assert error <= 1.5 * native_error + float32_rounding, (
+            f'{name}: {what} off by {error:.1e}, natively {native_error:.1e}'
+        )
 
 
 def test_global_pool_and_channel_interleave_match():
