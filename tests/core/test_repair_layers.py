@@ -227,6 +227,18 @@ def test_under_autocast_and_in_half_precision_a_replacement_returns_and_rounds_a
         )
 
 
+@pytest.mark.parametrize('name', sorted(_LOW_PRECISION_LAYERS))
+def test_a_replacement_runs_on_the_meta_device_as_the_native_layer(name):
+    """Shape inference and deferred initialisation run models on 'meta', which has no autocast to turn off."""
+    make, replacement = _LOW_PRECISION_LAYERS[name]
+    native = make().to('meta')
+    swapped = copy.deepcopy(native)
+    swapped.__class__ = replacement
+    x = to_channels_last(torch.empty(3, 6, 9, 5, device='meta'))
+    expected, actual = native(x), swapped(x)
+    assert (actual.device, actual.shape, actual.dtype) == (expected.device, expected.shape, expected.dtype)
+
+
 def test_global_pool_and_channel_interleave_match():
     x = torch.randn(2, 6, 5, 4)
     torch.testing.assert_close(global_avg_pool_nhwc(to_channels_last(x)), F.adaptive_avg_pool2d(x, 1))

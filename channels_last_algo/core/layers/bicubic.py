@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from channels_last_algo.core.layers.native_precision import compute_dtype, output_dtype
+from channels_last_algo.core.layers.native_precision import autocast_off, compute_dtype, output_dtype
 from channels_last_algo.core.swap import Replacement
 
 __all__ = ['ChannelsLastBicubicUpsample', 'MATMUL_MAX_SIZE', 'bicubic_upsample', 'bicubic_upsample_nhwc', 'is_bicubic']
@@ -91,7 +91,7 @@ def bicubic_upsample_nhwc(
     """``F.interpolate(x, ..., mode='bicubic')`` of a 4D tensor, NHWC in and out, forward and backward."""
     n, c, h, w = x.shape
     sizes, scales = _per_axis(size), _per_axis(scale_factor)
-    with torch.autocast(x.device.type, enabled=False):  # the native kernel's precision (native_precision)
+    with autocast_off(x):  # the native kernel's precision (native_precision)
         computed = x.to(compute_dtype(x))
         a_h = _axis_weights(h, sizes[0], scales[0], align_corners, recompute_scale_factor, computed)
         a_w = _axis_weights(w, sizes[1], scales[1], align_corners, recompute_scale_factor, computed)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from channels_last_algo.core.layers.native_precision import compute_dtype, output_dtype
+from channels_last_algo.core.layers.native_precision import autocast_off, compute_dtype, output_dtype
 from channels_last_algo.core.swap import Replacement
 
 __all__ = [
@@ -72,7 +72,7 @@ def _normalized(
     dtype = compute_dtype(x)
     per_group = (groups, c // groups)
     per_channel = (n, c) + (1,) * (x.dim() - 2)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x):
         x = x.to(dtype)
         grouped = x.movedim(1, -1).reshape(n, -1, *per_group)  # (N, H*W, G, C/G): a view of NHWC
         var, mean = torch.var_mean(grouped, dim=(1, 3), keepdim=True, correction=0)  # (N, 1, G, 1)
