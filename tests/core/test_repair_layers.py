@@ -36,10 +36,16 @@ def _nhwc(*shape, dtype=torch.float32):
 # each replacement layer against the layer it replaces
 
 
+def _swapped(native: nn.Module, replacement: type) -> nn.Module:
+    """A copy of ``native`` whose class is ``replacement``, as a repair rule swaps it."""
+    swapped = copy.deepcopy(native)
+    swapped.__class__ = replacement
+    return swapped
+
+
 def _compare_layers(original, replacement_type, x, rtol=1e-5, atol=1e-5):
     """Same output and input gradient as ``original`` (NCHW), with NHWC output and gradient."""
-    swapped = copy.deepcopy(original)
-    swapped.__class__ = replacement_type
+    swapped = _swapped(original, replacement_type)
     x_ref = x.detach().contiguous().requires_grad_()
     x_cl = to_channels_last(x.detach()).requires_grad_()
     expected, actual = original(x_ref), swapped(x_cl)
@@ -131,8 +137,7 @@ def test_instance_norm_matches(affine):
 def test_a_norm_over_one_value_fails_as_the_native_layer_does(native, replacement, shape, training):
     """torch refuses to normalise a single value (a 1x1 map in instance norm, one value per group): the
     replacement must fail there too, with torch's words, not return zeros."""
-    swapped = copy.deepcopy(native)
-    swapped.__class__ = replacement
+    swapped = _swapped(native, replacement)
     x = torch.randn(shape)
     with pytest.raises(ValueError) as expected:
         native.train(training)(x)
@@ -143,8 +148,7 @@ def test_a_norm_over_one_value_fails_as_the_native_layer_does(native, replacemen
 
 def test_instance_norm_keeps_native_behaviour_outside_4d_input():
     norm = nn.InstanceNorm2d(4)
-    swapped = copy.deepcopy(norm)
-    swapped.__class__ = ChannelsLastInstanceNorm2d
+    swapped = _swapped(norm, ChannelsLastInstanceNorm2d)
     x = torch.randn(4, 5, 5)  # unbatched
     torch.testing.assert_close(swapped(x), norm(x))
 
@@ -211,8 +215,7 @@ def test_under_autocast_and_in_half_precision_a_replacement_returns_and_rounds_a
     make, replacement = _LOW_PRECISION_LAYERS[name]
     torch.manual_seed(0)
     native, x = make().to(device), torch.randn(3, 6, 9, 5, device=device)
-    swapped = copy.deepcopy(native)
-    swapped.__class__ = replacement
+    swapped = _swapped(native, replacement)
     exact = _output_and_input_grad(copy.deepcopy(native).double(), x.double(), None)
     if autocast is None:
         native, swapped = native.to(dtype), swapped.to(dtype)
@@ -232,8 +235,7 @@ def test_a_replacement_runs_on_the_meta_device_as_the_native_layer(name):
     """Shape inference and deferred initialisation run models on 'meta', which has no autocast to turn off."""
     make, replacement = _LOW_PRECISION_LAYERS[name]
     native = make().to('meta')
-    swapped = copy.deepcopy(native)
-    swapped.__class__ = replacement
+    swapped = _swapped(native, replacement)
     x = to_channels_last(torch.empty(3, 6, 9, 5, device='meta'))
     expected, actual = native(x), swapped(x)
     assert (actual.device, actual.shape, actual.dtype) == (expected.device, expected.shape, expected.dtype)
