@@ -248,6 +248,7 @@ class SavedState:
             self.attributes.put_back()
         if self.buffers is not None:
             self.buffers.restore()
+        if self.parameters is not None:
             self.parameters.restore()
 
     @contextlib.contextmanager
