@@ -4,7 +4,9 @@ says channels last is slower.
 Channels last is not always faster (grouped convolutions on some cuDNN versions, fp32 on GPUs
 without tensor cores, ConvNeXt on this kind of CPU). :func:`decide_layout` measures instead of
 guessing: on the user's own model, device, precision and batch it times forward + backward
-passes (no optimizer update) in NCHW and in channels last, in paired interleaved rounds, and
+passes (no optimizer update) in NCHW and in channels last, in paired interleaved rounds (NCHW as the
+model ran before its conversion: its repaired layers as their original classes,
+:mod:`~channels_last_algo.core.layout_switch`), and
 repeats rounds until the order-statistics interval of the median per-round ratio lies outside
 the tie band ``[1 / (1 + margin), 1 + margin]`` (or inside it), at most ``max_rounds`` rounds
 and ``max_seconds``. Channels last, the algorithm's purpose, is the default: NCHW is kept only
@@ -37,8 +39,9 @@ from typing import Any, Optional
 
 import torch
 
-from channels_last_algo.core.convert import Optimizers, refuse_under_ddp, restride
+from channels_last_algo.core.convert import Optimizers, refuse_under_ddp
 from channels_last_algo.core.layout import MemoryFormat
+from channels_last_algo.core.layout_switch import LayoutSwitch
 from channels_last_algo.core.saved_state import SavedState
 from channels_last_algo.core.timing import Timings, synchronizer, time_interleaved
 
@@ -178,12 +181,13 @@ class _Rule:
 
 
 class _Trials:
-    """The trial steps of one decision: the model restrided between the layouts, the clock read
+    """The trial steps of one decision: the model put in either layout between them, the clock read
     after a CUDA device's queue drains, and everything a trial touches put back."""
 
     def __init__(self, model: torch.nn.Module, optimizers: Optimizers, timer: Callable[[], float]) -> None:
         refuse_under_ddp(model)  # once: the trials restride the weights in every round
-        self.model, self.optimizers, self.timer = model, optimizers, timer
+        self.model, self.timer = model, timer
+        self.layouts = LayoutSwitch(model, optimizers, outside_ddp=True)
         self.sync = synchronizer(next((p.device for p in model.parameters()), torch.device('cpu')))
 
     def now(self) -> float:
@@ -192,10 +196,10 @@ class _Trials:
         return self.timer()
 
     def prepare(self, layout: str) -> None:
-        """Drop the gradients and restride the model (and its optimizer state) to ``layout``."""
+        """Drop the gradients and put the model (its weights, optimizer state and repaired layers) in ``layout``."""
         for p in self.model.parameters():
             p.grad = None
-        restride(self.model, layout == _LAST, self.optimizers, outside_ddp=True)  # looked for once, in __init__
+        self.layouts.put(layout == _LAST)
 
     def time(self, run_step: Callable[[bool], Any], rule: _Rule) -> Timings:
         """Both layouts timed until ``rule`` stops; the model left in the layout kept, as it was otherwise."""
@@ -212,6 +216,9 @@ class _Trials:
                 timer=self.timer,
             )
             self.prepare(_FIRST if rule.verdict(timings) == 'slower' else _LAST)
+        except BaseException:  # a step raised, or found the weights viewed: the repaired layers as they came
+            self.layouts.swap_repairs(True)
+            raise
         finally:
             snapshot.restore()
         return timings
@@ -232,7 +239,9 @@ def decide_layout(
     """Time ``run_step(channels_last)`` in both layouts until the evidence decides; leave ``model`` in the layout kept.
 
     Args:
-        model: the model; restrided in place between trials and left in the chosen layout.
+        model: the model; put in each layout between trials (restrided, its repaired layers swapped in for
+            channels last and taken back for NCHW: :mod:`~channels_last_algo.core.layout_switch`) and left in the
+            chosen one.
         run_step: runs one forward + loss + backward with the input in channels last when its argument is
             True, NCHW otherwise. It must not step the optimizer.
         optimizers: optimizers whose state is restrided with the parameters.

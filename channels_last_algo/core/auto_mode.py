@@ -32,6 +32,7 @@ from torch.nn.parameter import is_lazy
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
 from channels_last_algo.core.console import timing_line
 from channels_last_algo.core.convert import Optimizers, restride
+from channels_last_algo.core.layout_switch import LayoutSwitch
 
 __all__ = ['AutoMode', 'LayoutDecision', 'Trial']  # LayoutDecision: what AutoMode.decision holds
 
@@ -125,9 +126,9 @@ class AutoMode:
         return self.decision
 
     def apply(self, model: torch.nn.Module, decision: LayoutDecision, optimizers: Optimizers = None) -> None:
-        """Put ``model`` in the layout of a decision made before (on resume, or on rank 0)."""
+        """Put ``model`` in the layout of a decision made before (on resume, or on rank 0), as the trials do."""
         self.decision = decision
-        restride(model, decision.channels_last, optimizers)
+        LayoutSwitch(model, optimizers).put(decision.channels_last)
 
     def settle(
         self,

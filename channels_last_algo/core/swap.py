@@ -18,7 +18,8 @@ differently (its own ``__init__`` or ``reset_parameters``) or a parametrized mod
 optimizer built before stays valid), its hooks and its ``state_dict`` keys. A subclass gets a
 class that derives from both the replacement and its own class (:func:`swap_class`), so its
 ``isinstance`` checks, parametrizations and overrides still hold. :func:`swap_first_match` is the
-one place that reassigns a module's ``__class__``; :func:`swap_back` gives the exact class back.
+one place that reassigns a module's ``__class__``; :func:`swap_back` gives the exact class back, and
+:func:`swap_in` the swapped one again.
 
 A swapped module pickles as the class it had before (:class:`Replacement`), so a whole model
 saved with ``torch.save`` loads where this package is not installed; its copies keep the swap.
@@ -66,6 +67,7 @@ __all__ = [
     'swap_back',
     'swap_class',
     'swap_first_match',
+    'swap_in',
     'swappable',
     'taken_over',
     'uncovered',
@@ -179,6 +181,11 @@ class SwapRow:
     def original_name(self) -> str:
         """The qualified name of ``original``."""
         return self.original if isinstance(self.original, str) else qualified_name(self.original)
+
+    @property
+    def replacement_name(self) -> str:
+        """The qualified name of ``replacement``."""
+        return self.replacement if isinstance(self.replacement, str) else qualified_name(self.replacement)
 
     def replacement_type(self) -> type:
         """The replacement class (imported now if named by a string), checked with :func:`require_subclass`."""
@@ -383,3 +390,11 @@ def swap_back(module: nn.Module, original: type) -> None:
     if not isinstance(module, original):
         raise TypeError(f'{type(module).__name__} is no swap of {qualified_name(original)}')
     module.__class__ = original
+
+
+def swap_in(module: nn.Module, swapped: type) -> None:
+    """Give ``module``, which :func:`swap_back` gave its original class, its ``swapped`` class again (a subclass:
+    same state)."""
+    if not issubclass(swapped, type(module)):
+        raise TypeError(f'{qualified_name(swapped)} is no swap of {type(module).__name__}')
+    module.__class__ = swapped

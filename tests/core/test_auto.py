@@ -181,6 +181,64 @@ def test_trial_steps_leave_no_trace():
             assert p.grad.stride() == p.stride() == optimizer.state[p]['momentum_buffer'].stride()
 
 
+class _ShuffleNet(nn.Module):
+    """A stem and two ShuffleNetV2 blocks, whose concatenate-and-shuffle the repair computes as one NHWC
+    interleave: NHWC output whatever the input's layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchvision.models.shufflenetv2 import InvertedResidual
+
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.blocks = nn.Sequential(InvertedResidual(16, 16, 1), InvertedResidual(16, 32, 2))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)))
+
+
+@pytest.mark.parametrize('channels_last_cost', [0.5, 2.0])
+def test_the_channels_first_trials_and_layout_run_the_model_as_it_was_before_its_repairs(channels_last_cost):
+    """Auto mode compares the model as mode 'off' runs it with the model as mode 'on' does: in the NCHW trials the
+    repaired layers run as their original classes, so no activation is NHWC there (kept, the interleave would make
+    the NCHW trials channels last, timed as a tie), and the NCHW layout kept keeps them so; with channels last kept
+    the repairs are in."""
+    torch.manual_seed(0)
+    model, x = _ShuffleNet(), torch.randn(4, 3, 8, 8)
+    originals = {name: type(module) for name, module in model.named_modules()}
+    guard = LayoutGuard(mode='auto')
+    guard.on_init(model)
+    assert {r.reason for r in guard.summary.repaired} == {'shufflenet_channel_shuffle', 'global_avg_pool'}
+    seen = set()  # (layout timed, the classes the model has, whether a block hands NHWC on)
+    for block in model.blocks:
+        block.register_forward_hook(
+            lambda module, args, output: seen.add(
+                (
+                    has_channels_last_strides(model.stem.weight),
+                    tuple(type(m) for m in model.modules()),
+                    has_channels_last_strides(output),
+                )
+            )
+        )
+    decide = functools.partial(
+        decide_layout, timer=LayoutClock(model.stem.weight, channels_last_cost=channels_last_cost)
+    )
+    auto_mode_module.decide_layout, original = decide, auto_mode_module.decide_layout
+    try:
+        guard.auto.decide(model, x, lambda m, inputs: m(inputs).sum())
+    finally:
+        auto_mode_module.decide_layout = original
+    unrepaired = tuple(originals.values())
+    assert {(layout, classes == unrepaired, nhwc) for layout, classes, nhwc in seen} == {
+        (False, True, False),
+        (True, False, True),
+    }
+    kept = {name: type(module) for name, module in model.named_modules()}
+    assert (kept == originals) is (not guard.channels_last) and guard.channels_last is (channels_last_cost < 1)
+    taken_back = 'repairs taken back (3 layers run as their original classes)'
+    assert (taken_back in str(guard.start_block)) is (not guard.channels_last)
+
+
 def test_plain_loop_guard_follows_the_decision():
     model = _model()
     guard = LayoutGuard(mode='auto')
@@ -290,6 +348,7 @@ def test_resumed_run_keeps_the_decision_without_measuring(monkeypatch, tmp_path)
     resumed, algorithm = _trainer('auto', load_path=str(tmp_path / 'ep0-ba3-rank0.pt'))
     assert algorithm.decision == decided  # the interval and the rounds come back with the layout
     assert not has_channels_last_strides(resumed.state.model.module[0].weight)
+    assert type(resumed.state.model.module[5]) is nn.AdaptiveAvgPool2d  # NCHW as the model was: no repair
 
 
 class _WeightViewingNet(torch.nn.Module):
@@ -341,6 +400,7 @@ def test_a_step_that_raises_before_training_leaves_the_run_channels_last_on_ever
     )
     assert rank_0.auto.decision is None and rank_0.effective_mode == 'on' and rank_0.channels_last
     assert has_channels_last_strides(model_0[0].weight) and 'param_groups' in sent[0]['untimed']
+    assert type(model_0[5]).__name__ == 'ChannelsLastAdaptiveAvgPool2d'  # the repair, taken back for NCHW, is in again
     assert any('param_groups' in r.getMessage() and "acts as mode 'on'" in r.getMessage() for r in caplog.records)
     rank_1, model_1 = LayoutGuard(mode='auto'), _model()
     rank_1.on_init(model_1)
