@@ -128,6 +128,14 @@ def measure_each(models: list[str], threads: int, measure: Callable[[str], dict]
     return rows
 
 
+def _load_meaning(most: float, threads: int, machine: dict) -> str:
+    """What the load while the models ran says of the step times: above the benchmark's own threads (and
+    half a thread of slack), other work shared the cores."""
+    if most > threads + 0.5:
+        return f'other work shared the {machine["cores_usable"]} cores, so every step time is noisy'
+    return 'no other work ran beside the benchmark'
+
+
 def _header(result: dict) -> list[str]:
     """The title, the machine, the command, the load while the models ran, and how to read the cells."""
     s = result['settings']
@@ -143,9 +151,8 @@ def _header(result: dict) -> list[str]:
         f'Command: `{result["command"]}`',
         '',
         f'1-minute load average {load["before"]:.1f} before, {load["min"]:.1f} to {load["max"]:.1f} while the '
-        f"models ran, {load['after']:.1f} after: other people's work shared the {result['machine']['cores_usable']} "
-        'cores, so every step time is noisy; the variants of a model run interleaved round by round, so the '
-        'ratios are fairer than the times.',
+        f'models ran, {load["after"]:.1f} after: {_load_meaning(load["max"], s["threads"], result["machine"])}; '
+        'the variants of a model run interleaved round by round, so the ratios are fairer than the times.',
         '',
         f"Batch {s['batch_size']} at each model's zoo input size, float32, {s['threads']} torch thread(s), SGD with "
         f'momentum; {s["rounds"]} timed '
@@ -155,8 +162,8 @@ def _header(result: dict) -> list[str]:
         f'decide_layout on the same batch, at most {s["auto_seconds"]} s; "tie" keeps channels last, the default. '
         '"faster layout": ours against NCHW beyond noise ("no difference": the interval is not outside the band); '
         'where auto chose the other, "auto agrees" gives its steps against the faster variant\'s. Auto times the '
-        'repaired model in both formats, so where the repair alone makes the difference it can see a tie that '
-        'ours against NCHW does not.',
+        'model as it was (its repairs taken back) in NCHW against the repaired model in channels last, as ours '
+        'against NCHW compares them.',
         '',
     ]
 
