@@ -162,7 +162,7 @@ def _header(result: dict) -> list[str]:
         f'decide_layout on the same batch, at most {s["auto_seconds"]} s; "tie" keeps channels last, the default. '
         '"faster layout": ours against NCHW beyond noise ("no difference": the interval is not outside the band); '
         'where auto chose the other, "auto agrees" gives its steps against the faster variant\'s. Auto times the '
-        'model as it was (its repairs taken back) in NCHW against the repaired model in channels last, as ours '
+        'model as it was (its swaps taken back) in NCHW against the converted model in channels last, as ours '
         'against NCHW compares them.',
         '',
     ]

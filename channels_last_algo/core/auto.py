@@ -5,7 +5,7 @@ Channels last is not always faster (grouped convolutions on some cuDNN versions,
 without tensor cores, ConvNeXt on this kind of CPU). :func:`decide_layout` measures instead of
 guessing: on the user's own model, device, precision and batch it times forward + backward
 passes (no optimizer update) in NCHW and in channels last, in paired interleaved rounds (NCHW as the
-model ran before its conversion: its repaired layers as their original classes,
+model ran before its conversion: its swapped layers as their original classes,
 :mod:`~channels_last_algo.core.layout_switch`), and
 repeats rounds until the order-statistics interval of the median per-round ratio lies outside
 the tie band ``[1 / (1 + margin), 1 + margin]`` (or inside it), at most ``max_rounds`` rounds
@@ -196,7 +196,7 @@ class _Trials:
         return self.timer()
 
     def prepare(self, layout: str) -> None:
-        """Drop the gradients and put the model (its weights, optimizer state and repaired layers) in ``layout``."""
+        """Drop the gradients and put the model (its weights, optimizer state and swapped layers) in ``layout``."""
         for p in self.model.parameters():
             p.grad = None
         self.layouts.put(layout == _LAST)
@@ -216,8 +216,8 @@ class _Trials:
                 timer=self.timer,
             )
             self.prepare(_FIRST if rule.verdict(timings) == 'slower' else _LAST)
-        except BaseException:  # a step raised, or found the weights viewed: the repaired layers as they came
-            self.layouts.swap_repairs(True)
+        except BaseException:  # a step raised, or found the weights viewed: the swapped layers as they came
+            self.layouts.swap(True)
             raise
         finally:
             snapshot.restore()
@@ -239,7 +239,7 @@ def decide_layout(
     """Time ``run_step(channels_last)`` in both layouts until the evidence decides; leave ``model`` in the layout kept.
 
     Args:
-        model: the model; put in each layout between trials (restrided, its repaired layers swapped in for
+        model: the model; put in each layout between trials (restrided, its swapped layers swapped in for
             channels last and taken back for NCHW: :mod:`~channels_last_algo.core.layout_switch`) and left in the
             chosen one.
         run_step: runs one forward + loss + backward with the input in channels last when its argument is

@@ -139,7 +139,7 @@ def start_block(
         f'{_TITLE}: {model}: {plan}',
         *_conversion_rows(summary, repaired),
         *([_row('compile', compile_note)] if compile_note else []),
-        *_run_rows(mode, decision, audit_steps, len(summary.repaired)),
+        *_run_rows(mode, decision, audit_steps, len(summary.repaired) + len(summary.made_safe)),
     ]
     params = _start_hyperparameters(summary, plan, mode, audit_steps, repaired)
     return ConsoleBlock(tuple(lines), params | (_decision_hyperparameters(decision) if decision else {}))
@@ -177,16 +177,14 @@ def _not_covered(layers: list[UncoveredLayer]) -> str:
     )
 
 
-def _run_rows(mode: str, decision: Optional[LayoutDecision], audit_steps: int, repaired: int) -> list[str]:
-    """What the run does next: auto mode's decision (with channels first, the ``repaired`` layers run as their
+def _run_rows(mode: str, decision: Optional[LayoutDecision], audit_steps: int, swapped: int) -> list[str]:
+    """What the run does next: auto mode's decision (with channels first, the ``swapped`` layers run as their
     original classes), the audit of the first training steps."""
     rows = []
     if mode == 'auto' and decision is not None:
-        channels_first = repaired and not decision.channels_last
+        channels_first = swapped and not decision.channels_last
         taken_back = (
-            f'; repairs taken back ({_count(repaired, "layer")} run as their original classes)'
-            if channels_first
-            else ''
+            f'; swaps taken back ({_count(swapped, "layer")} run as their original classes)' if channels_first else ''
         )
         rows.append(_row('auto', _evidence(decision) + taken_back))
     elif mode == 'auto':

@@ -294,7 +294,7 @@ class LayoutGuard:
         if self._repair_check is not None and self.channels_last:
             self._repair_check.start()  # before the model's first call; nothing once every layer is checked
         elif self._repair_check is not None:
-            self._repair_check.close()  # auto mode kept NCHW: the repaired layers run as their originals
+            self._repair_check.close()  # auto mode kept NCHW: the swapped layers run as their originals
         if not self.channels_last:
             return batch
         batch = self.inputs.put(batch, self._looks_like_an_image, to_channels_last)

@@ -182,11 +182,6 @@ class SwapRow:
         """The qualified name of ``original``."""
         return self.original if isinstance(self.original, str) else qualified_name(self.original)
 
-    @property
-    def replacement_name(self) -> str:
-        """The qualified name of ``replacement``."""
-        return self.replacement if isinstance(self.replacement, str) else qualified_name(self.replacement)
-
     def replacement_type(self) -> type:
         """The replacement class (imported now if named by a string), checked with :func:`require_subclass`."""
         return require_subclass(

@@ -16,6 +16,8 @@ from channels_last_algo import LayoutGuard, WeightLayoutPlan, has_channels_last_
 from channels_last_algo.core import auto_mode as auto_mode_module
 from channels_last_algo.core.auto import LayoutDecision, decide_layout
 from channels_last_algo.core.auto_mode import Trial
+from channels_last_algo.core.layers import NCHWAvgPool2d
+from channels_last_algo.core.swap import SwapRow, swap_first_match
 from channels_last_algo.core.timing import FakeClock
 
 
@@ -182,8 +184,8 @@ def test_trial_steps_leave_no_trace():
 
 
 class _ShuffleNet(nn.Module):
-    """A stem and two ShuffleNetV2 blocks, whose concatenate-and-shuffle the repair computes as one NHWC
-    interleave: NHWC output whatever the input's layout."""
+    """A stem, two ShuffleNetV2 blocks, whose concatenate-and-shuffle the repair computes as one NHWC
+    interleave (NHWC output whatever the input's layout), and an average pool."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -191,26 +193,31 @@ class _ShuffleNet(nn.Module):
 
         self.stem = nn.Conv2d(3, 16, 3, padding=1)
         self.blocks = nn.Sequential(InvertedResidual(16, 16, 1), InvertedResidual(16, 32, 2))
+        self.pool = nn.AvgPool2d(2)
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.stem(x)))
+        return self.head(self.pool(self.blocks(self.stem(x))))
 
 
 @pytest.mark.parametrize('channels_last_cost', [0.5, 2.0])
-def test_the_channels_first_trials_and_layout_run_the_model_as_it_was_before_its_repairs(channels_last_cost):
+def test_the_channels_first_trials_and_layout_run_the_model_as_it_was_before_its_swaps(channels_last_cost):
     """Auto mode compares the model as mode 'off' runs it with the model as mode 'on' does: in the NCHW trials the
-    repaired layers run as their original classes, so no activation is NHWC there (kept, the interleave would make
-    the NCHW trials channels last, timed as a tie), and the NCHW layout kept keeps them so; with channels last kept
-    the repairs are in."""
+    swapped layers (repairs, safe paths) run as their original classes, so no activation is NHWC there (kept, the
+    interleave and the CUDA average-pool safe path would make the NCHW trials channels last, timed as a tie), and the
+    NCHW layout kept keeps them so; with channels last kept the swaps are in."""
     torch.manual_seed(0)
     model, x = _ShuffleNet(), torch.randn(4, 3, 8, 8)
     originals = {name: type(module) for name, module in model.named_modules()}
+    cuda_safe_path = SwapRow(
+        name='cuda_avg_pool', original=nn.AvgPool2d, replacement=NCHWAvgPool2d, devices=('cpu',), torch_versions=''
+    )
+    swap_first_match(model, [cuda_safe_path], 'safe_path', lambda row, module: True)  # NHWC out, whatever comes in
     guard = LayoutGuard(mode='auto')
     guard.on_init(model)
     assert {r.reason for r in guard.summary.repaired} == {'shufflenet_channel_shuffle', 'global_avg_pool'}
     seen = set()  # (layout timed, the classes the model has, whether a block hands NHWC on)
-    for block in model.blocks:
+    for block in (*model.blocks, model.pool):
         block.register_forward_hook(
             lambda module, args, output: seen.add(
                 (
@@ -235,7 +242,8 @@ def test_the_channels_first_trials_and_layout_run_the_model_as_it_was_before_its
     }
     kept = {name: type(module) for name, module in model.named_modules()}
     assert (kept == originals) is (not guard.channels_last) and guard.channels_last is (channels_last_cost < 1)
-    taken_back = 'repairs taken back (3 layers run as their original classes)'
+    swapped = len(guard.summary.repaired) + len(guard.summary.made_safe)
+    taken_back = f'swaps taken back ({swapped} layers run as their original classes)'
     assert (taken_back in str(guard.start_block)) is (not guard.channels_last)
 
 
@@ -400,7 +408,7 @@ def test_a_step_that_raises_before_training_leaves_the_run_channels_last_on_ever
     )
     assert rank_0.auto.decision is None and rank_0.effective_mode == 'on' and rank_0.channels_last
     assert has_channels_last_strides(model_0[0].weight) and 'param_groups' in sent[0]['untimed']
-    assert type(model_0[5]).__name__ == 'ChannelsLastAdaptiveAvgPool2d'  # the repair, taken back for NCHW, is in again
+    assert type(model_0[5]).__name__ == 'ChannelsLastAdaptiveAvgPool2d'  # the swap, taken back for NCHW, is in again
     assert any('param_groups' in r.getMessage() and "acts as mode 'on'" in r.getMessage() for r in caplog.records)
     rank_1, model_1 = LayoutGuard(mode='auto'), _model()
     rank_1.on_init(model_1)

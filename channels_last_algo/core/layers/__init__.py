@@ -36,13 +36,7 @@ from channels_last_algo.core.layers.pixel_shuffle import (
     pixel_shuffle_nhwc,
     pixel_unshuffle_nhwc,
 )
-from channels_last_algo.core.layers.repair_rules import (
-    RULES,
-    RepairRule,
-    repair_model,
-    repaired_layers,
-    unrepaired_subclasses,
-)
+from channels_last_algo.core.layers.repair_rules import RULES, RepairRule, repair_model, unrepaired_subclasses
 from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, SubsampledConv2d
 
 __all__ = [
@@ -69,6 +63,5 @@ __all__ = [
     'pixel_shuffle_nhwc',
     'pixel_unshuffle_nhwc',
     'repair_model',
-    'repaired_layers',
     'unrepaired_subclasses',
 ]

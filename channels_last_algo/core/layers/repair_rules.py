@@ -59,10 +59,10 @@ from channels_last_algo.core.layers.mobilenet_v2 import ChannelsLastMobileNetV2
 from channels_last_algo.core.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d
 from channels_last_algo.core.layers.pixel_shuffle import ChannelsLastPixelShuffle, ChannelsLastPixelUnshuffle
 from channels_last_algo.core.runtime import VersionSpec, model_device
-from channels_last_algo.core.swap import SwapRow, qualified_name, swap_first_match, uncovered
+from channels_last_algo.core.swap import SwapRow, swap_first_match, uncovered
 from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 
-__all__ = ['RULES', 'RepairRule', 'repair_model', 'repaired_layers', 'unrepaired_subclasses']
+__all__ = ['RULES', 'RepairRule', 'repair_model', 'unrepaired_subclasses']
 
 log = logging.getLogger(__name__)
 
@@ -267,20 +267,6 @@ def repair_model(
             ', '.join(sorted({r.reason for r in records})),
         )
     return records
-
-
-def repaired_layers(model: nn.Module, rules: Sequence[RepairRule] = RULES) -> list[nn.Module]:
-    """The modules of ``model`` that a rule swapped: their class is a rule's replacement or derives from one
-    (found by name, so no replacement is imported for it).
-
-    Example:
-        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.AdaptiveAvgPool2d(1))
-        >>> _ = repair_model(model)
-        >>> [type(module).__name__ for module in repaired_layers(model)]
-        ['ChannelsLastAdaptiveAvgPool2d']
-    """
-    names = {rule.replacement_name for rule in rules}
-    return [module for module in model.modules() if any(qualified_name(c) in names for c in type(module).__mro__)]
 
 
 def unrepaired_subclasses(
