@@ -2,6 +2,7 @@
 contract holds, export works at every size, the inductor backend compiles, Composer evaluates fused."""
 
 import copy
+import pickle
 import re
 import subprocess
 import sys
@@ -421,11 +422,12 @@ class _UntraceableRoot(nn.Module):
 
 
 def test_module_route_fuses_the_runs_each_forward_calls():
+    """With no example input to check graphs on, the blocks keep their own forwards (see the test after)."""
     model = _randomize_batchnorm(_UntraceableRoot()).eval()
     x = torch.randn(2, 3, 8, 8)
-    fused = fuse_for_inference(model, x.contiguous(memory_format=torch.channels_last))
+    fused = fuse_for_inference(model)
     summary = fused.summary
-    assert summary.route == 'modules' and summary.unfused == []
+    assert summary.route == 'modules' and summary.unfused == [] and summary.graphs == []
     assert summary.fused == {
         'blocks.0.conv': 'conv+bn+silu',
         'blocks.1.conv1': 'conv+bn',
@@ -438,6 +440,48 @@ def test_module_route_fuses_the_runs_each_forward_calls():
     assert not any(isinstance(v, torch.fx.Proxy) for m in fused.modules() for v in vars(m).values())
     with torch.no_grad():
         assert _relative_error(fused(x), model(x)) < 1e-5
+
+
+class _TwiceReluWithChannels(_TwiceRelu):
+    @property
+    def channels(self):
+        return self.conv1.out_channels
+
+
+class _BlocksWithAProperty(nn.Module):
+    """A forward that branches on an argument (transformers' ``return_dict``): the model does not trace, its
+    blocks do; it reads a property of a block, which a graph in the block's place would not have."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_ConvBnAct(3, 8), _TwiceReluWithChannels(8), _ConvBnAct(8, 4)])
+
+    def forward(self, x, flip=False):
+        for block in self.blocks:
+            x = block(x)
+        return x.flip(-1) if flip else x * self.blocks[1].channels
+
+
+def test_module_route_runs_the_fused_graphs_of_the_blocks_that_trace_as_their_forwards():
+    model = _randomize_batchnorm(_BlocksWithAProperty()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    fused = fuse_for_inference(model, x)
+    summary = fused.summary
+    assert summary.route == 'modules' and summary.graphs == ['blocks.0', 'blocks.1', 'blocks.2']
+    assert summary.unfused == [] and summary.count('add') == 1
+    assert summary.fused['blocks.1.conv1'] == 'conv+bn+relu'  # one ReLU called twice, fused into both
+    assert summary.fused['blocks.1.conv2'] == 'conv+bn+add+relu'
+    block = fused.module.blocks[1]
+    assert type(block) is _TwiceReluWithChannels and block.channels == 8  # the same object, class and property
+    assert isinstance(block.conv2, FusedConv2d) and isinstance(block.bn2, nn.Identity)
+    assert isinstance(model.blocks[1].bn2, nn.BatchNorm2d) and 'forward' not in vars(model.blocks[1])
+    assert not any(isinstance(v, torch.fx.Proxy) for m in fused.modules() for v in vars(m).values())
+    with torch.no_grad():
+        assert _relative_error(fused(x), model(x)) < 1e-5
+        assert _relative_error(fused(x, True), model(x, True)) < 1e-5
+        for copied in (copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):  # each runs its own graphs
+            assert _relative_error(copied(x), model(x)) < 1e-5 and copied.module.blocks[1].forward.module is not block
+    assert '1 with a residual add; 3 submodules fused on their traced graphs' in str(summary)
 
 
 class _CallsAGrandchild(_UntraceableRoot):
@@ -479,6 +523,44 @@ def test_activation_modules_from_outside_torch_fuse_where_their_forward_is_one_a
     x = torch.randn(2, 3, 8, 8)
     with torch.no_grad():
         assert _relative_error(network(x), model(x)) < 1e-5
+
+
+class _OptionalResidual(nn.Module):
+    """A forward with an argument that defaults to None and a branch on it: a trace takes the tensor's branch."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+    def forward(self, x, extra=None):
+        y = self.conv(x)
+        if extra is not None:
+            y = y + extra
+        return y.relu()
+
+
+def test_without_an_example_a_graph_that_needs_an_argument_defaulting_to_none_is_not_taken():
+    model = _OptionalResidual().eval()
+    fused = fuse_for_inference(model)  # nothing runs: the graph would add `extra` where a call gives none
+    assert fused.summary.route == 'modules'
+    assert fused.summary.trace_error == 'the traced graph computes with extra, which defaults to None'
+    x = torch.randn(2, 3, 8, 8)
+    with torch.no_grad():
+        assert _relative_error(fused(x), model(x)) < 1e-5
+        assert _relative_error(fused(x, x), model(x, x)) < 1e-5
+
+
+def test_a_hooked_submodule_stays_a_module_that_calls_its_hooks():
+    model = _randomize_batchnorm(nn.Sequential(nn.Conv2d(3, 8, 1), _ConvBnAct(8, 8), nn.Conv2d(8, 2, 1))).eval()
+    seen = []
+    model[1].register_forward_hook(lambda module, args, output: seen.append(output.shape) or output * 2)
+    x = torch.randn(2, 3, 8, 8)
+    fused = fuse_for_inference(model, x)
+    assert fused.summary.route == 'fx' and fused.summary.fused['1.conv'] == 'conv+bn+silu'  # fused inside it
+    with torch.no_grad():
+        expected, calls = model(x), len(seen)
+        assert _relative_error(fused(x), expected) < 1e-5  # the hook's doubling included
+    assert len(seen) == calls + 1 and seen[-1] == (2, 8, 8, 8)
 
 
 def test_example_input_catches_a_wrong_trace_and_takes_the_module_route():

@@ -18,7 +18,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import logging
 import math
 from collections.abc import Callable
@@ -119,8 +121,8 @@ class ExampleCheck:
         take: ``isinstance(skip, Tensor)`` is False for a tracing proxy), or None."""
         if self.inputs is None:
             return None
-        try:
-            with torch.no_grad():
+        try:  # fx prints a failing graph's code to stderr: the module route is taken, and says why
+            with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
                 network(*self.inputs)
         except Exception as error:  # any op of the traced graph may refuse what the wrong branch gives it
             return why(error)

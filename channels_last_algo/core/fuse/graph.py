@@ -4,7 +4,8 @@ every convolution node, and let a fused residual add write into its input where 
 A module-level function that fails on tracing proxies (Composer's ``blur_2d`` sizes its filter from
 the input's channels) is called whole (:mod:`.tracing`). A submodule whose own forward symbolic
 tracing cannot follow (control flow on a value) is kept whole, as a leaf that runs as it is, and fused
-inside by the module route (:func:`~.modules.fuse_modules`) where it has children. Functional ``conv2d`` and
+inside by the module route (:func:`~.modules.fuse_modules`) where it has children; so is one that forward
+hooks watch, whose hooks a traced graph would not call. Functional ``conv2d`` and
 ``batch_norm`` calls become module calls (:mod:`.functional_calls`), so the patterns see them.
 The BatchNorms left in the network are reported.
 
@@ -49,11 +50,12 @@ from channels_last_algo.core.fuse.patterns import (
     fuse_chain,
     is_eval_identity,
 )
+from channels_last_algo.core.fuse.postops import has_hooks
 from channels_last_algo.core.fuse.summary import FusionSummary
 from channels_last_algo.core.fuse.tracing import trace_wrapping_failures
 from channels_last_algo.core.layers import RULES
 
-__all__ = ['called_whole', 'fuse_graph', 'trace']
+__all__ = ['called_whole', 'fuse_graph', 'optional_inputs_used', 'trace']
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +64,9 @@ _REPAIRED_LAYERS = tuple(rule.replacement for rule in RULES if rule.original_nam
 
 class _Tracer(fx.Tracer):
     """fx's tracer, keeping as leaves the repaired ``torch.nn`` layers (:mod:`channels_last_algo.core.layers`),
-    as the built-in layers they replace are, and every module that tracing into fails: the nodes of
-    the failed attempt are removed and the module is called whole (``untraceable``: path -> why)."""
+    as the built-in layers they replace are, the modules forward hooks watch, and every module that tracing
+    into fails: the nodes of the failed attempt are removed and the module is called whole (``untraceable``:
+    path -> why)."""
 
     def __init__(self, autowrap_functions: tuple[Callable[..., Any], ...] = ()) -> None:
         super().__init__(autowrap_functions=autowrap_functions)
@@ -71,7 +74,7 @@ class _Tracer(fx.Tracer):
         self.errors: list[Exception] = []
 
     def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        leaf = qualified_name in self.untraceable or isinstance(module, _REPAIRED_LAYERS)
+        leaf = qualified_name in self.untraceable or isinstance(module, _REPAIRED_LAYERS) or has_hooks(module)
         return leaf or super().is_leaf_module(module, qualified_name)
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
@@ -229,6 +232,16 @@ def _run_from(first: fx.Node) -> list[fx.Node]:
     while len(run) < LONGEST_PATTERN and len(users := value_users(run[-1])) == 1:
         run.append(users[0])
     return run
+
+
+def optional_inputs_used(graph_module: fx.GraphModule) -> list[str]:
+    """The arguments defaulting to None that ``graph_module``'s graph computes with: a trace passes a proxy, never
+    None, so ``if mask is not None`` took the branch for a tensor, and a call without one fails in the graph."""
+    return [
+        node.target
+        for node in graph_module.graph.nodes
+        if node.op == 'placeholder' and node.args == (None,) and node.users
+    ]
 
 
 def called_whole(graph_module: fx.GraphModule) -> list[str]:

@@ -33,8 +33,9 @@ from channels_last_algo.core.argument_checks import require_flags, require_modul
 from channels_last_algo.core.convert import convert_quietly
 from channels_last_algo.core.fuse.conv import FusedConv2d
 from channels_last_algo.core.fuse.example_check import ExampleCheck, why
-from channels_last_algo.core.fuse.graph import called_whole, fuse_graph, trace
+from channels_last_algo.core.fuse.graph import called_whole, fuse_graph, optional_inputs_used, trace
 from channels_last_algo.core.fuse.modules import fuse_modules
+from channels_last_algo.core.fuse.subgraphs import fuse_subgraphs
 from channels_last_algo.core.fuse.summary import FusionSummary
 from channels_last_algo.core.layout import batch_to_channels_last
 
@@ -164,6 +165,10 @@ def _fx_route(model: nn.Module, prepack: bool, check: ExampleCheck) -> tuple[Opt
             graph_module = trace(copy.deepcopy(model))
         except Exception as error:  # any model code can fail under symbolic tracing
             return None, why(error)
+        optional = optional_inputs_used(graph_module) if check.inputs is None else []
+        if optional:  # an example input shows whether the graph runs without them: `fails` below
+            defaults = 'which defaults' if len(optional) == 1 else 'which default'
+            return None, f'the traced graph computes with {", ".join(optional)}, {defaults} to None'
         failure = check.fails(graph_module)
         if failure is not None:
             return None, f'the traced graph fails on the example input ({failure})'
@@ -184,20 +189,27 @@ def _fx_route(model: nn.Module, prepack: bool, check: ExampleCheck) -> tuple[Opt
     return None, reason
 
 
-def _module_network(model: nn.Module, prepack: bool, traced: bool) -> nn.Module:
-    fuse_modules(model, prepack, traced=traced)
-    return model
+def _module_network(model: nn.Module, prepack: bool, traced: bool, graphs: bool) -> FusionSummary:
+    """Fuse ``model`` in place on the module route: ``graphs``, its traceable submodules on their graphs first."""
+    inner = fuse_subgraphs(model, prepack) if graphs else FusionSummary(route='modules')
+    summary = fuse_modules(model, prepack, traced=traced, done=tuple(inner.graphs))
+    summary.fused.update(inner.fused)
+    summary.split, summary.graphs = inner.split, inner.graphs
+    return summary
 
 
 def _module_route(model: nn.Module, prepack: bool, check: ExampleCheck, trace_error: Optional[str]) -> InferenceModel:
-    """The module route's copy, which must match the model on the example input: with the runs of children
-    found by tracing each module's forward, else without them (a run whose middle child some other code
-    calls too)."""
-    for traced in (True, False):
+    """The module route's copy, which must match the model on the example input: with its traceable submodules
+    fused on their graphs and the runs of children found by tracing each module's forward (graphs only
+    where an example checks them), else without the graphs, else without the runs either (a run whose
+    middle child some other code calls too)."""
+    variants = [(True, True)] if check.inputs is not None else []
+    variants += [(True, False), (False, False)]
+    for traced, graphs in variants:
         network = copy.deepcopy(model)
-        summary = fuse_modules(network, prepack, traced=traced)
+        summary = _module_network(network, prepack, traced, graphs)
         summary.trace_error = trace_error
-        remake = functools.partial(_module_network, prepack=False, traced=traced)
+        remake = functools.partial(_remade, prepack=False, traced=traced, graphs=graphs)
         try:
             fused, error = _checked(network, summary, check, remake)
         except Exception as failure:  # a run fused where the forward takes another branch than its trace did
@@ -216,6 +228,11 @@ def _module_route(model: nn.Module, prepack: bool, check: ExampleCheck, trace_er
         f'the fused copy of {type(model).__name__} differs from it by {error:.2e} relative to its '
         f'largest output (> rtol={check.rtol}) on the example input, and in float64 too; please report this model'
     )
+
+
+def _remade(model: nn.Module, prepack: bool, traced: bool, graphs: bool) -> nn.Module:
+    _module_network(model, prepack, traced, graphs)
+    return model
 
 
 def fuse_for_inference(

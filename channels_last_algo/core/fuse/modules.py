@@ -143,13 +143,18 @@ def _traced(module: nn.Module) -> bool:
     return len(module._modules) > 1 and not _plain_sequential(module) and not isinstance(module, containers)
 
 
-def fuse_modules(model: nn.Module, prepack: bool, traced: bool = True) -> FusionSummary:
+def _inside(path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(path == prefix or path.startswith(f'{prefix}.') for prefix in prefixes)
+
+
+def fuse_modules(model: nn.Module, prepack: bool, traced: bool = True, done: tuple[str, ...] = ()) -> FusionSummary:
     """Fold and fuse the patterns in ``model``'s ``nn.Sequential`` containers and, ``traced``, in the runs of
     children each other module's forward calls, and turn every other convolution into a
-    :class:`~channels_last_algo.core.fuse.conv.FusedConv2d`, in place."""
+    :class:`~channels_last_algo.core.fuse.conv.FusedConv2d`, in place; not inside the submodules at the
+    paths ``done`` (fused already)."""
     summary = FusionSummary(route='modules')
     fuser = _ModuleFuser(model, prepack)
-    modules = list(model.named_modules())
+    modules = [(path, module) for path, module in model.named_modules() if not _inside(path, done)]
     runs = [(prefix, list(container._modules)) for prefix, container in modules if _plain_sequential(container)]
     if traced:
         runs += [(prefix, run) for prefix, module in modules if _traced(module) for run in _runs_of_children(module)]
@@ -160,6 +165,8 @@ def fuse_modules(model: nn.Module, prepack: bool, traced: bool = True) -> Fusion
             if description is not None:
                 summary.fused[f'{prefix}.{name}' if prefix else name] = description
     for path, _ in list(model.named_modules())[1:]:  # not the model itself: it has no slot to replace
+        if _inside(path, done):
+            continue
         description = fuser.fuse_alone(path)
         if description is not None:
             summary.fused[path] = description

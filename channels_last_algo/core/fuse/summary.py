@@ -35,6 +35,8 @@ class FusionSummary:
             (``torch.compile`` with freezing over the fused network).
         split: path of each BatchNorm folded slice by slice into the convolutions whose outputs it
             read concatenated -> their paths (each is ``'conv+bn...'`` in ``fused``; it counts once).
+        graphs: on the module route, the submodules fused on their own traced graphs
+            (:mod:`~channels_last_algo.core.fuse.subgraphs`).
     """
 
     route: str
@@ -44,6 +46,7 @@ class FusionSummary:
     refused: dict[str, str] = dataclasses.field(default_factory=dict)
     backend: str = 'eager'
     split: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    graphs: list[str] = dataclasses.field(default_factory=list)
 
     def count(self, part: str) -> int:
         """How many fused convolutions include ``part`` (``'bn'``, ``'add'``, ``'relu'``...)."""
@@ -56,6 +59,8 @@ class FusionSummary:
             f'{self.route}: {len(self.fused)} convolutions fused, {folded} of {folded + len(self.unfused)} BatchNorms '
             f'folded, {activations} with an activation, {self.count("add")} with a residual add'
         )
+        if self.graphs:
+            text += f'; {len(self.graphs)} submodules fused on their traced graphs'
         if self.refused:
             text += f'; {len(self.refused)} run as plain ops at the example shape (the fused kernel refused it)'
         if self.backend != 'eager':
