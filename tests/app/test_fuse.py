@@ -24,7 +24,8 @@ from channels_last_algo import (
 from channels_last_algo.app.cli.entry import main
 from channels_last_algo.app.recipes.models import build_model
 from channels_last_algo.app.runs.demo import TinyResNet
-from channels_last_algo.core.fuse import FUSION_PATTERNS, PostOp, patterns
+from channels_last_algo.core.fuse import FUSION_PATTERNS, FusedEvaluation, PostOp, patterns
+from channels_last_algo.core.fuse.example_check import ExampleInputError
 from channels_last_algo.core.fuse.graph import fuse_graph, trace
 from channels_last_algo.core.fuse.modules import fuse_modules
 from channels_last_algo.core.layout import has_channels_last_strides
@@ -561,6 +562,55 @@ def test_a_hooked_submodule_stays_a_module_that_calls_its_hooks():
         expected, calls = model(x), len(seen)
         assert _relative_error(fused(x), expected) < 1e-5  # the hook's doubling included
     assert len(seen) == calls + 1 and seen[-1] == (2, 8, 8, 8)
+
+
+class _TwoInputs(nn.Module):
+    """A network its owner calls with the images and a second tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = _ConvBnAct(3, 4)
+
+    def forward(self, x, scale):
+        return self.block(x) * scale[:, None, None, None]
+
+
+class _LabelsToo(nn.Module):
+    """transformers' shape: called with a batch mapping (``net(**batch)``), first argument the images, a loss
+    only when labels come, so the forward does not trace and its block does."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = _TwiceRelu(3)
+
+    def forward(self, pixel_values, labels=None):
+        out = self.block(pixel_values)
+        return {'logits': out, 'loss': None if labels is None else (out.mean((1, 2, 3)) - labels).square().mean()}
+
+
+def test_an_example_input_the_model_itself_refuses_is_named():
+    with pytest.raises(ExampleInputError, match=r'_TwoInputs itself raises on example_input \(TypeError: .*scale'):
+        fuse_for_inference(_TwoInputs().eval(), torch.randn(2, 3, 8, 8))
+
+
+def test_fused_evaluation_checks_on_the_batch_tensor_the_network_takes_and_without_one_where_it_takes_more():
+    images, scale = torch.randn(2, 3, 8, 8), torch.rand(2)
+    cases = [
+        (_TwoInputs(), (images, scale, torch.zeros(2)), lambda net: net(images, scale), False),
+        (_LabelsToo(), {'labels': torch.zeros(2), 'pixel_values': images}, lambda net: net(images)['logits'], True),
+    ]
+    for network, batch, call, checked in cases:
+        owner = nn.Module()
+        owner.net = _randomize_batchnorm(network).eval()
+        evaluation = FusedEvaluation()
+        evaluation.begin_pass()
+        evaluation.first_batch(lambda owner=owner: (owner, 'net', owner.net), batch)
+        assert type(owner.net).__name__ == 'InferenceModel'
+        assert bool(owner.net.summary.graphs) is checked  # graphs are taken only where an example checks them
+        with torch.no_grad():
+            assert _relative_error(call(owner.net), call(evaluation._swapped[2])) < 1e-5
+        evaluation.end()
+        assert owner.net is network
 
 
 def test_example_input_catches_a_wrong_trace_and_takes_the_module_route():

@@ -18,9 +18,10 @@ Modules: :mod:`.postops` (activations), :mod:`.conv` (the fused convolution), :m
 tracing that calls failing functions whole), :mod:`.graph` (the fx route), :mod:`.node_uses` (the
 users of a traced value), :mod:`.concatenations` (BatchNorms folded through channel concatenations),
 :mod:`.functional_calls` (functional convolutions and BatchNorms as module calls), :mod:`.modules`
-(the module route), :mod:`.subgraphs` (the fx route inside it, for the submodules that trace), :mod:`.summary`, :mod:`.example_check` (the copy checked on the example input),
-:mod:`.inference` (the public function), :mod:`.export`, :mod:`.evaluation` (the swap behind the
-integrations' ``fuse_eval``).
+(the module route), :mod:`.subgraphs` (the fx route inside it, for the submodules that trace),
+:mod:`.summary`, :mod:`.example_check` (the copy checked on the example input), :mod:`.inference`
+(the public function), :mod:`.export`, :mod:`.evaluation` (the swap behind the integrations'
+``fuse_eval``).
 Measurements and background: ``docs/fuse.md``.
 
 Contract: the model must be in eval mode (a submodule in train mode is refused with

@@ -6,18 +6,38 @@ test and prediction pass), this class does the swap.
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import torch
 
+from channels_last_algo.core.fuse.example_check import ExampleInputError
 from channels_last_algo.core.fuse.inference import fuse_for_inference
 from channels_last_algo.core.weight_layout import weight_layout_for
 
-__all__ = ['FusedEvaluation']
+__all__ = ['FusedEvaluation', 'example_of']
 
 log = logging.getLogger(__name__)
+
+
+def example_of(network: torch.nn.Module, batch: Any) -> Optional[torch.Tensor]:
+    """The tensor of ``batch`` that ``network`` likely takes first: the batch itself, its first item, or in a
+    mapping the value named as the first argument of ``network``'s forward (transformers' ``pixel_values``);
+    None where that is no tensor.
+
+    Example:
+        >>> net, images = torch.nn.Conv2d(3, 4, 1), torch.randn(2, 3, 4, 4)
+        >>> all(example_of(net, batch) is images for batch in (images, (images, 0), {'label': 0, 'input': images}))
+        True
+    """
+    if isinstance(batch, Mapping):
+        first = next(iter(inspect.signature(network.forward).parameters), None)
+        batch = batch.get(first)
+    elif isinstance(batch, (tuple, list)):
+        batch = batch[0] if batch else None
+    return batch if isinstance(batch, torch.Tensor) else None
 
 
 class FusedEvaluation:
@@ -71,8 +91,7 @@ class FusedEvaluation:
         if plan.sharded:
             log.warning('fuse_eval: evaluating unfused, since %s', plan.reason)
             return
-        first = batch[0] if isinstance(batch, (tuple, list)) and batch else None
-        self.start(owner, attribute, example_input=first if isinstance(first, torch.Tensor) else None)
+        self.start(owner, attribute, example_input=example_of(module, batch))
 
     @property
     def active(self) -> bool:
@@ -90,7 +109,12 @@ class FusedEvaluation:
                 f'{type(owner).__name__}.{attribute} is {type(network).__name__}, not the nn.Module to '
                 'fuse; name the attribute that holds the network'
             )
-        setattr(owner, attribute, fuse_for_inference(network, example_input))
+        try:
+            fused = fuse_for_inference(network, example_input)
+        except ExampleInputError as error:  # the owner's code calls it with more than the batch's tensor
+            log.info('fuse_eval: fused without an example input, since %s', error)
+            fused = fuse_for_inference(network)
+        setattr(owner, attribute, fused)
         self._swapped = (owner, attribute, network)
 
     def end(self) -> None:

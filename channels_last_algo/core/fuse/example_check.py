@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from channels_last_algo.core.saved_state import AttributeState
 
-__all__ = ['FLOAT64_RTOL', 'ExampleCheck', 'max_relative_error', 'why']
+__all__ = ['FLOAT64_RTOL', 'ExampleCheck', 'ExampleInputError', 'max_relative_error', 'why']
 
 log = logging.getLogger(__name__)
 
@@ -106,8 +106,13 @@ def _module_outputs(network: nn.Module, inputs: tuple) -> dict[str, tuple[type, 
     return outputs
 
 
+class ExampleInputError(ValueError):
+    """The model itself raises on the example input: it is not the positional arguments its forward takes."""
+
+
 class ExampleCheck:
-    """The check of a fused copy on the example input, the model's output computed once."""
+    """The check of a fused copy on the example input, the model's output computed once, first: a model that
+    raises on the example raises :class:`ExampleInputError`."""
 
     def __init__(self, model: nn.Module, example_input: Any, backend: str, rtol: float) -> None:
         self.model = model
@@ -115,6 +120,19 @@ class ExampleCheck:
         self.backend = backend
         self.rtol = rtol
         self._expected: list[Any] = []
+        if self.inputs is None:
+            return
+        attributes = AttributeState(model)  # an extra call: what the forward counts is put back
+        try:
+            with torch.no_grad():
+                self._expected.append(model(*self.inputs))
+        except Exception as error:  # whatever the model's forward raises on arguments it does not take
+            raise ExampleInputError(
+                f'fuse_for_inference: {type(model).__name__} itself raises on example_input ({why(error)}); give the '
+                'positional arguments its forward takes (a tuple for several), or None to check nothing'
+            ) from error
+        finally:
+            attributes.put_back()
 
     def fails(self, network: nn.Module) -> Optional[str]:
         """Why ``network`` raises on the example input (a trace that took a branch the model does not
@@ -137,10 +155,6 @@ class ExampleCheck:
         if self.inputs is None:
             return None
         with torch.no_grad():
-            if not self._expected:
-                attributes = AttributeState(self.model)  # an extra call: what the forward counts is put back
-                self._expected.append(self.model(*self.inputs))
-                attributes.put_back()
             error = max_relative_error(self._run(fused), self._expected[0])
         if error <= self.rtol:
             return None

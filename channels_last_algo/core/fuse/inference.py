@@ -261,9 +261,9 @@ def fuse_for_inference(
         the BatchNorms left unfused, if any.
 
     Raises:
-        ValueError: ``model`` or a submodule of it is in train mode, or a bad ``backend``.
-        RuntimeError: the copy does not match ``model`` on ``example_input``, or (inductor)
-            ``torch.compile`` fails on it.
+        ValueError: ``model`` or a submodule of it is in train mode, a bad ``backend``, or ``model`` itself
+            raises on ``example_input`` (:class:`~.example_check.ExampleInputError`).
+        RuntimeError: the copy does not match ``model`` on ``example_input``, or ``torch.compile`` fails on it.
     """
     require_module(model, 'fuse_for_inference')
     require_flags('fuse_for_inference', traceable=traceable)
