@@ -26,6 +26,7 @@ from composer.core import Algorithm, Event, State
 from composer.loggers import Logger
 
 from channels_last_algo.core.fuse import FusedEvaluation
+from channels_last_algo.core.fuse.evaluation import parameter_holders
 
 __all__ = ['FusedEval', 'fused_network', 'unwrapped']
 
@@ -41,24 +42,29 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def fused_network(state: State) -> tuple[torch.nn.Module, str, torch.nn.Module]:
-    """The ComposerModel (unwrapped from DDP), ``'module'`` and the network it keeps there; a
+    """The ComposerModel (unwrapped from DDP), the attribute and the network it keeps there: ``.module``
+    (ComposerClassifier), else its one child that holds parameters (HuggingFaceModel's ``.model``); a
     ValueError naming the model where there is none."""
     model = unwrapped(state.model)
-    network = getattr(model, 'module', None)
-    if not isinstance(network, torch.nn.Module):
+    if isinstance(getattr(model, 'module', None), torch.nn.Module):
+        return model, 'module', model.module
+    holders = parameter_holders(model)
+    if len(holders) != 1:
         raise ValueError(
             f'fused evaluation (FusedEval, ChannelsLast(fuse_eval=True)) fuses the network a ComposerModel '
-            f'keeps in .module (as ComposerClassifier does); {type(model).__name__} has none. Keep the '
-            'network there, or leave fused evaluation off.'
+            f'keeps in .module (as ComposerClassifier does), or its one child that holds parameters; '
+            f'{type(model).__name__} has {len(holders)} such children ({", ".join(holders) or "none"}). Keep the '
+            'network in .module, or leave fused evaluation off.'
         )
-    return model, 'module', network
+    return model, holders[0], getattr(model, holders[0])
 
 
 class FusedEval(Algorithm):
     """Evaluate and predict on a fused copy of the network (BatchNorm folded, activations and
     residual adds fused into the convolutions), built at each pass's first batch.
 
-    The network must be the ComposerModel's ``.module`` (checked at ``Event.INIT``); a sharded one
+    The network is the ComposerModel's ``.module``, else its one child that holds parameters
+    (``HuggingFaceModel.model``; checked at ``Event.INIT``); a sharded one
     is evaluated unfused, with a warning. Training never sees the copy, and a checkpoint saved
     after a pass holds the training network.
 

@@ -25,6 +25,7 @@ require('lightning', 'lightning')
 import lightning.pytorch as pl
 
 from channels_last_algo.core.fuse import FusedEvaluation
+from channels_last_algo.core.fuse.evaluation import parameter_holders
 from channels_last_algo.core.options import Option, check_options
 
 __all__ = ['FusedEvalCallback']
@@ -113,7 +114,7 @@ class FusedEvalCallback(pl.Callback):
 
 def _network_attribute(pl_module: pl.LightningModule) -> str:
     """The LightningModule's one child with parameters; a ValueError naming them where there is not one."""
-    holders = [name for name, child in pl_module.named_children() if any(True for _ in child.parameters())]
+    holders = parameter_holders(pl_module)
     if len(holders) != 1:
         raise ValueError(
             f'fused evaluation fuses the child module of the LightningModule that holds its parameters; '

@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip('composer')
 
+import torch
 from composer import Trainer
 from composer.loggers import InMemoryLogger
 from composer.models import ComposerClassifier
@@ -121,31 +122,89 @@ def test_resnet_trains_clean_under_strict_audit_in_composer():
     assert algorithm.report.ok and algorithm.report.steps == 1
 
 
-def test_fuse_eval_without_a_network_in_module_is_refused_at_init():
+def test_fuse_eval_without_a_network_in_module_or_one_child_with_parameters_is_refused_at_init():
     """Refused when the Trainer is built (Event.INIT), before any training is spent."""
     from composer.models import ComposerModel
     from torch import nn
 
-    class Unwrapped(ComposerModel):
+    class TwoNetworks(ComposerModel):
         def __init__(self):
             super().__init__()
-            self.net = TinyResNet()
+            self.net, self.head = TinyResNet(), nn.Linear(10, 10)
 
         def forward(self, batch):
-            return self.net(batch[0])
+            return self.head(self.net(batch[0]))
 
         def loss(self, outputs, batch):
             return nn.functional.cross_entropy(outputs, batch[1])
 
-    with pytest.raises(ValueError, match=r'fuses the network a ComposerModel keeps in .module'):
+    with pytest.raises(ValueError, match=r'keeps in .module.*one child that holds parameters.*2 such children'):
         Trainer(
-            model=Unwrapped(),
+            model=TwoNetworks(),
             train_dataloader=tiny_loader(),
             max_duration='1ba',
             device='cpu',
             algorithms=[ChannelsLast(fuse_eval=True)],
             progress_bar=False,
         )
+
+
+def test_fuse_eval_fuses_the_one_child_with_parameters_of_a_model_called_with_a_batch_mapping(monkeypatch):
+    """transformers' models in Composer's HuggingFaceModel: the network in ``.model``, called ``self.model(**batch)``;
+    the fused copy is checked on the batch's ``pixel_values``, its forward's first argument."""
+    from composer.metrics import CrossEntropy
+    from composer.models import ComposerModel
+    from torch import nn
+
+    class Network(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = TinyResNet()
+
+        def forward(self, pixel_values, labels=None):
+            return self.net(pixel_values)
+
+    class MappingModel(ComposerModel):
+        def __init__(self):
+            super().__init__()
+            self.model, self.metric = Network(), CrossEntropy()
+
+        def forward(self, batch):
+            return self.model(**batch)
+
+        def loss(self, outputs, batch):
+            return nn.functional.cross_entropy(outputs, batch['labels'])
+
+        def get_metrics(self, is_train=False):
+            return {'CrossEntropy': self.metric}
+
+        def update_metric(self, batch, outputs, metric):
+            metric.update(outputs, batch['labels'])
+
+    from channels_last_algo.core.fuse import evaluation
+
+    fused, fuse = [], evaluation.fuse_for_inference
+    monkeypatch.setattr(evaluation, 'fuse_for_inference', lambda *args: fused.append(args) or fuse(*args))
+    images, labels = random_images(8)
+    batches = [{'pixel_values': image, 'labels': label} for image, label in zip(images, labels)]
+    losses = {}
+    for fuse_eval in (False, True):
+        torch.manual_seed(0)
+        model = MappingModel()
+        trainer = Trainer(
+            model=model,
+            train_dataloader=DataLoader(batches, batch_size=4),
+            eval_dataloader=DataLoader(batches, batch_size=4),
+            max_duration='2ba',
+            device='cpu',
+            algorithms=[ChannelsLast(fuse_eval=fuse_eval)],
+            progress_bar=False,
+        )
+        trainer.fit()
+        losses[fuse_eval] = float(trainer.state.eval_metric_values['CrossEntropy'])
+    ((network, example),) = fused  # one evaluation pass, on a copy checked on the first batch's images
+    assert isinstance(network, Network) and example.shape == (4, 3, 16, 16)
+    assert losses[True] == pytest.approx(losses[False], rel=1e-4)
 
 
 def test_composer_console_shows_the_start_block_once_before_its_config_and_the_breaks_left(capfd, caplog):

@@ -17,9 +17,22 @@ from channels_last_algo.core.fuse.example_check import ExampleInputError
 from channels_last_algo.core.fuse.inference import fuse_for_inference
 from channels_last_algo.core.weight_layout import weight_layout_for
 
-__all__ = ['FusedEvaluation', 'example_of']
+__all__ = ['FusedEvaluation', 'example_of', 'parameter_holders']
 
 log = logging.getLogger(__name__)
+
+
+def parameter_holders(owner: torch.nn.Module) -> list[str]:
+    """The names of ``owner``'s children that hold parameters: the network a trainer's module keeps is its one
+    such child (a LightningModule's ``net``, Composer's ``HuggingFaceModel.model``); metrics hold none.
+
+    Example:
+        >>> owner = torch.nn.Module()
+        >>> owner.net, owner.act = torch.nn.Conv2d(3, 4, 1), torch.nn.ReLU()
+        >>> parameter_holders(owner)
+        ['net']
+    """
+    return [name for name, child in owner.named_children() if any(True for _ in child.parameters())]
 
 
 def example_of(network: torch.nn.Module, batch: Any) -> Optional[torch.Tensor]:
