@@ -22,7 +22,6 @@ Example:
 from __future__ import annotations
 
 import collections
-import copy
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -37,7 +36,7 @@ from channels_last_algo.core.fuse.patterns import (
     is_eval_identity,
 )
 from channels_last_algo.core.fuse.summary import FusionSummary
-from channels_last_algo.core.fuse.tracing import trace_wrapping_failures
+from channels_last_algo.core.fuse.tracing import shell_of, trace_wrapping_failures
 
 __all__ = ['fuse_modules']
 
@@ -60,11 +59,8 @@ class _ChildrenAsLeaves(fx.Tracer):
 def _called_children(module: nn.Module) -> Optional[fx.Graph]:
     """The graph of ``module``'s own forward, its children as leaves; None where it does not trace.
     It traces a shallow copy, so that what the forward assigns to attributes (a proxy) stays there."""
-    shell = copy.copy(module)
-    for key in ('_modules', '_parameters', '_buffers'):
-        shell.__dict__[key] = dict(module.__dict__[key])
     try:
-        return trace_wrapping_failures(_ChildrenAsLeaves, shell)[1]
+        return trace_wrapping_failures(_ChildrenAsLeaves, shell_of(module))[1]
     except Exception:  # any forward can fail on proxies (control flow on values, list arguments)
         return None
 

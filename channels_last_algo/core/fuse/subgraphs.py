@@ -35,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import collections
-import copy
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -45,6 +44,7 @@ from torch import fx, nn
 from channels_last_algo.core.fuse.graph import fuse_graph, optional_inputs_used, trace
 from channels_last_algo.core.fuse.postops import has_hooks
 from channels_last_algo.core.fuse.summary import FusionSummary
+from channels_last_algo.core.fuse.tracing import shell_of
 
 __all__ = ['fuse_subgraphs']
 
@@ -68,11 +68,8 @@ def _worth_tracing(module: nn.Module, uses: int) -> bool:
 def _traced(module: nn.Module) -> Optional[fx.GraphModule]:
     """``module``'s graph; None where its forward does not trace, or the graph computes with an argument that
     defaults to None (a caller passing None would fail in it)."""
-    shell = copy.copy(module)  # what the forward assigns (a proxy) stays off the module
-    for key in ('_modules', '_parameters', '_buffers'):
-        shell.__dict__[key] = dict(module.__dict__[key])
     try:
-        graph_module = trace(shell)
+        graph_module = trace(shell_of(module))
     except Exception:  # any forward can fail on proxies (control flow on an argument or a value)
         return None
     return None if optional_inputs_used(graph_module) else graph_module

@@ -22,15 +22,25 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable
 from typing import Any, Optional
 
 from torch import fx, nn
 
-__all__ = ['MOST_WRAPPED', 'failing_functions', 'trace_wrapping_failures']
+__all__ = ['MOST_WRAPPED', 'failing_functions', 'shell_of', 'trace_wrapping_failures']
 
 MOST_WRAPPED = 16
+
+
+def shell_of(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` with its own dicts of children, parameters and buffers, to trace: what its
+    forward assigns to attributes under tracing (a proxy) stays off the module."""
+    shell = copy.copy(module)
+    for key in ('_modules', '_parameters', '_buffers'):
+        shell.__dict__[key] = dict(module.__dict__[key])
+    return shell
 
 
 def failing_functions(error: BaseException) -> list[Callable[..., Any]]:
