@@ -94,14 +94,23 @@ def _refill(value: Any) -> Callable[[], Any]:
         item for item in (value.values() if isinstance(value, dict) else value) if isinstance(item, torch.Tensor)
     ]
     inner = [_refill(tensor) for tensor in tensors] if sum(t.numel() for t in tensors) <= _BY_VALUE_UP_TO else []
+    held = _held(value)
 
     def refill() -> None:
-        value.clear()
-        value.update(items) if isinstance(value, (dict, set)) else value.extend(items)
+        if _held(value) != held:  # only a container the pass changed: one that refuses changes (diffusers'
+            value.clear()  # FrozenDict config) is left as it is
+            value.update(items) if isinstance(value, (dict, set)) else value.extend(items)
         for tensor in inner:
             tensor()
 
     return refill
+
+
+def _held(container: Any) -> list[int]:
+    """Which objects ``container`` holds, by identity (a dict's keys and values, in order; a set's in any)."""
+    if isinstance(container, dict):
+        return [id(part) for item in container.items() for part in item]
+    return sorted(map(id, container)) if isinstance(container, set) else [id(item) for item in container]
 
 
 class AttributeState:

@@ -33,6 +33,26 @@ def test_attributes_a_pass_rebinds_fills_updates_or_adds_are_put_back():
     assert not hasattr(head, 'last') and head.hook_fn is len
 
 
+class _FrozenDict(dict):
+    """diffusers' ``FrozenDict`` (a model's config): items set once, every change refused."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError(f'{type(self).__name__} refuses changes')
+
+    clear = update = pop = popitem = setdefault = __setitem__ = __delitem__ = _refuse
+
+
+def test_a_container_the_pass_left_alone_is_not_refilled_and_one_refusing_changes_keeps_its_items():
+    module = nn.Identity()
+    config = _FrozenDict()
+    dict.update(config, {'channels': 3, 'layers': [1, 2]})
+    module.config, module.steps = config, [1, 2]
+    state = AttributeState(module)
+    module.steps[0] = 5  # changed in place: refilled
+    state.put_back()
+    assert module.config is config and config == {'channels': 3, 'layers': [1, 2]} and module.steps == [1, 2]
+
+
 def test_a_large_collection_keeps_its_items_but_is_not_copied_by_value():
     module = nn.Identity()
     module.dataset = [torch.zeros(1 << 20), torch.zeros(4)]  # more elements in all than copied by value
