@@ -38,7 +38,10 @@ from channels_last_algo.core.fuse.patterns import (
 from channels_last_algo.core.fuse.summary import FusionSummary
 from channels_last_algo.core.fuse.tracing import shell_of, trace_wrapping_failures
 
-__all__ = ['fuse_modules']
+__all__ = ['CONTAINERS', 'fuse_modules']
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+"""Modules that only hold others: code reads their items, no forward of theirs calls them."""
 
 
 def _plain_sequential(module: nn.Module) -> bool:
@@ -135,8 +138,7 @@ class _ModuleFuser:
 def _traced(module: nn.Module) -> bool:
     """Whether the runs of ``module``'s children are found by tracing its forward: a module with
     children of its own, not a plain ``nn.Sequential`` (its children are one run) or a container."""
-    containers = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
-    return len(module._modules) > 1 and not _plain_sequential(module) and not isinstance(module, containers)
+    return len(module._modules) > 1 and not _plain_sequential(module) and not isinstance(module, CONTAINERS)
 
 
 def _inside(path: str, prefixes: tuple[str, ...]) -> bool:

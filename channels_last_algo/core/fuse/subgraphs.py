@@ -42,13 +42,14 @@ from typing import Any, Optional
 from torch import fx, nn
 
 from channels_last_algo.core.fuse.graph import fuse_graph, optional_inputs_used, trace
+from channels_last_algo.core.fuse.modules import CONTAINERS
 from channels_last_algo.core.fuse.postops import has_hooks
 from channels_last_algo.core.fuse.summary import FusionSummary
 from channels_last_algo.core.fuse.tracing import shell_of
 
 __all__ = ['fuse_subgraphs']
 
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict, nn.Sequential)
+_CONTAINERS = (*CONTAINERS, nn.Sequential)  # code iterates a Sequential too (YOLO's layers)
 
 
 def _worth_tracing(module: nn.Module, uses: int) -> bool:
@@ -105,21 +106,15 @@ def _at(module: nn.Module, path: str) -> object:
 
 class _GraphForward:
     """A module's forward that runs a fused graph's code on the module itself, so that it reads the module's
-    tensors as they are now (after ``.to()``); it pickles and deep-copies as its module and graph."""
+    tensors as they are now (after ``.to()``); it pickles and deep-copies as its module and graph (a
+    GraphModule regenerates its code)."""
 
     def __init__(self, module: nn.Module, graph_module: fx.GraphModule) -> None:
         self.module = module
-        self.graph_module = graph_module  # the code, which a GraphModule pickles and regenerates
-        self.code = type(graph_module).forward
+        self.graph_module = graph_module
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.code(self.module, *args, **kwargs)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {'module': self.module, 'graph_module': self.graph_module}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state['module'], state['graph_module'])
+        return type(self.graph_module).forward(self.module, *args, **kwargs)
 
 
 def _graph_as_forward(module: nn.Module, graph_module: fx.GraphModule, read: set[str], uses: Counter) -> bool:
