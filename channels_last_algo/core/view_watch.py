@@ -115,6 +115,21 @@ def _written_for(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> bool
     return leading == sorted(leading, reverse=True)
 
 
+def _nchw_strides(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> tuple:
+    """``strides`` written for NCHW's memory, with each leading one the code took from ``tensor.stride()``
+    (``x.as_strided(size, x.stride()[:2] + (w, 1))``) put as ``twin`` has it: in NCHW the code read
+    the twin's.
+
+    Example:
+        >>> z = torch.empty(2, 4, 6, 6).to(memory_format=torch.channels_last)
+        >>> twin = torch.empty(2, 4, 6, 6, device='meta')
+        >>> _nchw_strides(twin, z, (*z.stride()[:2], 6, 1, 6, 1)), _nchw_strides(twin, z, (144, 36, 6, 1))
+        ((144, 36, 6, 1, 6, 1), (144, 36, 6, 1))
+    """
+    own, nchw = tensor.stride(), twin.stride()
+    return tuple(nchw[d] if d < len(own) and s == own[d] != nchw[d] else s for d, s in enumerate(strides))
+
+
 def _where(frame: Any) -> str:
     return f'{frame.f_code.co_filename}:{frame.f_lineno}'
 
@@ -322,7 +337,8 @@ class ViewWatch(TorchFunctionMode):
         elif not nhwc(tensor):
             return func(*args, **kwargs)  # the weights are contiguous now: their own memory is NCHW's
         shift = [] if offset is None else [offset - twin.storage_offset()]  # into a copy that starts at the tensor
-        return self.copies.view(torch.Tensor.as_strided, tensor, (given['size'], given['stride'], *shift), {})
+        strides = _nchw_strides(twin, tensor, given['stride'])
+        return self.copies.view(torch.Tensor.as_strided, tensor, (given['size'], strides, *shift), {})
 
     def _view(self, func: Any, args: tuple, kwargs: dict, by_torch: bool) -> Any:
         try:

@@ -10,8 +10,9 @@ views and mixes, a positional embedding added to an activation, and writes throu
 weight, a batch tensor), and through what NHWC views where NCHW copies (a permute's reshape, a
 channels-last ``.contiguous()``), reads and writes through ``.as_strided()`` with NCHW's strides, and a
 teacher outside the model that views its activations, a WGAN-GP penalty that views an input gradient,
-backward hooks registered with the model (on a weight, on a module) that view their gradients, and a custom
-autograd Function whose forward and backward view (autograd runs the backward outside every mode).
+backward hooks registered with the model (on a weight, on a module) that view their gradients, per-sample
+gradients unfolded in a backward hook as Opacus does (``.as_strided()`` strides partly from ``x.stride()``),
+and a custom autograd Function whose forward and backward view (autograd runs the backward outside every mode).
 """
 
 from __future__ import annotations
@@ -345,6 +346,42 @@ class HookedAtConstruction(_ThreeConvolutions):
         return self.head(self.last(F.relu(self.mid(F.relu(self.stem(x))))))
 
 
+class PerSampleClipped(_ThreeConvolutions):
+    """DP-SGD as Opacus's hooks run it: a forward hook keeps the input of ``mid`` and ``last``, and a full
+    backward hook unfolds it into 3 x 3 windows through ``.as_strided()`` whose batch and channel strides
+    come from ``x.stride()`` and whose spatial ones are written for NCHW (``opacus.utils.unfold2d``), for
+    each sample's weight gradient; after the backward each sample's gradient is clipped to norm 1 and
+    their sum is the weight's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for conv in (self.mid, self.last):
+            conv.register_forward_hook(self._keep)
+            conv.register_full_backward_hook(self._per_sample)
+
+    @staticmethod
+    def _keep(module, inputs, output):
+        module.kept = inputs[0].detach()
+
+    @staticmethod
+    def _per_sample(module, grad_input, grad_output):
+        x = F.pad(module.kept, (1, 1, 1, 1))
+        n, c, h, w = x.shape
+        windows = x.as_strided((n, c, 3, 3, h - 2, w - 2), (*x.stride()[:2], w, 1, w, 1))
+        grads = grad_output[0].reshape(n, module.out_channels, -1)
+        module.grad_sample = torch.einsum('noq,npq->nop', grads, windows.reshape(n, c * 9, -1))
+
+    def forward(self, x):
+        return self.head(self.last(F.relu(self.mid(F.relu(self.stem(x))))))
+
+
+def _clipped_per_sample(net: nn.Module) -> None:
+    for conv in (net.mid, net.last):
+        samples = conv.grad_sample
+        factors = (1.0 / samples.flatten(1).norm(dim=1)).clamp(max=1.0)
+        conv.weight.grad = torch.einsum('n,nop->op', factors, samples).view(conv.weight.shape)
+
+
 class _GatedBySigmoid(torch.autograd.Function):
     """A custom autograd Function that views: its forward its input as (N, -1); its backward, which autograd
     calls outside every mode, the gradient and the saved input, and it writes its result through
@@ -455,6 +492,9 @@ RUNS = {
     'gradient-penalty': Run(GradientPenalised, _batches(), _cross_entropy),
     'activation-gradient-penalty': Run(ActivationGradientPenalised, _batches((2, 3, 8, 8)), _cross_entropy),
     'hooked-at-construction': Run(HookedAtConstruction, _batches((2, 3, 8, 8)), _cross_entropy),
+    'per-sample-clipped': Run(
+        PerSampleClipped, _batches((2, 3, 8, 8)), _cross_entropy, after_backward=_clipped_per_sample
+    ),
     'custom-function-viewing': Run(CustomFunctionViewing, _batches((2, 3, 8, 8)), _cross_entropy),
     'custom-function-vjp': Run(lambda: CustomFunctionViewing(_TripledByVjp), _batches((2, 3, 8, 8)), _cross_entropy),
 }
