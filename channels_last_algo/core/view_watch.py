@@ -1,8 +1,8 @@
 """The mode a :class:`~channels_last_algo.core.viewed_outputs.ViewedOutputs` watch runs while it
 watches: it follows which module's output each NHWC tensor derives from, runs the views NHWC strides
 cannot take, and the ``.as_strided()`` reads that assume NCHW's memory, on channels-first copies,
-and keeps in step the copies a ``.reshape()`` makes where NCHW has a view, telling its owner where
-each was used.
+draws random numbers in NCHW's memory order, and keeps in step the copies a ``.reshape()`` makes
+where NCHW has a view, telling its owner where each was used.
 
 Example:
     >>> import torch
@@ -41,9 +41,11 @@ from torch.utils.weak import WeakIdKeyDictionary
 from channels_last_algo.core.aliased_copies import AliasedCopies, same_memory
 from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on_contiguous
+from channels_last_algo.core.given_strides import read_as_in_nchw, written_for_nchw
 from channels_last_algo.core.late_views import original, passing_through
 from channels_last_algo.core.layout import is_4d_or_5d, uninitialized_among
 from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, SHAPE_OPS, NchwTwins, aliases
+from channels_last_algo.core.random_draws import DRAWS, drawn_in, nchw_draw_order
 
 __all__ = [
     'GRADIENT_OPS',
@@ -83,51 +85,6 @@ def _op_caller() -> tuple[Any, bool]:
         above = above or frame.f_code is _HANDLER
         frame = frame.f_back
     return frame, above
-
-
-def _written_for(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> bool:
-    """Whether ``strides`` (given to ``tensor.as_strided()``) were written for the NCHW memory of
-    ``twin`` rather than built from ``tensor.stride()``: by the stride values only one layout has;
-    where both or neither do (8 channels on 8 x 8 maps have the same values), by which layout's
-    strides divide them dimension by dimension; else by their falling as NCHW strides do.
-
-    Example:
-        >>> z = torch.empty(2, 4, 6, 6).to(memory_format=torch.channels_last)
-        >>> twin = torch.empty(2, 4, 6, 6, device='meta')
-        >>> _written_for(twin, z, (144, 36, 6, 1)), _written_for(twin, z, z.stride())
-        (True, False)
-        >>> square, square_twin = torch.empty(2, 8, 8, 8).to(memory_format=torch.channels_last), torch.empty(2, 8, 8, 8)
-        >>> _written_for(square_twin, square, (512, 64, 8, 1, 8, 1)), _written_for(square_twin, square, square.stride())
-        (True, False)
-    """
-    given, own, nchw = set(strides) - {0}, set(tensor.stride()), set(twin.stride())
-    only_nchw, only_own = bool(given & (nchw - own)), bool(given & (own - nchw))
-    if only_nchw != only_own:
-        return only_nchw
-    leading = list(strides[: tensor.dim()])
-
-    def divide(reference: tuple) -> bool:
-        return all(r == 0 or s % r == 0 for s, r in zip(leading, reference))
-
-    fit_nchw, fit_own = divide(twin.stride()), divide(tensor.stride())
-    if fit_nchw != fit_own:
-        return fit_nchw
-    return leading == sorted(leading, reverse=True)
-
-
-def _nchw_strides(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> tuple:
-    """``strides`` written for NCHW's memory, with each leading one the code took from ``tensor.stride()``
-    (``x.as_strided(size, x.stride()[:2] + (w, 1))``) put as ``twin`` has it: in NCHW the code read
-    the twin's.
-
-    Example:
-        >>> z = torch.empty(2, 4, 6, 6).to(memory_format=torch.channels_last)
-        >>> twin = torch.empty(2, 4, 6, 6, device='meta')
-        >>> _nchw_strides(twin, z, (*z.stride()[:2], 6, 1, 6, 1)), _nchw_strides(twin, z, (144, 36, 6, 1))
-        ((144, 36, 6, 1, 6, 1), (144, 36, 6, 1))
-    """
-    own, nchw = tensor.stride(), twin.stride()
-    return tuple(nchw[d] if d < len(own) and s == own[d] != nchw[d] else s for d, s in enumerate(strides))
 
 
 def _where(frame: Any) -> str:
@@ -220,7 +177,12 @@ class ViewWatch(TorchFunctionMode):
         self._watch_custom_backwards(args, kwargs)
         if func is torch.Tensor.register_hook and is_4d_or_5d(args[0]):
             args = (args[0], hook_watched(args[1], self.owner), *args[2:])
-        result = self._as_in_nchw(func, args, kwargs, func(*args, **kwargs), by_torch)
+        order = self._nchw_draw_order(func, args, kwargs) if func in DRAWS and args else None
+        if order is not None:  # random numbers NCHW puts on other elements
+            with exit_copies():
+                result = drawn_in(func, args, kwargs, order)
+        else:
+            result = self._as_in_nchw(func, args, kwargs, func(*args, **kwargs), by_torch)
         self.copies.written(func, args, kwargs)
         if func not in GRADIENT_OPS:
             self._follow(args, kwargs, result, func in SHAPE_OPS)
@@ -328,7 +290,7 @@ class ViewWatch(TorchFunctionMode):
         tensor, given = args[0], dict(zip(('size', 'stride', 'storage_offset'), args[1:]), **kwargs)
         offset, twin = given.get('storage_offset'), self.twins.twin(tensor)
         known = twin is not None and twin.is_contiguous() and (offset is None or offset >= twin.storage_offset())
-        if not known or by_torch or not _written_for(twin, tensor, given['stride']):
+        if not known or by_torch or not written_for_nchw(twin, tensor, given['stride']):
             return func(*args, **kwargs)  # NCHW's memory is unknown, or the strides are this tensor's own
         where = calling_code()
         how = f'read through the .as_strided() at {where}'
@@ -337,8 +299,22 @@ class ViewWatch(TorchFunctionMode):
         elif not nhwc(tensor):
             return func(*args, **kwargs)  # the weights are contiguous now: their own memory is NCHW's
         shift = [] if offset is None else [offset - twin.storage_offset()]  # into a copy that starts at the tensor
-        strides = _nchw_strides(twin, tensor, given['stride'])
+        strides = read_as_in_nchw(twin, tensor, given['stride'])
         return self.copies.view(torch.Tensor.as_strided, tensor, (given['size'], strides, *shift), {})
+
+    def _nchw_draw_order(self, func: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
+        """The order NCHW draws ``func``'s random numbers in, where it differs from this tensor's
+        (:mod:`~channels_last_algo.core.random_draws`): the tensor's module makes it channels first from the
+        next step on. Also where torch's own code draws (``nn.Dropout``): the numbers are the same either way."""
+        twin = self.twins.twin(args[0])
+        order = None if twin is None else nchw_draw_order(func, args, kwargs, twin)
+        if order is None:
+            return None
+        where = calling_code()
+        how = f'given to {getattr(func, "__name__", "a random op")} at {where}, which draws in memory order'
+        if not self._weight_use(args[0], how):
+            self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), where, how)
+        return order
 
     def _view(self, func: Any, args: tuple, kwargs: dict, by_torch: bool) -> Any:
         try:

@@ -20,8 +20,9 @@ module, so a model keeps working with ``torch.fx.symbolic_trace``, ``torch.jit.s
   channels last (an unbatched 3D one left as the native layer gives it): the NHWC backward kernel is
   never called.
 - :class:`NCHWMaskDropout`: dropout whose mask is drawn in NCHW order whatever the input's layout
-  (a contiguous noise tensor of the input's shape, as torch's CPU dropout draws it for an NCHW
-  input); the product keeps the input's layout, and the same seed drops the same elements as NCHW.
+  (a noise tensor of the input's shape laid out as ``empty_like`` lays out NCHW's input, contiguous
+  unless a view watch told it otherwise); the product keeps the input's layout, and the same seed
+  drops the same elements as NCHW.
 
 Example:
     >>> import torch
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from channels_last_algo.core.random_draws import draw_order
 from channels_last_algo.core.swap import Replacement
 
 __all__ = ['NCHWAvgPool2d', 'NCHWMaskDropout', 'SubsampledConv2d', 'channels_last_if_batched']
@@ -86,28 +88,26 @@ class NCHWMaskDropout(Replacement, nn.Dropout):
     """``nn.Dropout`` with its mask drawn in NCHW order: the noise is contiguous, as torch's CPU
     dropout makes it for an NCHW input (``empty_like``, ``bernoulli_``, divided by the keep rate),
     so the numbers and the random state after it are NCHW's; the product keeps the input's layout.
-    Where the input is NHWC in NCHW too (a map permuted back from tokens), :meth:`follow_nchw_input`
-    has the noise drawn like the input, as torch draws it there."""
+    Where NCHW's input is laid out otherwise (a map permuted back from tokens, tokens flattened from a
+    map), :meth:`follow_nchw_input` has the noise drawn in its order, as torch draws it there."""
 
-    noise_like_input = False
-    __constants__ = [
-        *nn.Dropout.__constants__,
-        'noise_like_input',
-    ]  # for TorchScript, which sees instance attributes only
+    noise_order = ()  # the dimensions in NCHW's memory order of the noise; none: contiguous
+    __constants__ = [*nn.Dropout.__constants__, 'noise_order']  # for TorchScript, which sees instance attributes only
 
     def follow_nchw_input(self, input: torch.Tensor, twin: torch.Tensor) -> None:
         """Told by a view watch the input's NCHW twin (a meta tensor with the strides NCHW gives it): the noise
         takes the memory order NCHW's noise, ``empty_like`` of the twin, has."""
         with _disable_current_modes():  # meta tensors: no audit records them
-            self.noise_like_input = torch.empty_like(twin).stride() == torch.empty_like(input, device='meta').stride()
+            self.noise_order = draw_order(F.dropout, twin)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return input
         keep = 1.0 - self.p
-        if self.noise_like_input:
-            noise = torch.empty_like(input).bernoulli_(keep)
+        if len(self.noise_order) > 0:
+            noise = torch.empty_permuted(input.shape, self.noise_order, dtype=input.dtype, device=input.device)
         else:
-            noise = torch.empty(input.shape, dtype=input.dtype, device=input.device).bernoulli_(keep)
+            noise = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+        noise = noise.bernoulli_(keep)
         noise = noise.div_(keep) if keep > 0.0 else noise
         return input.mul_(noise) if self.inplace else input * noise

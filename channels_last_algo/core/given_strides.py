@@ -1,0 +1,71 @@
+"""Strides given outright to ``.as_strided()``: written for NCHW's memory, or built from the tensor's own.
+
+Code that slides windows over a map through ``z.as_strided(size, stride)`` often writes the strides
+for NCHW memory from the shape (``(c * h * w, h * w, w, 1, w, 1)``), or takes the batch and channel
+strides from ``z.stride()`` and writes the spatial ones so (Opacus's ``unfold2d``). On an NHWC ``z``
+either reads other elements, silently. :func:`written_for_nchw` tells such strides from ones built
+from ``z.stride()`` alone (which read the same elements in either layout), and :func:`read_as_in_nchw`
+gives the strides the code would have given in NCHW, where it read the tensor's own.
+
+Example:
+    >>> import torch
+    >>> z = torch.empty(2, 4, 6, 6).to(memory_format=torch.channels_last)
+    >>> twin = torch.empty(2, 4, 6, 6, device='meta')
+    >>> strides = (*z.stride()[:2], 6, 1, 6, 1)
+    >>> written_for_nchw(twin, z, strides), read_as_in_nchw(twin, z, strides)
+    (True, (144, 36, 6, 1, 6, 1))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ['read_as_in_nchw', 'written_for_nchw']
+
+
+def written_for_nchw(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> bool:
+    """Whether ``strides`` (given to ``tensor.as_strided()``) were written for the NCHW memory of
+    ``twin`` rather than built from ``tensor.stride()``: by the stride values only one layout has;
+    where both or neither do (8 channels on 8 x 8 maps have the same values), by which layout's
+    strides divide them dimension by dimension; else by their falling as NCHW strides do.
+
+    Example:
+        >>> z = torch.empty(2, 4, 6, 6).to(memory_format=torch.channels_last)
+        >>> twin = torch.empty(2, 4, 6, 6, device='meta')
+        >>> written_for_nchw(twin, z, (144, 36, 6, 1)), written_for_nchw(twin, z, z.stride())
+        (True, False)
+        >>> square, square_twin = torch.empty(2, 8, 8, 8).to(memory_format=torch.channels_last), torch.empty(2, 8, 8, 8)
+        >>> windows = (512, 64, 8, 1, 8, 1)
+        >>> written_for_nchw(square_twin, square, windows), written_for_nchw(square_twin, square, square.stride())
+        (True, False)
+    """
+    given, own, nchw = set(strides) - {0}, set(tensor.stride()), set(twin.stride())
+    only_nchw, only_own = bool(given & (nchw - own)), bool(given & (own - nchw))
+    if only_nchw != only_own:
+        return only_nchw
+    leading = list(strides[: tensor.dim()])
+
+    def divide(reference: tuple) -> bool:
+        return all(r == 0 or s % r == 0 for s, r in zip(leading, reference))
+
+    fit_nchw, fit_own = divide(twin.stride()), divide(tensor.stride())
+    if fit_nchw != fit_own:
+        return fit_nchw
+    return leading == sorted(leading, reverse=True)
+
+
+def read_as_in_nchw(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> tuple:
+    """``strides`` written for NCHW's memory, with each leading one the code took from ``tensor.stride()``
+    (``x.as_strided(size, x.stride()[:2] + (w, 1))``) put as ``twin`` has it: in NCHW the code read
+    the twin's.
+
+    Example:
+        >>> z = torch.empty(2, 4, 6, 6).to(memory_format=torch.channels_last)
+        >>> twin = torch.empty(2, 4, 6, 6, device='meta')
+        >>> read_as_in_nchw(twin, z, (*z.stride()[:2], 6, 1, 6, 1)), read_as_in_nchw(twin, z, (144, 36, 6, 1))
+        ((144, 36, 6, 1, 6, 1), (144, 36, 6, 1))
+    """
+    own, nchw = tensor.stride(), twin.stride()
+    return tuple(nchw[d] if d < len(own) and s == own[d] != nchw[d] else s for d, s in enumerate(strides))

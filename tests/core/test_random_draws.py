@@ -1,0 +1,104 @@
+"""Random numbers drawn as in NCHW: a dropout of tokens flattened from a map (a DETR encoder's input, contiguous
+here and transposed in NCHW), through ``F.dropout`` and through ``nn.Dropout``; Gaussian noise from
+``torch.randn_like`` of an activation; a DropBlock-style mask from ``torch.empty_like(z).bernoulli_()``; and noise
+added to the batch itself, which no module makes. torch's CPU generators fill memory in its order, so each draws
+other numbers onto NHWC's elements than onto NCHW's for the same seed. Each model trains 3 float64 steps through
+every integration, every step equal to the NCHW run's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from guarded_runs import INTEGRATIONS, Run, assert_same_run, guarded, nchw
+from torch import nn
+from torch.nn import functional as F
+
+from channels_last_algo.core.layers.safe_paths import NCHWMaskDropout
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    return [
+        (
+            torch.randn(2, 3, 8, 8, generator=generator, dtype=torch.float64),
+            torch.randint(0, 5, (2,), generator=generator),
+        )
+        for _ in range(3)
+    ]
+
+
+class _Convolved(nn.Module):
+    """Seeds the global generator at each forward call (the trainers draw from it themselves between steps),
+    so that every run draws the same numbers and only where they fall can differ."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 6, 3, padding=1)
+        self.project = nn.Conv2d(6, 8, 1)
+        self.head = nn.Linear(8, 5)
+        self.calls = 0
+        self.register_forward_pre_hook(self._seeded)
+
+    @staticmethod
+    def _seeded(module, args):
+        module.calls += 1
+        torch.manual_seed(module.calls)
+
+
+class TokensDropped(_Convolved):
+    """Tokens ``z.flatten(2).permute(0, 2, 1)`` dropped by ``F.dropout`` (as DETR's encoder does) and by an
+    ``nn.Dropout``, then mixed by a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(0.3)
+        self.mix = nn.Linear(8, 8)
+
+    def forward(self, x):
+        tokens = self.project(F.relu(self.stem(x))).flatten(2).permute(0, 2, 1)
+        tokens = self.mix(F.dropout(tokens, 0.4, self.training)) + self.dropout(tokens)
+        return self.head(tokens.mean(1))
+
+
+class Noised(_Convolved):
+    """Gaussian noise from ``torch.randn_like`` of an activation, and a DropBlock-style mask drawn in place into
+    ``torch.empty_like`` of another."""
+
+    def forward(self, x):
+        z = F.relu(self.stem(x))
+        z = z + 0.3 * torch.randn_like(z)
+        y = self.project(z)
+        mask = torch.empty_like(y).bernoulli_(0.7)
+        return self.head((y * mask).mean((2, 3)))
+
+
+class BatchNoised(_Convolved):
+    """Noise drawn for the batch itself (``x + torch.randn_like(x)``), which no module makes."""
+
+    def forward(self, x):
+        x = x + 0.5 * torch.randn_like(x)
+        return self.head(self.project(F.relu(self.stem(x))).mean((2, 3)))
+
+
+def _cross_entropy(output, batch):
+    return F.cross_entropy(output, batch[1])
+
+
+RUNS = {
+    'tokens-dropped': Run(TokensDropped, _batches(), _cross_entropy),
+    'noised': Run(Noised, _batches(), _cross_entropy),
+    'batch-noised': Run(BatchNoised, _batches(), _cross_entropy),
+}
+
+
+@pytest.mark.parametrize('integration', INTEGRATIONS)
+@pytest.mark.parametrize('name', list(RUNS))
+def test_random_numbers_fall_as_in_nchw(name, integration):
+    """No step differs from the NCHW run's, the stem stays channels last, and the dropout layer draws its noise
+    in the order of NCHW's transposed tokens."""
+    run = RUNS[name]
+    steps, net, _ = guarded(run, integration, audit_steps=1)
+    assert_same_run(steps, nchw(run), f'{name} through {integration}')
+    assert not net.stem.weight.is_contiguous(), 'the stem should stay channels last'
+    if isinstance(getattr(net, 'dropout', None), NCHWMaskDropout):
+        assert net.dropout.noise_order == (0, 2, 1)
