@@ -311,7 +311,7 @@ class ViewWatch(TorchFunctionMode):
         if order is None:
             return None
         where = calling_code()
-        how = f'given to {getattr(func, "__name__", "a random op")} at {where}, which draws in memory order'
+        how = f'given random numbers by {getattr(func, "__name__", "a random op")} at {where}'
         if not self._weight_use(args[0], how):
             self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), where, how)
         return order
