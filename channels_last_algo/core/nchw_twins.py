@@ -92,6 +92,20 @@ def _dense_nhwc(tensor: torch.Tensor) -> bool:
     return tensor.layout == torch.strided and layout_of(tensor).is_channels_last
 
 
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _laid_out_alike(tensors: list, twins: list) -> bool:
+    """Whether each tensor has its twin's strides: an op's kernel then lays out its result in NCHW as here,
+    which meta kernels do not always tell (a group norm or attention of a channels-last map gives contiguous)."""
+    return len(tensors) == len(twins) and all(t.stride() == twin.stride() for t, twin in zip(tensors, twins))
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device='meta')
+
+
 def _base(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor._base is None else tensor._base
 
@@ -117,17 +131,15 @@ class NchwTwins:
         return known
 
     def run(self, func: Any, args: tuple, kwargs: dict) -> Optional[tuple[torch.Tensor, Any]]:
-        """``(twin, func(twin, ...))`` for ``twin`` the NCHW twin of ``args[0]``; None where the op is no
-        shape op, ``args[0]`` has no twin, or the op does not run on meta tensors (a boolean mask index)."""
+        """``(twin, func(twin, ...))`` for ``twin`` the NCHW twin of ``args[0]`` (one of its own strides where none
+        is known); None where the op is no shape op, or does not run on meta tensors (a boolean mask index)."""
         if func not in SHAPE_OPS or not args:
             return None
         if func is torch.Tensor.to and (len(args) > 1 or set(kwargs) != {'memory_format'}):
             return None  # a device or dtype move: the same in either layout
-        twin = self.twin(args[0])
-        if twin is None:
-            return None
         try:
             with _disable_current_modes():
+                twin = self._on_twins(args[0])  # untracked: NCHW has it as here (tokens of a contiguous map)
                 others, twin_kwargs = self._on_twins((args[1:], kwargs))
                 return twin, func(twin, *others, **twin_kwargs)
         except Exception:  # an op meta tensors cannot take (a boolean mask, a tensor subclass): unknown
@@ -135,9 +147,14 @@ class NchwTwins:
 
     def follow(self, func: Any, args: tuple, kwargs: dict, result: Any) -> None:
         """Note the twins of what any other op made of followed tensors (``layer_norm`` of a permuted NHWC map, the
-        convolution after it): ``func`` run on the twins of its tensor arguments, on meta tensors. A map that is
-        NHWC in NCHW too (permuted back from tokens) keeps that twin; nothing where the op takes no meta tensors."""
+        convolution after it): ``func`` run on the twins of its tensor arguments, on meta tensors; where every
+        argument has its twin's strides, the result's own strides. A map that is NHWC in NCHW too (permuted back
+        from tokens) keeps that twin; nothing where the op takes no meta tensors."""
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if not tensors:  # a factory given a channels-last memory format: the same in NCHW
+            for made in [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and _dense_nhwc(t)]:
+                self._twins[made] = _meta_like(made)
+            return
         if not any(t in self._twins or _dense_nhwc(t) for t in tensors):
             return
         if not any(isinstance(t, torch.Tensor) for t in tree_leaves(result)):
@@ -145,6 +162,9 @@ class NchwTwins:
         try:
             with _disable_current_modes():  # an audit or a FLOP counter sees the real op only
                 twin_args, twin_kwargs = self._on_twins((args, kwargs))
+                if _laid_out_alike(tensors, [t for t in tree_leaves((twin_args, twin_kwargs)) if _is_tensor(t)]):
+                    self.note(result, tree_map_only(torch.Tensor, _meta_like, result))  # what the kernel gave here
+                    return
                 twin_result = func(*twin_args, **twin_kwargs)
                 if func in _CONVOLUTIONS and isinstance(twin_result, torch.Tensor):
                     weight = twin_args[1] if len(twin_args) > 1 else twin_kwargs.get('weight')
@@ -158,7 +178,7 @@ class NchwTwins:
 
         def twin_or_meta(tensor: torch.Tensor) -> torch.Tensor:
             twin = self.twin(tensor)
-            return twin if twin is not None else torch.empty_like(tensor, device='meta')
+            return twin if twin is not None else _meta_like(tensor)
 
         return tree_map_only(torch.Tensor, twin_or_meta, value)
 

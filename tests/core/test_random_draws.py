@@ -1,9 +1,9 @@
 """Random numbers drawn as in NCHW: a dropout of tokens flattened from a map (a DETR encoder's input, contiguous
 here and transposed in NCHW), through ``F.dropout`` and through ``nn.Dropout``; Gaussian noise from
-``torch.randn_like`` of an activation; a DropBlock-style mask from ``torch.empty_like(z).bernoulli_()``; and noise
-added to the batch itself, which no module makes. torch's CPU generators fill memory in its order, so each draws
-other numbers onto NHWC's elements than onto NCHW's for the same seed. Each model trains 3 float64 steps through
-every integration, every step equal to the NCHW run's."""
+``torch.randn_like`` of an activation; a DropBlock-style mask from ``torch.empty_like(z).bernoulli_()``; noise
+added to the batch itself, which no module makes; and noise for a map that is channels last in NCHW too. torch's
+CPU generators fill memory in its order, so each draws other numbers onto NHWC's elements than onto NCHW's for the
+same seed. Each model trains 3 float64 steps through every integration, every step equal to the NCHW run's."""
 
 from __future__ import annotations
 
@@ -80,6 +80,25 @@ class BatchNoised(_Convolved):
         return self.head(self.project(F.relu(self.stem(x))).mean((2, 3)))
 
 
+class AttendedAndNoised(_Convolved):
+    """Noise drawn for a map that is channels last in NCHW too: attention over the tokens of a contiguous map,
+    transposed back to (n, c, h, w) and group-normed (as a diffusers VAE's mid block), then
+    ``torch.randn_like`` of it. NCHW draws in NHWC order there, and so must the package."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attend = nn.Linear(6, 6)
+        self.norm = nn.GroupNorm(2, 6)
+
+    def forward(self, x):
+        z = F.relu(self.stem(x)).contiguous()
+        n, c, h, w = z.shape
+        tokens = self.attend(z.flatten(2).transpose(1, 2))
+        y = self.norm(tokens.transpose(1, 2).reshape(n, c, h, w))
+        y = y + 0.3 * torch.randn_like(y)
+        return self.head(self.project(y).mean((2, 3)))
+
+
 def _cross_entropy(output, batch):
     return F.cross_entropy(output, batch[1])
 
@@ -88,6 +107,7 @@ RUNS = {
     'tokens-dropped': Run(TokensDropped, _batches(), _cross_entropy),
     'noised': Run(Noised, _batches(), _cross_entropy),
     'batch-noised': Run(BatchNoised, _batches(), _cross_entropy),
+    'attended-and-noised': Run(AttendedAndNoised, _batches(), _cross_entropy),
 }
 
 
