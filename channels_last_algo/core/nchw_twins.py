@@ -133,8 +133,8 @@ class NchwTwins:
     def run(self, func: Any, args: tuple, kwargs: dict) -> Optional[tuple[torch.Tensor, Any]]:
         """``(twin, func(twin, ...))`` for ``twin`` the NCHW twin of ``args[0]`` (one of its own strides where none
         is known); None where the op is no shape op, or does not run on meta tensors (a boolean mask index)."""
-        if func not in SHAPE_OPS or not args:
-            return None
+        if func not in SHAPE_OPS or not args or not isinstance(args[0], torch.Tensor):
+            return None  # not a tensor: an fx Proxy being traced
         if func is torch.Tensor.to and (len(args) > 1 or set(kwargs) != {'memory_format'}):
             return None  # a device or dtype move: the same in either layout
         try:
