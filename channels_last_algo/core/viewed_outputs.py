@@ -354,6 +354,7 @@ class ViewedOutputs:
                     f"the tensor {how} is no module's output, so no module can make it channels first: every "
                     'step is watched (slower)'
                     + ('; .reshape there instead of .view keeps the speed' if how.startswith('viewed') else '')
+                    + ('; drawing by shape there (torch.randn(x.shape, ...)) keeps it' if 'random' in how else '')
                 )
             return
         for module in origins:
