@@ -39,6 +39,20 @@ class Run:
     options: dict = dataclasses.field(default_factory=dict)  # the integration's options this run needs
 
 
+def classification_batches(
+    shape: tuple = (2, 3, 8, 8), classes: int = 10, steps: int = 3, seed: int = 0
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` float64 batches of ``shape`` with labels below ``classes``, drawn from a generator seeded ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(shape, generator=generator, dtype=torch.float64),
+            torch.randint(0, classes, (shape[0],), generator=generator),
+        )
+        for _ in range(steps)
+    ]
+
+
 def _snapshot(net: nn.Module) -> dict[str, torch.Tensor]:
     return {k: t.detach().clone() for k, t in net.named_parameters()}
 

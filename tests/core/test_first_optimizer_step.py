@@ -14,7 +14,7 @@ import logging
 
 import pytest
 import torch
-from guarded_runs import INTEGRATIONS, Run, assert_same_run, guarded, nchw
+from guarded_runs import INTEGRATIONS, Run, assert_same_run, classification_batches, guarded, nchw
 from torch import nn
 from torch.nn import functional as F
 
@@ -85,14 +85,7 @@ def _network() -> nn.Module:
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(2)
-    return [
-        (
-            torch.randn(2, 3, 8, 8, generator=generator, dtype=torch.float64),
-            torch.randint(0, 10, (2,), generator=generator),
-        )
-        for _ in range(3)
-    ]
+    return classification_batches(classes=10, seed=2)
 
 
 def _cross_entropy(output, batch):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from guarded_runs import INTEGRATIONS, Run, assert_same_run, guarded, nchw
+from guarded_runs import INTEGRATIONS, Run, assert_same_run, classification_batches, guarded, nchw
 from torch import nn
 from torch.nn import functional as F
 
@@ -17,14 +17,7 @@ from channels_last_algo.core.layers.safe_paths import NCHWMaskDropout
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(3)
-    return [
-        (
-            torch.randn(2, 3, 8, 8, generator=generator, dtype=torch.float64),
-            torch.randint(0, 5, (2,), generator=generator),
-        )
-        for _ in range(3)
-    ]
+    return classification_batches(classes=5, seed=3)
 
 
 class _Convolved(nn.Module):
