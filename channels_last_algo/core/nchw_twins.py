@@ -121,11 +121,14 @@ class NchwTwins:
         return tensor in self._twins
 
     def twin(self, tensor: Any) -> Optional[torch.Tensor]:
-        """``tensor``'s NCHW twin: known from the ops that made it, or contiguous for a dense NHWC tensor."""
+        """``tensor``'s NCHW twin: known from the ops that made it, or contiguous for a dense NHWC tensor and for a
+        4D/5D parameter (a 1x1 kernel restrided to channels last is contiguous too, but not laid out as NCHW's)."""
         if not isinstance(tensor, torch.Tensor):
             return None
         known = self._twins.get(tensor)
-        if known is None and _dense_nhwc(tensor):
+        if known is None and (
+            _dense_nhwc(tensor) or (isinstance(tensor, torch.nn.Parameter) and tensor.dim() in (4, 5))
+        ):
             with _disable_current_modes():
                 known = torch.empty(tensor.shape, dtype=tensor.dtype, device='meta')
         return known

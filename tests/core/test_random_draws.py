@@ -1,9 +1,10 @@
 """Random numbers drawn as in NCHW: a dropout of tokens flattened from a map (a DETR encoder's input, contiguous
 here and transposed in NCHW), through ``F.dropout`` and through ``nn.Dropout``; Gaussian noise from
 ``torch.randn_like`` of an activation; a DropBlock-style mask from ``torch.empty_like(z).bernoulli_()``; noise
-added to the batch itself, which no module makes; and noise for a map that is channels last in NCHW too. torch's
-CPU generators fill memory in its order, so each draws other numbers onto NHWC's elements than onto NCHW's for the
-same seed. Each model trains 3 float64 steps through every integration, every step equal to the NCHW run's."""
+added to the batch itself, which no module makes; noise for a map that is channels last in NCHW too; and a dropout
+after a 1x1 convolution of a contiguous map. torch's CPU generators fill memory in its order, so each draws other
+numbers onto NHWC's elements than onto NCHW's for the same seed. Each model trains 3 float64 steps through every
+integration, every step equal to the NCHW run's."""
 
 from __future__ import annotations
 
@@ -92,6 +93,15 @@ class AttendedAndNoised(_Convolved):
         return self.head(self.project(y).mean((2, 3)))
 
 
+class ProjectedAndDropped(_Convolved):
+    """A 1x1 convolution of a contiguous map (an ASPP's projection of its pyramid), dropped: NCHW's output is
+    contiguous, the channels-last kernel's NHWC."""
+
+    def forward(self, x):
+        y = self.project(F.relu(self.stem(x)).contiguous())
+        return self.head(F.dropout(y, 0.3, self.training).mean((2, 3)))
+
+
 def _cross_entropy(output, batch):
     return F.cross_entropy(output, batch[1])
 
@@ -101,6 +111,7 @@ RUNS = {
     'noised': Run(Noised, _batches(), _cross_entropy),
     'batch-noised': Run(BatchNoised, _batches(), _cross_entropy),
     'attended-and-noised': Run(AttendedAndNoised, _batches(), _cross_entropy),
+    'projected-and-dropped': Run(ProjectedAndDropped, _batches(), _cross_entropy),
 }
 
 
