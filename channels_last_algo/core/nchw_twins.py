@@ -5,8 +5,9 @@ allow one and a copy elsewhere, so NHWC and NCHW can differ: ``z.reshape(n, -1)`
 where NCHW has a view, and ``z.permute(0, 2, 3, 1).reshape(-1, c)`` is a view of an NHWC ``z`` where
 NCHW copies. An in-place write then reaches the other tensor in one layout only. :class:`NchwTwins`
 keeps, for each tensor a watch follows, its NCHW twin: a meta tensor (no memory) with the strides
-the tensor has in an NCHW run (contiguous for a dense NHWC tensor, and whatever the same view ops
-give from there), and runs each shape op on the twin too. :meth:`NchwTwins.follow` runs every other
+the tensor has in an NCHW run (contiguous for a dense NHWC tensor and a 4D/5D parameter, its own strides
+for a tensor nothing NHWC made, and whatever the same view ops give from there), and runs each shape op on
+the twin too. :meth:`NchwTwins.follow` runs every other
 op there as well, so a map that is NHWC in NCHW too (``norm(z.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)``,
 and the convolutions after it) has an NHWC twin, and its ``.contiguous()`` copies in both layouts.
 
