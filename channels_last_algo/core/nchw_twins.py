@@ -93,10 +93,6 @@ def _dense_nhwc(tensor: torch.Tensor) -> bool:
     return tensor.layout == torch.strided and layout_of(tensor).is_channels_last
 
 
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
-
-
 def _laid_out_alike(tensors: list, twins: list) -> bool:
     """Whether each tensor has its twin's strides: an op's kernel then lays out its result in NCHW as here,
     which meta kernels do not always tell (a group norm or attention of a channels-last map gives contiguous)."""
@@ -166,7 +162,8 @@ class NchwTwins:
         try:
             with _disable_current_modes():  # an audit or a FLOP counter sees the real op only
                 twin_args, twin_kwargs = self._on_twins((args, kwargs))
-                if _laid_out_alike(tensors, [t for t in tree_leaves((twin_args, twin_kwargs)) if _is_tensor(t)]):
+                twins = [t for t in tree_leaves((twin_args, twin_kwargs)) if isinstance(t, torch.Tensor)]
+                if _laid_out_alike(tensors, twins):
                     self.note(result, tree_map_only(torch.Tensor, _meta_like, result))  # what the kernel gave here
                     return
                 twin_result = func(*twin_args, **twin_kwargs)

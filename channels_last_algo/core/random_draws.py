@@ -37,35 +37,26 @@ _FILLS = frozenset(
     getattr(torch.Tensor, name)
     for name in ('bernoulli_', 'uniform_', 'normal_', 'exponential_', 'random_', 'geometric_', 'cauchy_', 'log_normal_')
 )  # draw into the tensor itself, in its memory order
-_LIKE = frozenset(
-    {
-        torch.rand_like,
-        torch.randn_like,
-        torch.randint_like,
-        F.dropout,
-        torch.dropout,
-        F.alpha_dropout,
-        torch.alpha_dropout,
-    }
-)  # draw into empty_like(the tensor)
+_DROPOUTS = frozenset({F.dropout, torch.dropout, F.alpha_dropout, torch.alpha_dropout})  # noise: empty_like(input)
+_LIKE = _DROPOUTS | {torch.rand_like, torch.randn_like, torch.randint_like}  # draw into empty_like(the tensor)
 DRAWS = _FILLS | _LIKE
 """The ops whose random numbers follow the memory order of their first argument."""
 
 
-def memory_order(strides: tuple, shape: tuple) -> tuple:
+def memory_order(strides: tuple) -> tuple:
     """The dimensions from outermost to innermost in memory, as ``torch.empty_permuted`` takes them.
 
     Example:
-        >>> memory_order((48, 1, 12, 3), (2, 3, 4, 4))
+        >>> memory_order((48, 1, 12, 3))
         (0, 2, 3, 1)
     """
-    return tuple(sorted(range(len(shape)), key=lambda d: (-strides[d], d)))
+    return tuple(sorted(range(len(strides)), key=lambda d: (-strides[d], d)))
 
 
 def _draws(func: Any, args: tuple, kwargs: dict) -> bool:
     """Whether the call draws in the memory order of its first argument: a dropout in training with p > 0, a
     ``*_like`` op without a memory format of its own, or a fill."""
-    if func in (F.dropout, torch.dropout, F.alpha_dropout, torch.alpha_dropout):
+    if func in _DROPOUTS:
         p = kwargs.get('p', args[1] if len(args) > 1 else 0.5)
         training = kwargs.get('training', kwargs.get('train', args[2] if len(args) > 2 else True))
         return bool(training) and p > 0.0
@@ -76,7 +67,7 @@ def draw_order(func: Any, tensor: torch.Tensor) -> tuple:
     """The order of dimensions in which ``func`` (one of :data:`DRAWS`) draws for ``tensor`` (a meta twin or
     a real tensor): its own memory order for a fill, that of ``empty_like(tensor)`` for the others."""
     laid_out = tensor if func in _FILLS else torch.empty_like(tensor, device='meta')
-    return memory_order(laid_out.stride(), tuple(laid_out.shape))
+    return memory_order(laid_out.stride())
 
 
 def nchw_draw_order(func: Any, args: tuple, kwargs: dict, twin: torch.Tensor) -> Optional[tuple]:
@@ -106,5 +97,5 @@ def drawn_in(func: Any, args: tuple, kwargs: dict, order: tuple) -> Any:
         func(laid_out, *args[1:], **kwargs)
         return tensor.copy_(laid_out)
     result = func(laid_out.copy_(tensor), *args[1:], **kwargs)
-    in_place = kwargs.get('inplace', len(args) > 3 and args[3])
+    in_place = func in _DROPOUTS and kwargs.get('inplace', len(args) > 3 and args[3])  # (x, p, training, inplace)
     return tensor.copy_(result) if in_place else result
