@@ -35,11 +35,11 @@ import dataclasses
 import logging
 import types
 from collections.abc import Callable, Hashable, Iterator, Mapping
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 
-__all__ = ['Path', 'leaves', 'map_leaves', 'path_name']
+__all__ = ['BatchTensor', 'Path', 'leaves', 'map_leaves', 'path_name']
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,18 @@ Path = tuple[Hashable, ...]
 Children = list[tuple[Hashable, Any]]
 
 _warned: set[type] = set()  # the container types whose rebuild failed, warned about once
+
+
+class BatchTensor(NamedTuple):
+    """The batch's tensor at ``path``, as a watch notes it among the origins of what derives from it: NHWC because
+    the guard made it so, where leaving it as it comes would lay it out as NCHW has it.
+
+    Example:
+        >>> path_name(BatchTensor((0,)).path)
+        'batch[0]'
+    """
+
+    path: Path
 
 
 def path_name(path: Path) -> str:

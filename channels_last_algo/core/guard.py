@@ -200,7 +200,7 @@ class LayoutGuard:
         plan = weight_layout_for(model) if weight_layout is None else weight_layout
         self.weight_layout = for_training(plan, optimizers, self.options['weights'])
         self._model_name = type(model).__name__
-        self._viewed = ViewedOutputs(model, functools.partial(self._weights_viewed, weakref.ref(model)))
+        self._viewed = ViewedOutputs(model, functools.partial(self._weights_viewed, weakref.ref(model)), self.inputs)
         if not self.weight_layout.contiguous and self.options['weights'] == 'auto':
             self._optimizer_watch = OptimizerWatch(
                 model, functools.partial(self._weights_contiguous, weakref.ref(model)), self._optimizer_stepped

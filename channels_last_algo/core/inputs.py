@@ -20,7 +20,10 @@ package). :class:`InputSelection` decides per batch structure, by the ``inputs``
   NHWC copies that no convolution took are channels first again, in the batch's own tensors (a
   dense target the loss views). Where no convolution is seen (a compiled forward, whose graph is
   not followed) the guess stands. The choice is logged and kept (:attr:`InputSelection.chosen`);
-  later batches of that structure are converted at once.
+  later batches of that structure are converted at once. A chosen tensor that a watched step uses
+  where NHWC strides change the result (given random numbers, viewed, written through a reshape:
+  :mod:`~channels_last_algo.core.viewed_outputs`) is left as it comes from the next batch on
+  (:meth:`InputSelection.leave`).
 - ``'all'``: every 4D/5D tensor (what ``batch_to_channels_last`` does).
 - a list of keys and positions (``['image']``, ``[0]``), or of paths (``[('inputs', 'rgb')]``):
   the tensors whose path in the batch starts with one of them.
@@ -59,15 +62,12 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Optional, Union
 
 import torch
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from channels_last_algo.core.aliased_copies import AliasedCopies
 from channels_last_algo.core.batch_tree import Path, leaves, map_leaves, path_name
-from channels_last_algo.core.layout import channels_last_format, is_4d_or_5d
+from channels_last_algo.core.input_flow import InputFlow
+from channels_last_algo.core.layout import is_4d_or_5d
 from channels_last_algo.core.module_calls import compiled_wrapper, exit_mode, settle_hooks, subscribe, unsubscribe
-from channels_last_algo.core.view_watch import GRADIENT_OPS
 
 __all__ = ['Inputs', 'InputSelection', 'check_inputs']
 
@@ -77,12 +77,6 @@ Predicate = Callable[[Path, torch.Tensor], bool]
 Inputs = Union[str, Sequence[Union[Hashable, Path]], Predicate]
 
 _RULES = ('auto', 'all')
-_VIEWS = {torch.Tensor.view}
-_REORDERINGS = frozenset(
-    getattr(owner, name)
-    for owner in (torch, torch.Tensor)
-    for name in ('permute', 'transpose', 'movedim', 'moveaxis', 'swapaxes', 'swapdims')
-)
 
 
 def check_inputs(value: Any) -> bool:
@@ -110,103 +104,6 @@ def _takes_path_and_tensor(predicate: Callable[..., Any]) -> bool:
     return True
 
 
-def _is_convolution(func: Any) -> bool:
-    """A forward convolution (``torch.conv2d``, ``aten.convolution``, ...), not its backward."""
-    name = getattr(func, '__name__', '')
-    forward = name.startswith(('conv2d', 'conv3d', 'conv_transpose')) or 'convolution' in name
-    return forward and 'backward' not in name
-
-
-def _view_fails_in_channels_last(tensor: torch.Tensor, args: tuple, kwargs: dict) -> bool:
-    """True when ``tensor.view(*args)`` would raise had ``tensor`` NHWC strides (asked of torch itself:
-    a mode below this one, such as a view watch's, would run a failing view on a copy)."""
-    fmt = channels_last_format(tensor)
-    if fmt is None:
-        return False
-    with torch._C.DisableTorchFunction():
-        probe = torch.empty(tensor.shape, dtype=tensor.dtype, device='meta').to(memory_format=fmt)
-        try:
-            probe.view(*args, **kwargs)
-        except RuntimeError:
-            return True
-    return False
-
-
-def _moves_channels(source: Any, result: Any) -> bool:
-    """Whether ``result``, ``source`` with its dimensions reordered, holds another of them second: converting
-    ``source`` to NHWC would then lay ``result`` out in neither layout."""
-    return not (
-        isinstance(source, torch.Tensor)
-        and isinstance(result, torch.Tensor)
-        and result.dim() == source.dim() >= 2
-        and result.size(1) == source.size(1)
-        and result.stride(1) == source.stride(1)
-    )
-
-
-class _Flow(TorchFunctionMode):
-    """Follows which batch tensors flow into convolutions (and into incompatible views) before
-    any convolution: outputs of a convolution start a new flow, so only the tensors a
-    convolution takes directly, or derives from the batch without one, count."""
-
-    def __init__(self, tensors: list[tuple[Path, torch.Tensor]], guessed: frozenset[Path]) -> None:
-        super().__init__()
-        self.guessed = guessed
-        self.origins = WeakIdKeyDictionary()
-        self.reorders = WeakIdKeyDictionary()  # tensor -> its origins whose channels a reordering moved on the way
-        self.channels = {path: tensor.shape[1] for path, tensor in tensors}  # each batch tensor's second size
-        for path, tensor in tensors:
-            self.origins[tensor] = self.origins.get(tensor, frozenset()) | {path}
-        self.fed: set[Path] = set()
-        self.viewed: set[Path] = set()
-        self.reordered: set[Path] = set()  # left as they came: a reordering put the channels second (N, H, W, C)
-        self.convolutions = 0
-        self.copies = AliasedCopies()  # the copies failing views ran on, kept in step with the batch tensors
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch.compiler.is_compiling() or func in GRADIENT_OPS:  # a compiled forward; gradients
-            return func(*args, **kwargs)
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        origins = frozenset().union(*(self.origins.get(t, frozenset()) for t in tensors))
-        if not origins:
-            return func(*args, **kwargs)
-        reordered = frozenset().union(*(self.reorders.get(t, frozenset()) for t in tensors))
-        if _is_convolution(func):
-            self.convolutions += 1
-            if args and isinstance(args[0], torch.Tensor):
-                self._fed(args[0])
-            return func(*args, **kwargs)
-        if func in _VIEWS and _view_fails_in_channels_last(args[0], args[1:], kwargs):
-            self.viewed |= self.origins.get(args[0], frozenset())
-            if not args[0].is_contiguous():  # NHWC by the first batch's guess: view a contiguous copy
-                return self._noted(self.copies.view(func, args[0], args[1:], kwargs), origins, reordered)
-        result = func(*args, **kwargs)
-        self.copies.written(func, args, kwargs)
-        if func in _REORDERINGS and _moves_channels(args[0], result):
-            reordered |= origins
-        return self._noted(result, origins, reordered)
-
-    def _fed(self, image: torch.Tensor) -> None:
-        """``image`` goes into a convolution: its origins are images, but one a reordering moved another dimension
-        second on the way only where the convolution still takes its second one as the channels (a clip
-        ``(N, C, T, H, W)`` transposed and folded into frames); a ``(N, H, W, C)`` batch permuted is NHWC as it came."""
-        origins = self.origins.get(image, frozenset())
-        moved = self.reorders.get(image, frozenset()) & origins
-        kept = {path for path in moved if self.channels[path] == image.shape[1]}
-        self.fed |= (origins - moved) | kept
-        self.reordered |= moved - kept
-
-    def _noted(self, result: Any, origins: frozenset[Path], reordered: frozenset[Path]) -> Any:
-        """``result``, its tensors noted as flowing from ``origins`` (those of ``reordered`` through a reordering)."""
-        for tensor in tree_leaves(result):
-            if isinstance(tensor, torch.Tensor):
-                self.origins[tensor] = self.origins.get(tensor, frozenset()) | origins
-                if reordered:
-                    self.reorders[tensor] = self.reorders.get(tensor, frozenset()) | reordered
-        return result
-
-
 class InputSelection:
     """The ``inputs`` option at work: which 4D/5D tensors of each batch structure go NHWC.
 
@@ -227,11 +124,14 @@ class InputSelection:
         self.inputs = inputs
         self.chosen: dict[Any, frozenset[Path]] = {}
         self._left_because: dict[Any, dict[Path, str]] = {}  # why a tensor the forward saw was left as it came
-        self._flow: Optional[_Flow] = None
+        self._flow: Optional[InputFlow] = None
         self._structure: Any = None
         self._restrided: dict[Path, torch.Tensor] = {}  # the NHWC copies the first batch's guess made
         self._calls: list[bool] = []  # the module calls under way, each: followed inside or not
         self._named_checked: set[str] = set()  # the batch structures a list of inputs was checked against
+        self._current: Any = None  # the structure of the batch put last
+        self._converted = WeakIdKeyDictionary()  # its tensors this selection made NHWC -> their paths
+        self._left_by_use: dict[Any, dict[Path, str]] = {}  # left as they came for a use found in a step, and why
 
     def __repr__(self) -> str:
         return repr(self.inputs) if not callable(self.inputs) else getattr(self.inputs, '__name__', 'predicate')
@@ -267,11 +167,42 @@ class InputSelection:
         if isinstance(self.inputs, (list, tuple)) and structure not in self._named_checked:
             self._check_named(structure[1])
             self._named_checked.add(structure)
+        self._begin_batch(structure)
 
         def restride_selected(path: Path, leaf: Any) -> Any:
-            return restride(leaf) if is_4d_or_5d(leaf) and self.selected(path, leaf, structure) else leaf
+            selected = is_4d_or_5d(leaf) and self.selected(path, leaf, structure)
+            return self._noted(path, leaf, restride(leaf)) if selected else leaf
 
         return map_leaves(batch, restride_selected)
+
+    def _begin_batch(self, structure: Any) -> None:
+        self._current = structure
+        self._converted = WeakIdKeyDictionary()
+
+    def _noted(self, path: Path, given: torch.Tensor, restrided: torch.Tensor) -> torch.Tensor:
+        """``restrided``, noted as the batch's tensor at ``path`` where the restride copied ``given``."""
+        if restrided is not given:
+            self._converted[restrided] = path
+        return restrided
+
+    def path_of(self, tensor: torch.Tensor) -> Optional[Path]:
+        """The path in the batch put last of ``tensor``, where this selection made it NHWC (a copy); else None."""
+        return self._converted.get(tensor)
+
+    def leave(self, paths: frozenset[Path], why: str) -> Optional[list[Path]]:
+        """In ``'auto'`` mode, the tensors at ``paths`` of the batch put last are left as they come from the next
+        batch of that structure on, for the use ``why`` says (a ``.view()``, a draw of random numbers, a write
+        through a reshape: what NHWC strides change and the batch as it came does not); the paths newly left.
+        None in the other modes, where the user chose the tensors."""
+        if self.inputs != 'auto':
+            return None
+        left = self._left_by_use.setdefault(self._current, {})
+        new = sorted(set(paths) - set(left), key=path_name)
+        left.update({path: why for path in new})
+        if self._current in self.chosen:
+            self.chosen[self._current] = self.chosen[self._current] - paths
+            self._left_because.setdefault(self._current, {}).update(left)
+        return new
 
     def put(
         self, batch: Any, guess: Callable[[torch.Tensor], bool], restride: Callable[[torch.Tensor], torch.Tensor]
@@ -298,13 +229,14 @@ class InputSelection:
         those tensors followed through what runs until :meth:`finish`."""
         self.finish()
         self._structure = self._structure_of(batch)
+        self._begin_batch(self._structure)
         guessed: set[Path] = set()
 
         def restride_guessed(path: Path, leaf: Any) -> Any:
             if not (is_4d_or_5d(leaf) and guess(leaf)):
                 return leaf
             guessed.add(path)
-            return restride(leaf)
+            return self._noted(path, leaf, restride(leaf))
 
         first = map_leaves(batch, restride_guessed)
         given = dict(leaves(batch))
@@ -313,7 +245,7 @@ class InputSelection:
             self.chosen[self._structure] = frozenset()
             return batch
         self._restrided = {path: leaf for path, leaf in followed if leaf is not given.get(path)}
-        self._flow = _Flow(followed, frozenset(guessed))
+        self._flow = InputFlow(followed, frozenset(guessed))
         subscribe(self)  # module calls: channels_last_algo.core.module_calls
         return first
 
@@ -362,11 +294,13 @@ class InputSelection:
             exit_mode(flow)
         self._calls = []
         # no convolution seen (a compiled forward, or none ran before the batch ended): keep the guess
-        chosen = (flow.fed if flow.convolutions else flow.guessed) - flow.viewed
+        left = self._left_by_use.get(self._structure, {})
+        chosen = (flow.fed if flow.convolutions else flow.guessed) - flow.viewed - set(left)
         self.chosen[self._structure] = chosen
         self._left_because[self._structure] = {
             **{path: 'its dimensions reordered before a convolution' for path in flow.reordered - flow.fed},
             **{path: 'viewed in a shape NHWC cannot take' for path in flow.viewed},
+            **left,
         }
         self._undo_guess(chosen)
         log.info('channels last inputs: %s', self._describe(self._structure))

@@ -34,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from channels_last_algo.core.layout import layout_of
 
-__all__ = ['COPY_OR_VIEW', 'SHAPE_OPS', 'NchwTwins', 'aliases']
+__all__ = ['CONVOLUTIONS', 'COPY_OR_VIEW', 'SHAPE_OPS', 'NchwTwins', 'aliases']
 
 
 def _ops(*names: str) -> frozenset:
@@ -73,7 +73,8 @@ SHAPE_OPS = COPY_OR_VIEW | _VIEW_OPS
 """The ops whose results :class:`NchwTwins` gives twins."""
 
 
-_CONVOLUTIONS = _ops('conv1d', 'conv2d', 'conv3d', 'conv_transpose1d', 'conv_transpose2d', 'conv_transpose3d')
+CONVOLUTIONS = _ops('conv1d', 'conv2d', 'conv3d', 'conv_transpose1d', 'conv_transpose2d', 'conv_transpose3d')
+"""The functional convolutions, whose output a channels-last weight lays out NHWC."""
 
 
 def _as_convolution_lays_out(input: Any, weight: Any, twin_result: torch.Tensor) -> torch.Tensor:
@@ -167,7 +168,7 @@ class NchwTwins:
                     self.note(result, tree_map_only(torch.Tensor, _meta_like, result))  # what the kernel gave here
                     return
                 twin_result = func(*twin_args, **twin_kwargs)
-                if func in _CONVOLUTIONS and isinstance(twin_result, torch.Tensor):
+                if func in CONVOLUTIONS and isinstance(twin_result, torch.Tensor):
                     weight = twin_args[1] if len(twin_args) > 1 else twin_kwargs.get('weight')
                     twin_result = _as_convolution_lays_out(twin_args[0], weight, twin_result)
         except Exception:  # no meta kernel, or an op that leaves the device (.cpu(), .numpy()): unknown

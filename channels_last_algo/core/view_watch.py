@@ -40,11 +40,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from channels_last_algo.core.aliased_copies import AliasedCopies, same_memory
 from channels_last_algo.core.audit import exit_copies
+from channels_last_algo.core.batch_tree import BatchTensor
 from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on_contiguous
 from channels_last_algo.core.given_strides import read_as_in_nchw, written_for_nchw
 from channels_last_algo.core.late_views import original, passing_through
 from channels_last_algo.core.layout import is_4d_or_5d, uninitialized_among
-from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, SHAPE_OPS, NchwTwins, aliases
+from channels_last_algo.core.nchw_twins import CONVOLUTIONS, COPY_OR_VIEW, SHAPE_OPS, NchwTwins, aliases
 from channels_last_algo.core.random_draws import DRAWS, drawn_in, nchw_draw_order
 
 __all__ = [
@@ -126,14 +127,26 @@ class ViewWatch(TorchFunctionMode):
     for such a use of a weight or of a weight's gradient (``owner.weight_gradient(tensor)``; True
     where the weights are contiguous now), ``owner.gradient_hook_found(weight, how)`` for such a use
     of the gradient a hook on ``weight`` is given (``hooked``), and
-    ``owner.extension_found(name, where)`` for an extension op given 4D/5D tensors. ``in_hook``: the watch runs
-    a tensor hook, whose gradient no module made. ``light``: only extension ops are watched.
+    ``owner.extension_found(name, where)`` for an extension op given 4D/5D tensors. ``step``: the watch runs a
+    backward hook or a custom Function's backward, which autograd calls outside every mode, during a step that
+    ``step`` watches: a tensor the hook did not make has the origins ``step`` knows (an activation a forward hook
+    kept), and none where it saw none (a gradient, whose layout its consumers decide). ``light``: only extension ops
+    are watched. ``batch_path(tensor)``: the path of a batch tensor made NHWC by the guard, an origin
+    (:class:`BatchTensor`) of what derives from it.
     """
 
-    def __init__(self, owner: Any, in_hook: bool = False, light: bool = False, hooked: Optional[tuple] = None) -> None:
+    def __init__(
+        self,
+        owner: Any,
+        step: Optional[ViewWatch] = None,
+        light: bool = False,
+        hooked: Optional[tuple] = None,
+        batch_path: Callable[[torch.Tensor], Optional[tuple]] = lambda tensor: None,
+    ) -> None:
         super().__init__()
         self.owner = owner
-        self.in_hook = in_hook  # in a tensor hook: its gradient's layout is its consumers', no module's
+        self.batch_path = batch_path
+        self.step = step  # the watch of the step whose backward runs this one's hook
         self.hooked = hooked  # a hook on a weight: (the weight, the gradient the hook is given)
         self.light = light  # extension ops only: once the views and reshapes are placed
         self.made: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> the module that returned it
@@ -146,15 +159,24 @@ class ViewWatch(TorchFunctionMode):
 
     def origins(self, tensor: torch.Tensor) -> frozenset:
         made = self.made.get(tensor)
-        return frozenset({made}) if made is not None else self.derived.get(tensor, frozenset())
+        return frozenset({made}) if made is not None else self._derived(tensor)
+
+    def _derived(self, tensor: torch.Tensor) -> frozenset:
+        """The origins ``tensor`` derives from, the batch tensor it is, or what the step's watch knows of it."""
+        if tensor in self.derived:
+            return self.derived[tensor]
+        path = self.batch_path(tensor)
+        if path is not None:
+            return frozenset({BatchTensor(path)})
+        return frozenset() if self.step is None else self.step.makers(tensor)
 
     def makers(self, tensor: torch.Tensor) -> frozenset:
-        """The modules to make ``tensor`` channels first at: the module that returned it, unless that
-        module runs more than once a step (a shared pool), then the modules its input came from."""
+        """Where to make ``tensor`` channels first: the module that returned it, unless that module runs
+        more than once a step (a shared pool), then the modules (or batch tensors) its input came from."""
         made = self.made.get(tensor)
         if made is not None and (self.calls.get(made, 0) <= 1 or not self.derived.get(tensor)):
             return frozenset({made})
-        return self.derived.get(tensor, frozenset())
+        return self._derived(tensor)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -185,7 +207,7 @@ class ViewWatch(TorchFunctionMode):
             result = self._as_in_nchw(func, args, kwargs, func(*args, **kwargs), by_torch)
         self.copies.written(func, args, kwargs)
         if func not in GRADIENT_OPS:
-            self._follow(args, kwargs, result, func in SHAPE_OPS)
+            self._follow(args, kwargs, result, func in SHAPE_OPS, func in CONVOLUTIONS)
             if func not in SHAPE_OPS:
                 self.twins.follow(func, args, kwargs, result)
         return result
@@ -216,7 +238,7 @@ class ViewWatch(TorchFunctionMode):
         """A write went through what a shape op at ``where`` made of ``tensor``, or reached ``tensor``
         while that lives: from now on ``tensor`` should be channels first, where NCHW's views are."""
         if not self._weight_use(tensor, how):
-            self.owner._found(frozenset() if self.in_hook else self.makers(tensor), where, how)
+            self.owner._found(self.makers(tensor), where, how)
 
     def _weight_use(self, tensor: torch.Tensor, how: str) -> bool:
         """Whether ``tensor``, used as ``how`` says, is a weight or a weight's gradient, and the owner made
@@ -261,9 +283,9 @@ class ViewWatch(TorchFunctionMode):
         """An NHWC tensor, or one of another rank whose strides an NHWC one set (``z.flatten(2)``)."""
         return nhwc(tensor) or (isinstance(tensor, torch.Tensor) and tensor in self.flattened)
 
-    def _follow(self, args: tuple, kwargs: dict, result: Any, shape_op: bool) -> None:
+    def _follow(self, args: tuple, kwargs: dict, result: Any, shape_op: bool, convolution: bool = False) -> None:
         """Note where ``result``'s strided tensors came from, and, after a shape op, those it made of
-        an NHWC tensor (``z.permute(0, 2, 3, 1)``, contiguous)."""
+        an NHWC tensor (``z.permute(0, 2, 3, 1)``, contiguous); a convolution's not from batch tensors."""
         twinned = self.twins.__contains__ if shape_op else _no_twin
         outputs = [
             t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and (not t.is_contiguous() or twinned(t))
@@ -276,6 +298,8 @@ class ViewWatch(TorchFunctionMode):
             if not outputs:
                 return
         origins = frozenset().union(*(self.origins(t) for t in inputs))
+        if convolution:
+            origins = frozenset(o for o in origins if not isinstance(o, BatchTensor))
         for tensor in outputs:
             if not nhwc(tensor) and not tensor.is_contiguous():
                 self.flattened[tensor] = True
@@ -295,7 +319,7 @@ class ViewWatch(TorchFunctionMode):
         where = calling_code()
         how = f'read through the .as_strided() at {where}'
         if not self._weight_use(tensor, how):
-            self.owner._found(frozenset() if self.in_hook else self.makers(tensor), where, how)
+            self.owner._found(self.makers(tensor), where, how)
         elif not nhwc(tensor):
             return func(*args, **kwargs)  # the weights are contiguous now: their own memory is NCHW's
         shift = [] if offset is None else [offset - twin.storage_offset()]  # into a copy that starts at the tensor
@@ -313,7 +337,7 @@ class ViewWatch(TorchFunctionMode):
         where = calling_code()
         how = f'given random numbers by {getattr(func, "__name__", "a random op")} at {where}'
         if not self._weight_use(args[0], how):
-            self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), where, how)
+            self.owner._found(self.makers(args[0]), where, how)
         return order
 
     def _view(self, func: Any, args: tuple, kwargs: dict, by_torch: bool) -> Any:
@@ -328,7 +352,7 @@ class ViewWatch(TorchFunctionMode):
             return result
         where = calling_code()
         if not self._weight_use(args[0], f'viewed at {where}'):
-            self.owner._found(frozenset() if self.in_hook else self.makers(args[0]), where, f'viewed at {where}')
+            self.owner._found(self.makers(args[0]), where, f'viewed at {where}')
         elif not nhwc(args[0]):
             return func(*args, **kwargs)  # the weights (and their gradients) are contiguous now: a true view
         return self._as_in_nchw(func, args, kwargs, self.copies.view(func, args[0], args[1:], kwargs), by_torch)
@@ -344,7 +368,8 @@ def hook_watched(
     that reports to ``owner``; ``weight``: the hook is on that weight, and given its gradient."""
 
     def watched(*args: Any, **kwargs: Any) -> Any:
-        with ViewWatch(owner, in_hook=True, hooked=None if weight is None else (weight, args[0])):
+        step = getattr(owner, 'watch', None)  # a ViewedOutputs' watch of the step under way
+        with ViewWatch(owner, step=step, hooked=None if weight is None else (weight, args[0])):
             return hook(*args, **kwargs)
 
     return watched

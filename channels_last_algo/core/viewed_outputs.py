@@ -13,11 +13,12 @@ that runs before the module's own hooks, so the view aliases the activation as i
 aliased (itself or a view) and an in-place write then goes through either of them: the write reaches the other, and
 the module is noted; and where NHWC returns a view NCHW would copy (``z.permute(0, 2, 3, 1).reshape(-1, c)``) and
 one of them is written (:mod:`~channels_last_algo.core.nchw_twins` tells which case is which). A module called more
-than once a step (a pool shared by two stages) is passed over for the modules its viewed output came from. A view of
-a tensor that no module made (a batch tensor; a gradient in a tensor hook, whose layout its consumers decide) cannot
-be placed so: the watch then stays on for every step, at the cost of following each op. An extension op given 4D/5D
-tensors runs as in NCHW (:mod:`~channels_last_algo.core.extension_ops`); a light watch, of extension ops only, then
-stays on for every step. A view first reached on a later step starts the watch there
+than once a step (a pool shared by two stages) is passed over for the modules its viewed output came from. A batch
+tensor the guard made NHWC is left as it comes from the next batch on (:meth:`InputSelection.leave`). A view of a
+tensor that neither a module nor the guard made (a gradient in a tensor hook, whose layout its consumers decide)
+cannot be placed so: the watch then stays on for every step, at the cost of following each op. An extension op
+given 4D/5D tensors runs as in NCHW (:mod:`~channels_last_algo.core.extension_ops`); a light watch, of extension ops
+only, then stays on for every step. A view first reached on a later step starts the watch there
 (:mod:`~channels_last_algo.core.late_views`).
 
 Example:
@@ -47,8 +48,10 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from channels_last_algo.core.backward_hooks import BackwardHooks
+from channels_last_algo.core.batch_tree import BatchTensor, path_name
 from channels_last_algo.core.between_batches import BetweenBatches
 from channels_last_algo.core.channels_first_outputs import make_outputs_channels_first
+from channels_last_algo.core.inputs import InputSelection
 from channels_last_algo.core.late_views import arm, disarm, retrying_refused_traces
 from channels_last_algo.core.module_calls import (
     compiled_network,
@@ -104,9 +107,15 @@ class ViewedOutputs:
         loop: the evaluation loop of the batch begun last, where its caller named one.
     """
 
-    def __init__(self, model: torch.nn.Module, weights_viewed: Callable[[str], bool] = lambda why: False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        weights_viewed: Callable[[str], bool] = lambda why: False,
+        inputs: Optional[InputSelection] = None,
+    ) -> None:
         self._paths = weakref.WeakKeyDictionary({m: name for name, m in model.named_modules()})
         self._weights_viewed = weights_viewed
+        self._inputs = inputs  # the batch tensors the guard made NHWC, which it can leave as they come
         self.placed: list[str] = []
         self._hooked: weakref.WeakSet = weakref.WeakSet()  # the modules placed
         self.unplaced: list[str] = []
@@ -134,6 +143,11 @@ class ViewedOutputs:
         self._rearm: set[bool] = set()  # kinds of batch (whole_step) to watch next, for a view first reached late
         self._armed: Optional[bool] = None  # armed for late views: the kind of batch (whole_step); None: not armed
         self.between = BetweenBatches(self.weight_gradient, weights_viewed, lambda line: self._new.append(line))
+
+    @property
+    def watch(self) -> Optional[ViewWatch]:
+        """The watch of the step or forward under way; None when none is."""
+        return self._mode
 
     @property
     def watching(self) -> bool:
@@ -234,7 +248,8 @@ class ViewedOutputs:
                 self._mode.__enter__()
         else:
             self._whole_step = whole_step
-            self._mode, self._depth = ViewWatch(self, light=light), 0
+            batch_path = self._inputs.path_of if self._inputs is not None else lambda tensor: None
+            self._mode, self._depth = ViewWatch(self, light=light, batch_path=batch_path), 0
             subscribe(self)  # after any mode a module call enters, so that mode leaves first
             if whole_step:
                 self._mode.__enter__()
@@ -336,9 +351,24 @@ class ViewedOutputs:
                 'contiguous, and contiguous gradients, as in NCHW'
             )
 
+    def _batch_left(self, origins: frozenset, how: str) -> Optional[frozenset]:
+        """``origins`` but the batch tensors among them, which the guard's input selection leaves as they come from
+        the next batch on where it chose them (one line says so); None where nothing else is left to place."""
+        batch = frozenset(origin for origin in origins if isinstance(origin, BatchTensor))
+        left = None if not batch or self._inputs is None else self._inputs.leave({b.path for b in batch}, how)
+        if left:
+            names = ', '.join(path_name(path) for path in left)
+            self._new.append(
+                f'{names} left as {"they come" if len(left) > 1 else "it comes"} from the next batch on ({how})'
+            )
+        return None if left is not None and origins == batch else origins - batch
+
     def _found(self, origins: frozenset, where: str, how: str) -> None:
         """The tensor made by ``origins`` (none: no module made it) is used at ``where`` as ``how`` says,
-        which takes it channels first."""
+        which takes it channels first: a batch tensor among them is left as it comes, where the guard chose it."""
+        origins = self._batch_left(origins, how)
+        if origins is None:
+            return
         if not origins and self._late:  # made before the watch began: the next watched step finds its maker
             if where not in self._late_places:
                 self._late_places.add(where)

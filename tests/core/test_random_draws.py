@@ -1,12 +1,15 @@
 """Random numbers drawn as in NCHW: a dropout of tokens flattened from a map (a DETR encoder's input, contiguous
 here and transposed in NCHW), through ``F.dropout`` and through ``nn.Dropout``; Gaussian noise from
 ``torch.randn_like`` of an activation; a DropBlock-style mask from ``torch.empty_like(z).bernoulli_()``; noise
-added to the batch itself, which no module makes; noise for a map that is channels last in NCHW too; and a dropout
+added to the batch itself, in the model or in the step's code (that batch tensor is then left as it comes), and to
+what a functional convolution makes of it; noise for a map that is channels last in NCHW too; and a dropout
 after a 1x1 convolution of a contiguous map. torch's CPU generators fill memory in its order, so each draws other
 numbers onto NHWC's elements than onto NCHW's for the same seed. Each model trains 3 float64 steps through every
 integration, every step equal to the NCHW run's."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -66,12 +69,35 @@ class Noised(_Convolved):
         return self.head((y * mask).mean((2, 3)))
 
 
-class BatchNoised(_Convolved):
+class Plain(_Convolved):
+    """No random numbers of its own."""
+
+    def forward(self, x):
+        return self.head(self.project(F.relu(self.stem(x))).mean((2, 3)))
+
+
+class BatchNoised(Plain):
     """Noise drawn for the batch itself (``x + torch.randn_like(x)``), which no module makes."""
 
     def forward(self, x):
-        x = x + 0.5 * torch.randn_like(x)
-        return self.head(self.project(F.relu(self.stem(x))).mean((2, 3)))
+        return super().forward(x + 0.5 * torch.randn_like(x))
+
+
+class ConvolvedThenNoised(_Convolved):
+    """Noise for what a functional convolution makes of the batch (``F.conv2d(x, weight)``), no module's output:
+    its channels-last weight lays it out NHWC whatever the batch's layout."""
+
+    def forward(self, x):
+        z = F.conv2d(x, self.stem.weight, self.stem.bias, padding=1)
+        z = z + 0.5 * torch.randn_like(z)
+        return self.head(self.project(F.relu(z)).mean((2, 3)))
+
+
+def _noised_in_the_step(net: nn.Module, batch: tuple) -> torch.Tensor:
+    """A diffusion-style step: noise drawn for the batch in the training step's own code, outside the model."""
+    torch.manual_seed(int(batch[1].sum()))
+    images = batch[0]
+    return net(images + 0.5 * torch.randn_like(images))
 
 
 class AttendedAndNoised(_Convolved):
@@ -110,6 +136,8 @@ RUNS = {
     'tokens-dropped': Run(TokensDropped, _batches(), _cross_entropy),
     'noised': Run(Noised, _batches(), _cross_entropy),
     'batch-noised': Run(BatchNoised, _batches(), _cross_entropy),
+    'batch-noised-in-the-step': Run(Plain, _batches(), _cross_entropy, forward=_noised_in_the_step),
+    'convolved-then-noised': Run(ConvolvedThenNoised, _batches(), _cross_entropy),
     'attended-and-noised': Run(AttendedAndNoised, _batches(), _cross_entropy),
     'projected-and-dropped': Run(ProjectedAndDropped, _batches(), _cross_entropy),
 }
@@ -126,3 +154,18 @@ def test_random_numbers_fall_as_in_nchw(name, integration):
     assert not net.stem.weight.is_contiguous(), 'the stem should stay channels last'
     if isinstance(getattr(net, 'dropout', None), NCHWMaskDropout):
         assert net.dropout.noise_order == (0, 2, 1)
+
+
+@pytest.mark.parametrize('name', ['batch-noised', 'batch-noised-in-the-step'])
+def test_a_batch_given_random_numbers_is_left_as_it_comes(name, caplog):
+    """Noise drawn like a batch tensor the guard made NHWC, in the model or in the step's code, falls as in NCHW
+    on the first step; from the next batch on that tensor is left as it comes, so no step after is watched."""
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        _, _, guard = guarded(RUNS[name], 'guard', audit_steps=1)
+    said = [r.getMessage() for r in caplog.records]
+    left = [line for line in said if 'left as it comes' in line]
+    assert len(left) == 1, said
+    assert left[0].startswith('channels last: batch[0] left as it comes from the next batch on (given random numbers')
+    assert 'by randn_like at ' in left[0] and 'test_random_draws.py:' in left[0], left
+    assert not any('every step' in line for line in said), said
+    assert guard.on_batch(_batches()[0])[0].is_contiguous()

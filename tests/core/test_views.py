@@ -576,16 +576,38 @@ def test_writes_through_nhwc_views_place_their_modules_and_later_steps_copy(capl
 
 
 def test_writes_no_module_can_place_keep_the_watch_on_saying_so(caplog):
-    """A gradient and a batch tensor are no module's output: the watch stays on, and says where and why."""
-    for name in ('gradient-reshaped-in-place', 'batch-reshaped-in-place'):
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
-            guarded(RUNS[name], 'guard')
-        lines = [r.getMessage() for r in caplog.records if 'every step' in r.getMessage()]
-        assert len(lines) == 1 and lines[0].endswith(
-            'so no module can make it channels first: every step is watched (slower)'
-        )
-        assert 'test_views.py:' in lines[0] and "(a copy here, an alias in NCHW) is no module's output" in lines[0]
+    """A gradient is no module's output: the watch stays on, and says where and why."""
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        guarded(RUNS['gradient-reshaped-in-place'], 'guard')
+    lines = [r.getMessage() for r in caplog.records if 'every step' in r.getMessage()]
+    assert len(lines) == 1 and lines[0].endswith(
+        'so no module can make it channels first: every step is watched (slower)'
+    )
+    assert 'test_views.py:' in lines[0] and "(a copy here, an alias in NCHW) is no module's output" in lines[0]
+
+
+def test_a_batch_tensor_written_through_a_reshape_is_left_as_it_comes(caplog):
+    """A batch tensor the guard made NHWC, written through a ``.reshape()`` (a view in NCHW), is left as it comes
+    from the next batch on, where the reshape aliases it as in NCHW: no watch on every step, one line that says so."""
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        _, _, guard = guarded(RUNS['batch-reshaped-in-place'], 'guard')
+    lines = [r.getMessage() for r in caplog.records if 'batch' in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith('channels last: batch[0] left as it comes from the next batch on ')
+    assert 'test_views.py:' in lines[0] and '(a copy here, an alias in NCHW)' in lines[0], lines
+    assert not any('every step' in r.getMessage() for r in caplog.records)
+    assert guard.on_batch(_batches()[0])[0].is_contiguous()
+
+
+def test_activations_kept_for_a_backward_hook_place_their_modules(caplog):
+    """Opacus-style per-sample gradients: the inputs a forward hook kept and a full backward hook unfolds through
+    ``.as_strided()`` have the origins the step's watch saw, so the modules that made them return them channels
+    first from then on, and no step after the first is watched."""
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        guarded(RUNS['per-sample-clipped'], 'guard')
+    said = [r.getMessage() for r in caplog.records]
+    placed = sorted(line.split(' ')[2] for line in said if 'outputs made channels first (read through' in line)
+    assert placed == ['mid', 'stem'], said
+    assert not any('every step' in line for line in said), said
 
 
 def test_the_copies_the_package_makes_are_not_taken_for_the_users(caplog):
