@@ -79,10 +79,12 @@ class AliasedCopies:
         self._pairs: list[tuple[torch.Tensor, TensorWeakRef, Optional[Callable[[], None]], bool]] = []
 
     def view(self, func: Any, tensor: torch.Tensor, args: tuple, kwargs: dict) -> Any:
-        """``func(tensor, *args, **kwargs)`` (a view) taken on a contiguous copy of ``tensor``."""
+        """``func(tensor, *args, **kwargs)`` (a view) taken on a contiguous copy of ``tensor``. A view as another
+        dtype (``.view(torch.int32)``) holds the copy's memory but not the copy itself: it is the one paired."""
         copy = tensor.contiguous()
-        self.pair(tensor, copy)
-        return func(copy, *args, **kwargs)
+        result = func(copy, *args, **kwargs)
+        self.pair(tensor, result if isinstance(result, torch.Tensor) and result.dtype != copy.dtype else copy)
+        return result
 
     def pair(
         self,
@@ -107,12 +109,13 @@ class AliasedCopies:
                 copy = reference()
                 if copy is None:
                     continue
+                values = copy if copy.dtype == original.dtype else copy.view(original.dtype)  # a dtype view's copy
                 if same_memory(target, copy):
                     if in_step:
-                        original.copy_(copy.reshape(original.shape))
+                        original.copy_(values.reshape(original.shape))
                 elif same_memory(target, original):
                     if in_step:
-                        copy.copy_(original.reshape(copy.shape))
+                        values.copy_(original.reshape(values.shape))
                 else:
                     continue
                 if on_write is not None:

@@ -47,7 +47,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from channels_last_algo.core.aliased_copies import AliasedCopies
-from channels_last_algo.core.late_views import original
+from channels_last_algo.core.late_views import original, refused_by_strides
 from channels_last_algo.core.layout import Layout, layout_of, uninitialized_among
 from channels_last_algo.core.module_calls import exit_mode
 from channels_last_algo.core.nchw_twins import SHAPE_OPS, NchwTwins
@@ -154,7 +154,7 @@ class _FailingViews(TorchFunctionMode):
         try:
             result = func(*args, **kwargs)
         except RuntimeError as error:  # a view NCHW's strides take (its twin's) runs on a copy
-            if not followed or func not in VIEWS or 'view size is not compatible' not in str(error):
+            if not followed or func not in VIEWS or not refused_by_strides(error):
                 raise
             if self.twins.run(func, args, kwargs) is None:
                 raise

@@ -61,10 +61,11 @@ __all__ = [
     'explain_unwatched_view',
     'original',
     'passing_through',
+    'refused_by_strides',
     'retrying_refused_traces',
 ]
 
-_REFUSED = 'view size is not compatible'  # torch's error for strides a view cannot take
+_REFUSED = ('view size is not compatible', 'must be 1 to view')  # torch's errors: a shape, a dtype of another size
 _TRACE_REFUSED = 'Cannot view a tensor with shape'  # dynamo's, as its fake tensors word it
 _METHODS = {name: getattr(torch.Tensor, name) for name in ('view', 'view_as')}
 _armed: list[tuple[int, weakref.ref]] = []  # (thread, owner), the last armed last
@@ -90,6 +91,21 @@ _VIEW, _VIEW_AS = _WRAPPERS['view'], _WRAPPERS['view_as']
 _PASSING = frozenset(wrapper.__code__ for wrapper in _WRAPPERS.values())
 
 
+def refused_by_strides(error: BaseException) -> bool:
+    """Whether ``error`` is torch refusing a view that the tensor's strides cannot take: of a shape ("view size is not
+    compatible"), or of a dtype of another element size (``z.view(torch.int16)``, whose last stride must be 1).
+
+    Example:
+        >>> z = torch.zeros(1, 3, 2, 2).to(memory_format=torch.channels_last)
+        >>> try:
+        ...     z.view(torch.int16)
+        ... except RuntimeError as error:
+        ...     refused_by_strides(error)
+        True
+    """
+    return isinstance(error, RuntimeError) and any(refusal in str(error) for refusal in _REFUSED)
+
+
 def original(func: Any) -> Any:
     """torch's own method for a wrapper this module put on ``torch.Tensor``; any other ``func`` as it is."""
     if func is _VIEW:
@@ -104,7 +120,7 @@ def passing_through(code: Any) -> bool:
 
 def _owner(tensor: torch.Tensor, error: RuntimeError) -> Any:
     """The owner armed on this thread, where ``error`` is NHWC strides refusing a view of ``tensor``."""
-    if _REFUSED not in str(error) or torch.compiler.is_compiling():
+    if not refused_by_strides(error) or torch.compiler.is_compiling():
         return None
     memory = tensor if tensor._base is None else tensor._base  # laid out channels last, as NCHW's is not
     if not (is_4d_or_5d(memory) and layout_of(memory).is_channels_last):
@@ -123,7 +139,7 @@ def _refused_trace(error: Optional[BaseException]) -> bool:
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if _REFUSED in str(error) or _TRACE_REFUSED in str(error):
+        if refused_by_strides(error) or _TRACE_REFUSED in str(error):
             return True
         error = error.__cause__ or error.__context__
     return False
@@ -276,7 +292,7 @@ def explain_unwatched_view(error: BaseException) -> None:
     """
     if type(error).__module__.startswith('torch._dynamo') and _refused_trace(error):
         note = COMPILED_VIEW
-    elif isinstance(error, RuntimeError) and _REFUSED in str(error):
+    elif refused_by_strides(error):
         note = SCRIPTED_VIEW if 'TorchScript' in str(error) else UNWATCHED_VIEW
     else:
         return

@@ -43,7 +43,7 @@ from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.batch_tree import BatchTensor
 from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on_contiguous
 from channels_last_algo.core.given_strides import read_as_in_nchw, written_for_nchw
-from channels_last_algo.core.late_views import original, passing_through
+from channels_last_algo.core.late_views import original, passing_through, refused_by_strides
 from channels_last_algo.core.layout import is_4d_or_5d, uninitialized_among
 from channels_last_algo.core.nchw_twins import CONVOLUTIONS, COPY_OR_VIEW, SHAPE_OPS, NchwTwins, aliases
 from channels_last_algo.core.random_draws import DRAWS, drawn_in, nchw_draw_order
@@ -344,7 +344,7 @@ class ViewWatch(TorchFunctionMode):
         try:
             result = func(*args, **kwargs)
         except RuntimeError as error:
-            if 'view size is not compatible' not in str(error):
+            if not refused_by_strides(error):
                 raise
         else:  # a view NHWC strides can take, whose own views may not (``z.view(n, c, h * w).view(n, -1)``)
             result = self._as_in_nchw(func, args, kwargs, result, by_torch)

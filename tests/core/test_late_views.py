@@ -58,6 +58,8 @@ class LateBranch(nn.Module):
             return self.fc(z.flatten(2).view(n, -1))
         if late and self.what == 'view_as':
             return self.fc(z.view_as(torch.empty(n, 4 * 8 * 8)))
+        if late and self.what == 'bits':  # float64 values truncated to their high words through an int32 view
+            z.detach().view(torch.int32)[..., 0::2] = 0
         if late and self.what == 'weight':
             return self.fc(z.flatten(1)) + self.c1.weight.view(4, -1).sum(1).mean()
         return self.fc(z.flatten(1))
@@ -88,7 +90,7 @@ def _run(what: str) -> Run:
     )
 
 
-CASES = ('activation', 'write through', 'flattened', 'view_as', 'weight', 'gradient', 'gradient in a hook')
+CASES = ('activation', 'write through', 'flattened', 'view_as', 'bits', 'weight', 'gradient', 'gradient in a hook')
 
 
 @pytest.mark.parametrize('integration', INTEGRATIONS)

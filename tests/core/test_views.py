@@ -12,7 +12,8 @@ channels-last ``.contiguous()``), reads and writes through ``.as_strided()`` wit
 teacher outside the model that views its activations, a WGAN-GP penalty that views an input gradient,
 backward hooks registered with the model (on a weight, on a module) that view their gradients, per-sample
 gradients unfolded in a backward hook as Opacus does (``.as_strided()`` strides partly from ``x.stride()``),
-and a custom autograd Function whose forward and backward view (autograd runs the backward outside every mode).
+a custom autograd Function whose forward and backward view (autograd runs the backward outside every mode), and
+values truncated in place through a view as another dtype (``z.detach().view(torch.int32)``).
 """
 
 from __future__ import annotations
@@ -62,6 +63,18 @@ class LeNet(nn.Module):
         x = self.pool(F.relu(self.conv1(x)))
         x = self.pool(F.relu(self.conv2(x)))
         return self.fc(x.view(-1, 16 * 5 * 5))
+
+
+class BitsTruncated(LeNet):
+    """Each activation's float64 values truncated to their high 32 bits in place: ``z.detach().view(torch.int32)``
+    (twice the last size: a view NHWC's last stride refuses) zeroing the low words: a value-only rounding that
+    autograd does not see, as quantization emulators write it."""
+
+    def forward(self, x):
+        z = self.pool(F.relu(self.conv1(x)))
+        z.detach().view(torch.int32)[..., 0::2] = 0  # the low word of each value, on a little-endian machine
+        z = self.pool(F.relu(self.conv2(z)))
+        return self.fc(z.flatten(1))
 
 
 class DenseHead(nn.Module):
@@ -496,6 +509,7 @@ RUNS = {
         PerSampleClipped, _batches((2, 3, 8, 8)), _cross_entropy, after_backward=_clipped_per_sample
     ),
     'custom-function-viewing': Run(CustomFunctionViewing, _batches((2, 3, 8, 8)), _cross_entropy),
+    'bits-truncated': Run(BitsTruncated, _batches(), _cross_entropy),
     'custom-function-vjp': Run(lambda: CustomFunctionViewing(_TripledByVjp), _batches((2, 3, 8, 8)), _cross_entropy),
 }
 WEIGHTS_FLATTENED = ('lbfgs', 'parameters-to-vector', 'max-normed-through-reshape')
