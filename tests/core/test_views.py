@@ -477,6 +477,24 @@ class BatchReshapedInPlace(LeNet):
         return super().forward(x)
 
 
+class Reconstructed(nn.Module):
+    """An autoencoder whose loss views both its reconstruction and the batch: ``F.mse_loss(out.view(n, -1),
+    images.view(n, -1))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encode = nn.Sequential(nn.Conv2d(3, 8, 4, 2, 1), nn.ReLU())
+        self.decode = nn.ConvTranspose2d(8, 3, 4, 2, 1)
+
+    def forward(self, x):
+        return self.decode(self.encode(x))
+
+
+def _reconstruction_viewed(output, batch):
+    n = output.size(0)
+    return F.mse_loss(output.view(n, -1), batch[0].view(n, -1))
+
+
 def _flat_net() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Flatten(), nn.Linear(4 * 28 * 28, 10))
 
@@ -498,6 +516,7 @@ RUNS = {
     'gradient-reshaped-in-place': Run(GradientReshapedInPlace, _batches((2, 3, 8, 8)), _cross_entropy),
     'max-normed-through-reshape': Run(MaxNormedThroughReshape, _batches((2, 3, 8, 8)), _cross_entropy),
     'batch-reshaped-in-place': Run(BatchReshapedInPlace, _batches(), _cross_entropy),
+    'reconstruction-viewed': Run(Reconstructed, _batches((2, 3, 8, 8)), _reconstruction_viewed),
     'read-through-as-strided': Run(ReadThroughAsStrided, _batches((2, 3, 8, 8)), _cross_entropy),
     'read-through-as-strided-square': Run(ReadThroughAsStridedSquare, _batches((2, 3, 8, 8)), _cross_entropy),
     'distilled-from-a-teacher': Run(DistilledFromATeacher, _batches(), _cross_entropy),
@@ -600,16 +619,21 @@ def test_writes_no_module_can_place_keep_the_watch_on_saying_so(caplog):
     assert 'test_views.py:' in lines[0] and "(a copy here, an alias in NCHW) is no module's output" in lines[0]
 
 
-def test_a_batch_tensor_written_through_a_reshape_is_left_as_it_comes(caplog):
-    """A batch tensor the guard made NHWC, written through a ``.reshape()`` (a view in NCHW), is left as it comes
-    from the next batch on, where the reshape aliases it as in NCHW: no watch on every step, one line that says so."""
+@pytest.mark.parametrize(
+    ('name', 'use'),
+    [('batch-reshaped-in-place', '(a copy here, an alias in NCHW)'), ('reconstruction-viewed', 'viewed at')],
+)
+def test_a_batch_tensor_that_a_step_needs_as_it_came_is_left_as_it_comes(name, use, caplog):
+    """A batch tensor the guard made NHWC, written through a ``.reshape()`` (a view in NCHW) or viewed by the loss,
+    is left as it comes from the next batch on, where the reshape aliases it and the view takes it as in NCHW: no
+    watch on every step, one line that says so."""
     with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
-        _, _, guard = guarded(RUNS['batch-reshaped-in-place'], 'guard')
+        _, _, guard = guarded(RUNS[name], 'guard')
     lines = [r.getMessage() for r in caplog.records if 'batch' in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith('channels last: batch[0] left as it comes from the next batch on ')
-    assert 'test_views.py:' in lines[0] and '(a copy here, an alias in NCHW)' in lines[0], lines
+    assert 'test_views.py:' in lines[0] and use in lines[0], lines
     assert not any('every step' in r.getMessage() for r in caplog.records)
-    assert guard.on_batch(_batches()[0])[0].is_contiguous()
+    assert guard.on_batch(RUNS[name].batches[0])[0].is_contiguous()
 
 
 def test_activations_kept_for_a_backward_hook_place_their_modules(caplog):
