@@ -29,8 +29,8 @@ from typing import Optional
 
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
-from arguments import Option, benchmark_parser
-from results_writer import RunStart, finish, markdown_report, median_and_min
+from arguments import Option, add_model_options, benchmark_parser, check_step_options
+from results_writer import main_over_models, markdown_report, median_and_min
 from torch import nn
 from torch.nn import functional as F
 
@@ -117,8 +117,16 @@ def markdown(result: dict) -> str:
         "guard as it is (the batch left as it comes) over the guard with inputs='all' (every step watched) and over "
         "NCHW. Composer's one line draws the noise in NHWC order: other numbers than NCHW's."
     )
-    columns = ['model', 'px:', 'NCHW:', "Composer's one line:", "inputs='all':", 'as it is:', 'left vs kept:']
-    columns.append('left vs NCHW:')
+    columns = [
+        'model',
+        'px:',
+        'NCHW:',
+        "Composer's one line:",
+        "inputs='all':",
+        'as it is:',
+        'left vs kept:',
+        'left vs NCHW:',
+    ]
     return markdown_report(
         result,
         'Noise drawn like the batch: the batch left as it comes, against every step watched',
@@ -138,25 +146,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = benchmark_parser(
         __doc__, warmup=Option(2), rounds=Option(15), out='folder for batch_noise.json and .md', epilog=False
     )
-    parser.add_argument('--models', nargs='+', default=zoo.installed(MODELS), choices=MODELS, metavar='MODEL')
-    parser.add_argument('--batch-size', type=int, default=8)
-    parser.add_argument('--image-size', type=int, default=None, help="default: each model's zoo size")
+    add_model_options(parser, MODELS, zoo.installed(MODELS), help="default: each model's zoo size")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.warmup < 0 or args.batch_size < 2:
-        parser.error('need --rounds >= 1, --warmup >= 0 and --batch-size >= 2 (BatchNorm)')
+    check_step_options(parser, args)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    start = RunStart.now()
-    args = parse_args(argv)
-    rows = []
-    for name in args.models:
-        rows.append(measure(name, args))
-        row = rows[-1]
-        print(f'{name:<16} left vs kept {row["left_over_kept_nhwc"]:.2f}x, step ms {row["step_ms"]}')
-    finish('batch_noise', start, argv, args, rows, markdown)
-    return 0
+    def line(row: dict) -> str:
+        return f'{row["model"]:<16} left vs kept {row["left_over_kept_nhwc"]:.2f}x, step ms {row["step_ms"]}'
+
+    return main_over_models('batch_noise', argv, parse_args, measure, line, markdown)
 
 
 if __name__ == '__main__':

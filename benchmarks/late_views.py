@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
-from arguments import Option, benchmark_parser
-from results_writer import RunStart, finish, markdown_report, median_and_min
+from arguments import Option, add_model_options, benchmark_parser, check_step_options
+from results_writer import main_over_models, markdown_report, median_and_min
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
@@ -131,25 +131,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = benchmark_parser(
         __doc__, warmup=Option(2), rounds=Option(15), out='folder for late_views.json and .md', epilog=False
     )
-    parser.add_argument('--models', nargs='+', default=zoo.installed(MODELS), choices=MODELS, metavar='MODEL')
-    parser.add_argument('--batch-size', type=int, default=8)
-    parser.add_argument('--image-size', type=int, default=None, help="default: each model's zoo size (64 px)")
+    add_model_options(parser, MODELS, zoo.installed(MODELS), help="default: each model's zoo size (64 px)")
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.warmup < 0 or args.batch_size < 2:
-        parser.error('need --rounds >= 1, --warmup >= 0 and --batch-size >= 2 (BatchNorm)')
+    check_step_options(parser, args)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    start = RunStart.now()
-    args = parse_args(argv)
-    rows = []
-    for name in args.models:
-        rows.append(measure(name, args))
-        row = rows[-1]
-        print(f'{name:<22} {row["views_per_step"]:>4} views, extra {row["extra_ms"]:+.2f} ms of {row["step_ms"]}')
-    finish('late_views', start, argv, args, rows, markdown)
-    return 0
+    def line(row: dict) -> str:
+        return (
+            f'{row["model"]:<22} {row["views_per_step"]:>4} views, extra {row["extra_ms"]:+.2f} ms of {row["step_ms"]}'
+        )
+
+    return main_over_models('late_views', argv, parse_args, measure, line, markdown)
 
 
 if __name__ == '__main__':

@@ -28,8 +28,8 @@ from collections.abc import Callable
 
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
-from arguments import Option, benchmark_parser
-from results_writer import RunStart, finish, markdown_report, median_and_min
+from arguments import Option, add_model_options, benchmark_parser, check_step_options
+from results_writer import main_over_models, markdown_report, median_and_min
 from torch import nn
 
 from channels_last_algo.core.convert import apply_channels_last
@@ -132,24 +132,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = benchmark_parser(
         __doc__, warmup=Option(1), rounds=Option(7), out='folder for repair_check.json and .md', epilog=False
     )
-    parser.add_argument('--models', nargs='+', default=zoo.installed(MODELS), choices=MODELS, metavar='MODEL')
-    parser.add_argument('--batch-size', type=int, default=8)
-    parser.add_argument('--image-size', type=int, default=64)
+    add_model_options(parser, MODELS, zoo.installed(MODELS), image_size=64)
     args = parser.parse_args(argv)
-    if args.rounds < 1 or args.warmup < 0 or args.batch_size < 2 or args.image_size < 32:
-        parser.error('need --rounds >= 1, --warmup >= 0, --batch-size >= 2 (BatchNorm) and --image-size >= 32')
+    check_step_options(parser, args, min_image_size=32)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    start = RunStart.now()
-    args = parse_args(argv)
-    rows = []
-    for name in args.models:
-        rows.append(measure(name, args))
-        print(f'{name:<20} extra {rows[-1]["extra_ms"]:.1f} ms, a later step {rows[-1]["later_step_ms"]:.1f} ms')
-    finish('repair_check', start, argv, args, rows, markdown)
-    return 0
+    def line(row: dict) -> str:
+        return f'{row["model"]:<20} extra {row["extra_ms"]:.1f} ms, a later step {row["later_step_ms"]:.1f} ms'
+
+    return main_over_models('repair_check', argv, parse_args, measure, line, markdown)
 
 
 if __name__ == '__main__':

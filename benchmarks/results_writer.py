@@ -34,6 +34,7 @@ __all__ = [
     'RESULTS',
     'RunStart',
     'finish',
+    'main_over_models',
     'machine_lines',
     'machine_slug',
     'results_folder',
@@ -174,6 +175,26 @@ def finish(benchmark: str, start: RunStart, argv: Optional[list[str]], args: Any
     if args.out is not None:
         write_results(args.out, benchmark, result, table)
     return result
+
+
+def main_over_models(
+    benchmark: str,
+    argv: Optional[list[str]],
+    parse_args: Callable[[Optional[list[str]]], Any],
+    measure: Callable[[str, Any], dict],
+    line: Callable[[dict], str],
+    markdown: Callable[[dict], str],
+) -> int:
+    """A benchmark's ``main`` over ``--models``: each one's row from ``measure(name, args)`` printed as ``line(row)``
+    as it comes, then :func:`finish`; 0."""
+    start = RunStart.now()
+    args = parse_args(argv)
+    rows = []
+    for name in args.models:
+        rows.append(measure(name, args))
+        print(line(rows[-1]))
+    finish(benchmark, start, argv, args, rows, markdown)
+    return 0
 
 
 def write_results(folder: Path, stem: str, result: dict[str, Any], markdown: str) -> tuple[Path, Path]:
