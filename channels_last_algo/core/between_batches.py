@@ -16,6 +16,9 @@ where NCHW's strides would take it (:mod:`~channels_last_algo.core.nchw_twins`),
   channels-first copy, which in-place writes keep in step with the tensor while the watch lasts
   (:mod:`~channels_last_algo.core.aliased_copies`); one line names the place, once.
 
+Random numbers drawn like a channels-last tensor (a random pruning's ``torch.rand_like(weight)``) are drawn in the
+memory order NCHW's tensor has (:mod:`~channels_last_algo.core.random_draws`), so they fall on the same elements.
+
 Every other op runs as it is, at the cost of one Python call. The trainers turn the watch on at a
 training batch's end, then at each training step's end (after its backward: gradient code there that
 views now and then, a gradient norm every 50 steps), and at each evaluation batch's end, and off at the
@@ -51,6 +54,7 @@ from channels_last_algo.core.late_views import original, refused_by_strides
 from channels_last_algo.core.layout import Layout, layout_of, uninitialized_among
 from channels_last_algo.core.module_calls import exit_mode
 from channels_last_algo.core.nchw_twins import SHAPE_OPS, NchwTwins
+from channels_last_algo.core.random_draws import DRAWS, drawn_in, nchw_draw_order
 from channels_last_algo.core.view_watch import VIEWS, calling_code
 
 __all__ = ['BetweenBatches']
@@ -150,7 +154,11 @@ class _FailingViews(TorchFunctionMode):
         kwargs, func = kwargs or {}, original(func)  # torch's view, where a late-view wrapper is on
         if torch.compiler.is_compiling() or uninitialized_among(types):
             return func(*args, **kwargs)
-        followed = func in SHAPE_OPS and args and isinstance(args[0], torch.Tensor) and self._followed(args[0])
+        tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        order = self._nchw_draw_order(func, args, kwargs) if func in DRAWS and tensor is not None else None
+        if order is not None:  # random numbers NCHW puts on other elements (a random pruning's rand_like(weight))
+            return drawn_in(func, args, kwargs, order)
+        followed = func in SHAPE_OPS and tensor is not None and self._followed(tensor)
         try:
             result = func(*args, **kwargs)
         except RuntimeError as error:  # a view NCHW's strides take (its twin's) runs on a copy
@@ -165,6 +173,11 @@ class _FailingViews(TorchFunctionMode):
             if ran is not None:
                 self.twins.note(result, ran[1])
         return result
+
+    def _nchw_draw_order(self, func: Any, args: tuple, kwargs: dict) -> Optional[tuple]:
+        """The order NCHW draws ``func``'s numbers in for a channels-last tensor, where it differs from this one's."""
+        twin = self.twins.twin(args[0]) if self._followed(args[0]) else None
+        return None if twin is None else nchw_draw_order(func, args, kwargs, twin)
 
     def _followed(self, tensor: torch.Tensor) -> bool:
         """A channels-last tensor, or one a shape op made of one while the mode was on."""

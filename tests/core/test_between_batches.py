@@ -4,7 +4,8 @@ A pruning pass (``torch.nn.utils.prune``: ``torch.abs(weight).view(-1)``), a max
 through ``weight.data.view(n, -1)`` after the optimizer step, ``parameters_to_vector`` /
 ``vector_to_parameters``, a read of the step's output through ``.view(-1)`` and a write through a
 view of an NHWC buffer: each raised "view size is not compatible" under channels last, where NCHW
-runs. Each trains 3 float64 steps through LayoutGuard, the Composer algorithm and the Lightning
+runs. A random pruning ranks ``torch.rand_like(weight)``, which an NHWC weight draws in another order. Each
+trains 3 float64 steps through LayoutGuard, the Composer algorithm and the Lightning
 callback, with the code run at every batch's end, equal to the NCHW run on every step.
 """
 
@@ -71,6 +72,13 @@ def _pruned(net, output) -> None:
     prune.l1_unstructured(net[2], 'weight', amount=0.2)
 
 
+def _pruned_at_random(net, output) -> None:
+    """``prune.random_unstructured`` ranks ``torch.rand_like(weight)``, drawn in memory order: seeded here, since the
+    trainers draw from the generator between steps."""
+    torch.manual_seed(5)
+    prune.random_unstructured(net[0], 'weight', amount=0.3)
+
+
 def _pruned_globally(net, output) -> None:
     prune.global_unstructured([(net[0], 'weight'), (net[2], 'weight')], prune.L1Unstructured, amount=0.2)
 
@@ -117,6 +125,7 @@ def _map_loss(output, batch):
 RUNS = {
     'pruned': Run(_net, _batches(), _cross_entropy, batch_end=_pruned),
     'pruned-globally': Run(_net, _batches(), _cross_entropy, batch_end=_pruned_globally),
+    'pruned-at-random': Run(_net, _batches(), _cross_entropy, batch_end=_pruned_at_random),
     'max-normed-after-the-step': Run(_net, _batches(), _cross_entropy, batch_end=_max_normed),
     'decayed-as-a-vector': Run(_net, _batches(), _cross_entropy, batch_end=_decayed_as_a_vector),
     'buffer-written-through-a-view': Run(WithMemory, _batches(), _cross_entropy, batch_end=_memory_cleared),
@@ -319,12 +328,13 @@ def _assert_same_weights(actual: list, expected: list, count: int) -> None:
             torch.testing.assert_close(got[name], want[name], rtol=1e-10, atol=1e-10, msg=f'record {index}: {name}')
 
 
-def test_lightning_model_pruning_trains_as_in_nchw():
+@pytest.mark.parametrize('method', ['l1_unstructured', 'random_unstructured'])
+def test_lightning_model_pruning_trains_as_in_nchw(method):
     pytest.importorskip('lightning')
     from lightning.pytorch.callbacks import ModelPruning
 
     def pruning() -> list:
-        return [ModelPruning('l1_unstructured', amount=0.3, use_global_unstructured=True, verbose=0)]
+        return [ModelPruning(method, amount=0.3, use_global_unstructured=method.startswith('l1'), verbose=0)]
 
     expected = _lightning_weights(pruning(), False, 'on_train_epoch_end', batches=2, epochs=3)
     _assert_same_weights(_lightning_weights(pruning(), True, 'on_train_epoch_end', batches=2, epochs=3), expected, 3)
