@@ -8,8 +8,8 @@ break is left except those listed in :data:`REMAINING` with their reason, and no
 weight gradients of a float64 step equal the NCHW model's; the ``Parameter`` objects and
 ``state_dict`` keys are unchanged; and ``torch.fx.symbolic_trace`` (and in the newest torch
 ``torch.export``) work on the converted model with the same outputs wherever they work on the
-original. Models run several to a subprocess (a layout kernel bug may kill the process: then
-the models of that process fail, named, and the runner lives).
+original. The models run in two subprocesses, one per core (a layout kernel bug may kill one: then
+the model it was checking fails, named, the models after it run in a new process, and the runner lives).
 
 Run one model by hand, from the repository root: ``PYTHONPATH=. python tests/app/test_zoo.py resnet10t``.
 """
@@ -35,8 +35,7 @@ from channels_last_algo.core.runtime import version_in
 pytestmark = pytest.mark.slow  # a sweep of timm's zoo (deselect with -m 'not slow')
 
 MODELS = [entry.name for entry in zoo.TIMM_ZOO]
-PER_PROCESS = 5
-PROCESSES = 2
+PROCESSES = 2  # each checks every PROCESSES-th model, on its share of the cores
 # Relative to the largest value of its kind, in float64. Most models differ from NCHW by 1e-16 to
 # 1e-11 (summation order); EfficientViT-B0's linear attention divides by sums near zero (eps 1e-15)
 # and its gradients differ by 1.8e-7, as much as with plain model.to(channels_last).
@@ -294,7 +293,7 @@ def _run(names: list[str]) -> dict[str, dict]:
 @pytest.fixture(scope='module')
 def zoo_results() -> dict[str, dict]:
     pytest.importorskip('timm')
-    chunks = [MODELS[start : start + PER_PROCESS] for start in range(0, len(MODELS), PER_PROCESS)]
+    chunks = [MODELS[start::PROCESSES] for start in range(PROCESSES)]
     results = {}
     with concurrent.futures.ThreadPoolExecutor(PROCESSES) as pool:
         for chunk_results in pool.map(_run, chunks):

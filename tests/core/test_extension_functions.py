@@ -4,10 +4,11 @@ runs under the package as in NCHW (``core/extension_functions.py``).
 The extension is built once with ``torch.utils.cpp_extension.load_inline`` (skipped where no C++ compiler
 and ninja are found) and kept, as research code keeps one, in a module-level name the model's code reads
 at each call; a second one is built and loaded on the model's first forward, after the conversion, as
-StyleGAN's ``custom_ops`` builds its kernels. ``ramp`` scales each element by its position in memory;
-``ramp_`` does it in place, through ``data_ptr``. A model that calls ``ramp`` in its forward (and on its
-gradient in the backward, through an ``autograd.Function``) trains 3 float64 steps through LayoutGuard,
-the Composer algorithm and the Lightning callback, equal to NCHW on every step.
+StyleGAN's ``custom_ops`` builds its kernels (compiled beside the first, so that build finds it up to
+date). ``ramp`` scales each element by its position in memory; ``ramp_`` does it in place, through
+``data_ptr``. A model that calls ``ramp`` in its forward (and on its gradient in the backward, through an
+``autograd.Function``) trains 3 float64 steps through LayoutGuard, the Composer algorithm and the
+Lightning callback, equal to NCHW on every step.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +49,16 @@ ext = None  # the built extension, read by the model's code at each call, as a m
 ramp = None  # its kernel under a name of this file's own, as `from ext import ramp` binds it
 build = None  # builds and loads the extension under a name, as a plugin loader does
 plugin = None  # the extension as the model's first forward loads it (built then, the first time)
+PLUGIN = 'channels_last_tests_plugin'  # its name
+
+
+def _build_arguments(name: str, directory: Path) -> dict:
+    """``load_inline``'s arguments for the extension under ``name``, built in a folder of its own."""
+    folder = directory / name
+    folder.mkdir(exist_ok=True)
+    return dict(
+        name=name, cpp_sources=[SOURCE], functions=['ramp', 'ramp_'], build_directory=str(folder), extra_cflags=['-O0']
+    )
 
 
 @pytest.fixture(scope='module', autouse=True)
@@ -56,21 +68,24 @@ def extension(tmp_path_factory):
     from torch.utils.cpp_extension import load_inline
 
     global ext, ramp, build
-    directory = str(tmp_path_factory.mktemp('extension'))
+    directory = tmp_path_factory.mktemp('extension')
+    # The plugin compiles in a process of its own beside this build; loading it later finds its build up to date.
+    plugin_build = (
+        f'from torch.utils.cpp_extension import load_inline; load_inline(**{_build_arguments(PLUGIN, directory)!r})'
+    )
+    compiling = subprocess.Popen(
+        [sys.executable, '-c', plugin_build], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
     def build(name: str = 'channels_last_tests_raw_memory'):
-        return load_inline(
-            name,
-            cpp_sources=[SOURCE],
-            functions=['ramp', 'ramp_'],
-            build_directory=directory,
-            extra_cflags=['-O0'],
-        )
+        return load_inline(**_build_arguments(name, directory))
 
     try:
         ext = build()
     except (OSError, RuntimeError) as error:  # a toolchain without Python's headers or torch's: nothing to test
         pytest.skip(f'the extension does not build here: {str(error)[:200]}')
+    finally:
+        compiling.wait(timeout=600)
     ramp = ext.ramp
     yield ext
     ext = ramp = build = None
@@ -99,13 +114,13 @@ class BoundRamp(torch.autograd.Function):
 
 
 class LazyRamp(torch.autograd.Function):
-    """``Ramp`` through an extension loaded on the first call, after the model was converted (built then, the first
-    time in the process)."""
+    """``Ramp`` through an extension built and loaded on the first call, after the model was converted (the first time
+    in the process)."""
 
     @staticmethod
     def forward(ctx, x):
         global plugin
-        plugin = plugin or build('channels_last_tests_plugin')
+        plugin = plugin or build(PLUGIN)
         return plugin.ramp(x)
 
     @staticmethod
