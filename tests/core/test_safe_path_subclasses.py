@@ -3,15 +3,19 @@ bug, which corrupts the heap) goes on its safe path as a subclass of ``nn.Conv2d
 initialises itself differently and under a ``weight_norm`` parametrization, as it does as an
 ``nn.Conv2d``; a subclass with its own ``forward`` is not swapped and is named as not covered.
 
-The training runs are child processes (a crash is a result, not a dead test runner), through
-``LayoutGuard``, Composer's ``ChannelsLast`` and Lightning's ``ChannelsLastCallback``, each
+The training runs are child processes, one per case (a crash is a result, not a dead test runner),
+through ``LayoutGuard``, Composer's ``ChannelsLast`` and Lightning's ``ChannelsLastCallback``, each
 against the same net trained NCHW. Where the bug does not apply (another CPU, torch or device),
 the runs check the numbers only, and the matching is checked for a runtime the bug affects.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import traceback
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,7 +28,14 @@ from torch.utils.data import DataLoader, TensorDataset
 from channels_last_algo import LayoutGuard
 from channels_last_algo.core.layers.safe_paths import SubsampledConv2d
 from channels_last_algo.core.runtime import Runtime
-from channels_last_algo.core.safety import KNOWN_BUGS, make_safe, matching_bugs, run_isolated, unsafe_subclasses
+from channels_last_algo.core.safety import (
+    KNOWN_BUGS,
+    ProbeResult,
+    make_safe,
+    matching_bugs,
+    run_isolated,
+    unsafe_subclasses,
+)
 from channels_last_algo.core.swap import swap_back, swappable
 from channels_last_algo.core.swap_records import UncoveredLayer
 
@@ -165,20 +176,35 @@ def relative_difference(trained: nn.Module, reference: nn.Module) -> float:
     return max(((ours[k] - theirs[k]).abs().max() / theirs[k].abs().max()).item() for k in theirs)
 
 
-def train_case(case: str, trainer: str) -> dict[str, Any]:
-    """In a child process: ``stem_net(case)`` trained NCHW, then trained by ``trainer`` with channels
-    last; what the conversion did to the stem and how far the trained parameters are apart."""
-    reference, net = stem_net(case), stem_net(case)
+def train_case(case: str, trainers: list[str]) -> dict[str, Any]:
+    """In a child process: ``stem_net(case)`` trained NCHW, then by each of ``trainers`` with channels last; per
+    trainer, what the conversion did to the stem and how far the trained parameters are apart, or what it raised."""
+    reference = stem_net(case)
     train_nchw(reference)
-    guard = TRAINERS[trainer](net)
-    return {
-        'made_safe': [(r.path, r.reason, r.original, r.replacement) for r in guard.summary.made_safe],
-        'not_covered': guard.summary.not_covered,
-        'stem_classes': [cls.__name__ for cls in type(net.stem).__mro__[:4]],
-        'parametrized': parametrize.is_parametrized(net.stem),
-        'difference': relative_difference(net, reference),
-        'start_block': guard.start_block.lines,
-    }
+    results: dict[str, Any] = {}
+    for trainer in trainers:
+        net = stem_net(case)
+        try:
+            guard = TRAINERS[trainer](net)
+        except Exception:  # the other trainers still run; the test of this one shows it
+            results[trainer] = traceback.format_exc()
+            continue
+        results[trainer] = {
+            'made_safe': [(r.path, r.reason, r.original, r.replacement) for r in guard.summary.made_safe],
+            'not_covered': guard.summary.not_covered,
+            'stem_classes': [cls.__name__ for cls in type(net.stem).__mro__[:4]],
+            'parametrized': parametrize.is_parametrized(net.stem),
+            'difference': relative_difference(net, reference),
+            'start_block': guard.start_block.lines,
+        }
+    return results
+
+
+@pytest.fixture(scope='module')
+def trained() -> Callable[[str], ProbeResult]:
+    """``train_case`` of a case with every installed trainer, in one child process per case (a crash is a result)."""
+    trainers = [name for name in TRAINERS if name == 'guard' or importlib.util.find_spec(name) is not None]
+    return functools.cache(lambda case: run_isolated(train_case, case, trainers))
 
 
 def convert_case(case: str) -> dict[str, Any]:
@@ -196,12 +222,13 @@ ORIGINALS = {
 
 @pytest.mark.parametrize('trainer', TRAINERS)
 @pytest.mark.parametrize('case', ORIGINALS)
-def test_a_stem_that_computes_as_conv2d_trains_on_the_safe_path_with_nchw_numbers(case, trainer):
+def test_a_stem_that_computes_as_conv2d_trains_on_the_safe_path_with_nchw_numbers(case, trainer, trained):
     if trainer != 'guard':
         pytest.importorskip(trainer)
-    result = run_isolated(train_case, case, trainer)
-    assert result.ok, f'{case} under {trainer}: {result}\n{result.detail}'
-    value = result.value
+    result = trained(case)
+    assert result.ok, f'{case}: {result}\n{result.detail}'
+    value = result.value[trainer]
+    assert not isinstance(value, str), f'{case} under {trainer}: {value}'
     assert value['difference'] < 1e-4, value['difference']
     assert value['not_covered'] == []
     if not APPLIES_HERE:
