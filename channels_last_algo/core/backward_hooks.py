@@ -7,6 +7,7 @@ registered when the model was built. :class:`BackwardHooks` puts each in its pla
 hook tables wrapped (:func:`~channels_last_algo.core.view_watch.hook_watched`) while a step is
 watched, and the hooks themselves back when it ends, so the model keeps its own hooks (and pickles
 as it did). Hooks registered during a watched step are wrapped where they are registered.
+:func:`hook_first` puts the package's own gradient hook before a weight's other hooks.
 
 Example:
     >>> import torch
@@ -24,13 +25,14 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
 
 from channels_last_algo.core.view_watch import contiguous_gradient, hook_watched
 
-__all__ = ['BackwardHooks']
+__all__ = ['BackwardHooks', 'hook_first']
 
 
 class BackwardHooks:
@@ -61,3 +63,13 @@ class BackwardHooks:
             if key in table:
                 table[key] = hook
         self._wrapped = []
+
+
+def hook_first(tensor: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> None:
+    """``hook`` registered on ``tensor`` to run before its other hooks. Autograd runs them in the
+    order of the table's underlying dict (``move_to_end`` does not change it): the others go back after."""
+    table, key = tensor._backward_hooks, tensor.register_hook(hook).id
+    others = [(k, h) for k, h in table.items() if k != key] if table is not None else []
+    for k, _ in others:
+        del table[k]
+    table.update(others)

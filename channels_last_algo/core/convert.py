@@ -169,6 +169,8 @@ def _tensors_by_use(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor,
                 continue
             seen.add(id(tensor))
             reason = None if convolution else f'a tensor of {type(module).__name__}, not a convolution weight'
+            if isinstance(module, torch.jit.ScriptModule):
+                reason = "a TorchScript module's tensor (no watch sees into TorchScript)"
             yield (f'{path}.{name}' if path else name), tensor, sharing.get(id(tensor), reason)
 
 

@@ -15,11 +15,11 @@ the module is noted; and where NHWC returns a view NCHW would copy (``z.permute(
 one of them is written (:mod:`~channels_last_algo.core.nchw_twins` tells which case is which). A module called more
 than once a step (a pool shared by two stages) is passed over for the modules its viewed output came from. A batch
 tensor the guard made NHWC is left as it comes from the next batch on (:meth:`InputSelection.leave`). A view of a
-tensor that neither a module nor the guard made (a gradient in a tensor hook, whose layout its consumers decide)
-cannot be placed so: the watch then stays on for every step, at the cost of following each op. An extension op
-given 4D/5D tensors runs as in NCHW (:mod:`~channels_last_algo.core.extension_ops`); a light watch, of extension ops
-only, then stays on for every step. A view first reached on a later step starts the watch there
-(:mod:`~channels_last_algo.core.late_views`).
+tensor that neither a module nor the guard made (a gradient in a tensor hook, whose layout its consumers decide), or
+that a TorchScript module made (it takes no hooks), cannot be placed so: the watch then stays on for every step, at
+the cost of following each op. An extension op given 4D/5D tensors runs as in NCHW
+(:mod:`~channels_last_algo.core.extension_ops`); a light watch, of extension ops only, then stays on for every step.
+A view first reached on a later step starts the watch there (:mod:`~channels_last_algo.core.late_views`).
 
 Example:
     >>> import torch
@@ -47,10 +47,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from channels_last_algo.core.backward_hooks import BackwardHooks
+from channels_last_algo.core.backward_hooks import BackwardHooks, hook_first
 from channels_last_algo.core.batch_tree import BatchTensor, path_name
 from channels_last_algo.core.between_batches import BetweenBatches
-from channels_last_algo.core.channels_first_outputs import make_outputs_channels_first
+from channels_last_algo.core.channels_first_outputs import make_outputs_channels_first, takes_hooks
 from channels_last_algo.core.inputs import InputSelection
 from channels_last_algo.core.late_views import arm, disarm, retrying_refused_traces
 from channels_last_algo.core.module_calls import (
@@ -74,16 +74,6 @@ log = logging.getLogger(__name__)
 def _on_top(mode: TorchFunctionMode) -> bool:
     depth = torch._C._len_torch_function_stack()
     return depth > 0 and torch._C._get_function_stack_at(depth - 1) is mode
-
-
-def _hook_first(tensor: torch.Tensor, hook: Callable[[torch.Tensor], Any]) -> None:
-    """``hook`` registered on ``tensor`` to run before its other hooks. Autograd runs them in the
-    order of the table's underlying dict (``move_to_end`` does not change it): the others go back after."""
-    table, key = tensor._backward_hooks, tensor.register_hook(hook).id
-    others = [(k, h) for k, h in table.items() if k != key] if table is not None else []
-    for k, _ in others:
-        del table[k]
-    table.update(others)
 
 
 class ViewedOutputs:
@@ -264,7 +254,7 @@ class ViewedOutputs:
         paused, self._paused_for = self._paused_for, None
         self._hooks.restore()
         for weight in self._to_hook:  # outside the backward, whose hook tables must not change under it
-            _hook_first(weight, contiguous_gradient)
+            hook_first(weight, contiguous_gradient)
         self._to_hook = []
         if mode is not None and paused is None:
             exit_mode(mode)
@@ -377,23 +367,28 @@ class ViewedOutputs:
                     'that writes keep in step; the next step is watched to find what makes it'
                 )
             return
-        if not origins:
+        scripted = sorted(self._name(module) for module in origins if not takes_hooks(module))
+        if not origins or scripted:
             if where not in self.unplaced:
                 self.unplaced.append(where)
+                made = "no module's output"
+                if scripted:
+                    made = f'made by a TorchScript module ({", ".join(scripted)}), which takes no hooks'
                 self._new.append(
-                    f"the tensor {how} is no module's output, so no module can make it channels first: every "
+                    f'the tensor {how} is {made}, so no module can make it channels first: every '
                     'step is watched (slower)'
                     + ('; .reshape there instead of .view keeps the speed' if how.startswith('viewed') else '')
                     + ('; drawing by shape there (torch.randn(x.shape, ...)) keeps it' if 'random' in how else '')
                 )
             return
-        for module in origins:
-            if module in self._hooked:
-                continue
-            network = compiled_network(module)  # a compiled wrapper: named by its network
-            path = self._paths.get(network)  # None: a module outside the model (a teacher the forward calls)
-            name = f'a {type(network).__name__} outside the model' if path is None else path or type(network).__name__
+        for module in [module for module in origins if module not in self._hooked]:
             make_outputs_channels_first(module, one_tensor=module in self._one_tensor_out)
             self._hooked.add(module)
-            self.placed.append(name)
-            self._new.append(f'{name} outputs made channels first ({how})')
+            self.placed.append(self._name(module))
+            self._new.append(f'{self.placed[-1]} outputs made channels first ({how})')
+
+    def _name(self, module: torch.nn.Module) -> str:
+        """The module's path in the model (a compiled wrapper: its network's), or what it is outside the model."""
+        network = compiled_network(module)
+        path = self._paths.get(network)  # None: a module outside the model (a teacher the forward calls)
+        return f'a {type(network).__name__} outside the model' if path is None else path or type(network).__name__

@@ -495,6 +495,20 @@ def _reconstruction_viewed(output, batch):
     return F.mse_loss(output.view(n, -1), batch[0].view(n, -1))
 
 
+class ScriptedBlockViewed(nn.Module):
+    """A block compiled with ``torch.jit.script``, which takes no hooks, whose output the head ``.view()``s."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.block = torch.jit.script(nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()))
+        self.head = nn.Linear(4 * 8 * 8, 10)
+
+    def forward(self, x):
+        z = self.block(F.relu(self.stem(x)))
+        return self.head(z.view(z.size(0), -1))
+
+
 def _flat_net() -> nn.Module:
     return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3), nn.Flatten(), nn.Linear(4 * 28 * 28, 10))
 
@@ -530,6 +544,7 @@ RUNS = {
     'custom-function-viewing': Run(CustomFunctionViewing, _batches((2, 3, 8, 8)), _cross_entropy),
     'bits-truncated': Run(BitsTruncated, _batches(), _cross_entropy),
     'custom-function-vjp': Run(lambda: CustomFunctionViewing(_TripledByVjp), _batches((2, 3, 8, 8)), _cross_entropy),
+    'scripted-block-viewed': Run(ScriptedBlockViewed, _batches((2, 3, 8, 8)), _cross_entropy),
 }
 WEIGHTS_FLATTENED = ('lbfgs', 'parameters-to-vector', 'max-normed-through-reshape')
 
@@ -617,6 +632,20 @@ def test_writes_no_module_can_place_keep_the_watch_on_saying_so(caplog):
         'so no module can make it channels first: every step is watched (slower)'
     )
     assert 'test_views.py:' in lines[0] and "(a copy here, an alias in NCHW) is no module's output" in lines[0]
+
+
+def test_a_view_of_a_torchscript_modules_output_is_watched_every_step_and_its_tensors_are_left(caplog):
+    """A TorchScript module takes no hooks, so its viewed output cannot be made channels first where it is made:
+    the console names it and every step is watched; its weights, which no watch sees used, keep their layout."""
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        _, net, guard = guarded(RUNS['scripted-block-viewed'], 'guard')
+    said = [r.getMessage() for r in caplog.records]
+    assert any(
+        'test_views.py:' in line and 'made by a TorchScript module (block), which takes no hooks' in line
+        for line in said
+    ), said
+    assert guard.summary.left['block.0.weight'] == "a TorchScript module's tensor (no watch sees into TorchScript)"
+    assert net.block.state_dict()['0.weight'].is_contiguous()
 
 
 @pytest.mark.parametrize(
