@@ -139,6 +139,7 @@ class LayoutAudit:
         self._outside: list[AuditRecord] = []
         self._steps = 0
         self._mode: Optional[_DispatchObserver] = None
+        self._modules: dict[str, torch.nn.Module] = {}  # by path (a TorchScript module has no get_submodule)
         self._module_paths: dict[int, str] = {}
         self._param_paths: dict[int, str] = {}
         self._stack: list[str] = []
@@ -166,7 +167,8 @@ class LayoutAudit:
         """Begin recording: install the dispatch mode and follow module calls."""
         if self.active:
             raise RuntimeError('this LayoutAudit is already active; call stop() before start()')
-        self._module_paths = {id(m): name for name, m in self.model.named_modules()}
+        self._modules = dict(self.model.named_modules())
+        self._module_paths = {id(m): name for name, m in self._modules.items()}
         self._param_paths = {id(p): name.rpartition('.')[0] for name, p in self.model.named_parameters()}
         self._stack.clear()
         self._failure = None
@@ -340,7 +342,7 @@ class LayoutAudit:
         return None
 
     def _cause(self, func: Any, tensor: torch.Tensor, path: Optional[str], phase: str) -> str:
-        module = self.model.get_submodule(path) if path is not None else None
+        module = self._modules.get(path) if path is not None else None
         return cause_of(str(func), tensor.dtype, tensor.device.type, module, phase)
 
     def _check_free_exit(self, func: Any, args: tuple, outputs: list[torch.Tensor], path: Optional[str]) -> None:

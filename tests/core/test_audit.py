@@ -178,6 +178,16 @@ def test_forward_breaks_are_attributed_to_the_running_module():
     ]
 
 
+def test_a_torchscript_model_is_audited_where_it_can_be_told_apart():
+    """No module hook runs inside TorchScript, so a forward break there is the scripted model's own ('');
+    a TorchScript module has no ``get_submodule``, and the audit does not need one."""
+    net = forward_break_net()
+    apply_channels_last(net)
+    report = audit_model(torch.jit.script(net), _nhwc(2, 3, 8, 8))
+    forward = [(r.op, r.module_path) for r in report.breaks if r.phase == 'forward']
+    assert forward == [('aten.clone.default', ''), ('aten._to_copy.default', '')]
+
+
 def test_backward_only_break_is_attributed_to_the_module_that_made_the_node():
     report = audit_model(_converted(_backward_break_net), _nhwc(2, 3, 8, 8))
     assert [(r.op, r.module_path, r.phase) for r in report.breaks] == [('aten.clone.default', 'drop', 'backward')]
