@@ -262,6 +262,14 @@ def test_a_model_in_train_mode_is_refused_naming_the_submodule():
         fuse_for_inference(model)
 
 
+def test_a_torchscript_model_is_refused_naming_what_to_pass():
+    model = torch.jit.script(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval())
+    with pytest.raises(
+        ValueError, match=r'the model is TorchScript \(RecursiveScriptModule.*the nn.Module it was made'
+    ):
+        fuse_for_inference(model)
+
+
 def test_the_copy_refuses_train_mode_and_inputs_needing_grad():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(16, 2)).eval()
     fused = fuse_for_inference(model)

@@ -25,7 +25,8 @@ users of a traced value), :mod:`.concatenations` (BatchNorms folded through chan
 Measurements and background: ``docs/fuse.md``.
 
 Contract: the model must be in eval mode (a submodule in train mode is refused with
-``ValueError``: BatchNorm would use batch statistics and cannot be folded). The copy holds no
+``ValueError``: BatchNorm would use batch statistics and cannot be folded), and not TorchScript (refused with
+``ValueError``: there is no Python code to trace; pass the ``nn.Module`` it was made from). The copy holds no
 parameter that requires grad; calling it in train mode, or with an input that requires grad
 while grad mode is on, raises ``RuntimeError``. Under CPU autocast (bfloat16) the fused
 convolutions run in the autocast dtype like ``conv2d`` would.

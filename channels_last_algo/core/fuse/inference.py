@@ -96,6 +96,11 @@ def _check_arguments(model: nn.Module, traceable: bool, backend: str) -> None:
             f"fuse_for_inference: traceable=True (a copy for torch.export) needs backend='eager', got "
             f'{backend!r}; export the eager copy, or compile without traceable'
         )
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ValueError(
+            f'fuse_for_inference: the model is TorchScript ({type(model).__name__}, from torch.jit.script or '
+            'trace), whose code cannot be traced nor its layers replaced; pass the nn.Module it was made from'
+        )
     training = next(((name, m) for name, m in model.named_modules() if m.training), None)
     if training is not None:
         name, module = training
