@@ -347,6 +347,17 @@ def test_fuse_eval_validates_on_a_fused_copy_and_puts_the_network_back():
     assert fused == pytest.approx(unfused, rel=1e-5)
 
 
+def test_fuse_eval_validates_a_torchscript_network_unfused_with_a_warning(caplog):
+    module = NetworkNoted()
+    module.networks = []
+    module.net = torch.jit.script(module.net)
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.fuse.evaluation'):
+        lightning_trainer(callbacks=[ChannelsLastCallback(fuse_eval=True)]).validate(module, loader(n=8))
+    assert module.networks == ['RecursiveScriptModule'] * 2
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ['fuse_eval: evaluating unfused, since the network is TorchScript, which has no code to fuse']
+
+
 def test_fuse_eval_names_the_network_to_fuse_when_there_is_no_single_one():
     module = Classifier()
     module.head = nn.Linear(4, 4)

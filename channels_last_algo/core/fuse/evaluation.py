@@ -95,14 +95,18 @@ class FusedEvaluation:
     def first_batch(self, network: Callable[[], tuple[torch.nn.Module, str, torch.nn.Module]], batch: Any) -> None:
         """At a pass's first batch (after :meth:`begin_pass`; nothing otherwise): swap ``owner.<attribute>``
         (``network()`` gives owner, attribute and the network there) for a fused copy from its current
-        weights, checked on this batch's first tensor; a sharded network is evaluated unfused, with a warning."""
+        weights, checked on this batch's first tensor; a sharded or TorchScript network is evaluated unfused, with
+        a warning."""
         if not self._pending:
             return
         self._pending = False
         owner, attribute, module = network()
         plan = weight_layout_for(module)
-        if plan.sharded:
-            log.warning('fuse_eval: evaluating unfused, since %s', plan.reason)
+        scripted = (
+            isinstance(module, torch.jit.ScriptModule) and 'the network is TorchScript, which has no code to fuse'
+        )
+        if plan.sharded or scripted:
+            log.warning('fuse_eval: evaluating unfused, since %s', scripted or plan.reason)
             return
         self.start(owner, attribute, example_input=example_of(module, batch))
 
