@@ -139,7 +139,12 @@ def start_block(
         f'{_TITLE}: {model}: {plan}',
         *_conversion_rows(summary, repaired),
         *([_row('compile', compile_note)] if compile_note else []),
-        *_run_rows(mode, decision, audit_steps, len(summary.repaired) + len(summary.made_safe)),
+        *_run_rows(
+            mode,
+            decision,
+            0 if summary.nothing_channels_last else audit_steps,
+            len(summary.repaired) + len(summary.made_safe),
+        ),
     ]
     params = _start_hyperparameters(summary, plan, mode, audit_steps, repaired)
     return ConsoleBlock(tuple(lines), params | (_decision_hyperparameters(decision) if decision else {}))
@@ -163,6 +168,8 @@ def _conversion_rows(summary: ConversionSummary, repaired: dict[str, list[str]])
         rows.append(_row('left as is', f'{_count(len(summary.left), "4D/5D tensor")}: {_named(left)}'))
     if summary.not_covered:
         rows.append(_row('not covered', _not_covered(summary.not_covered)))
+    if summary.nothing_channels_last:
+        rows.append(_row('batches', 'as they come: no tensor of the model is channels last to feed'))
     return rows
 
 

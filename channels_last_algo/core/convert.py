@@ -103,6 +103,12 @@ class ConversionSummary:
         """How many 4D/5D tensors the model holds, all in :attr:`layout` now."""
         return len(self.converted) + len(self.unchanged)
 
+    @property
+    def nothing_channels_last(self) -> bool:
+        """Channels last was asked for, but no 4D/5D tensor of the model is or will be (a lazy one) channels last (a
+        TorchScript model, tensors no convolution owns): NHWC batches would only add layout copies to each step."""
+        return self.layout == str(MemoryFormat.CHANNELS_LAST) and not (self.tensors or self.uninitialized)
+
     def __str__(self) -> str:
         return (
             f'{self.layout}: {len(self.converted)} tensors restrided, '

@@ -134,7 +134,8 @@ class LayoutGuard:
     @property
     def channels_last(self) -> bool:
         """Whether the model and batches are channels last now (in auto mode: until decided, yes)."""
-        return self.auto.channels_last if self.auto.enabled else self.mode != 'off'
+        asked = self.auto.channels_last if self.auto.enabled else self.mode != 'off'
+        return asked and not (self.summary is not None and self.summary.nothing_channels_last)  # else as they come
 
     @property
     def report(self) -> Optional[AuditReport]:
@@ -208,6 +209,8 @@ class LayoutGuard:
         if not self.weight_layout.contiguous:
             self.summary = apply_channels_last(model, optimizers=optimizers, repair=self.options['repair'])
             self._repair_check = RepairCheck(model, self.summary.repaired)
+            if self.summary.nothing_channels_last:  # nothing to time: the batches go as they come
+                self.auto.stand_down()
         else:
             self.summary = self._keep_weights_contiguous(model, optimizers)
         if self.audit_steps:
@@ -282,11 +285,12 @@ class LayoutGuard:
     # --- batches and steps ---------------------------------------------------------------------------
 
     def on_batch(self, batch: Any, loop: Optional[str] = None) -> Any:
-        """The batch with its image tensors (the ``inputs`` option) in NHWC, no copy when they already are; as it
-        is when the guard's layout is NCHW. In ``inputs='auto'`` mode the first batch of a structure goes NHWC by a
-        guess (a channel count some convolution takes) while its forward shows which are images
-        (:mod:`channels_last_algo.core.inputs`). ``loop`` (``'validate'``, ``'predict'``): :meth:`on_batch_end` follows
-        the batch's own code, which the first batch of each loop watches with its forward (``out.view(n, -1)``)."""
+        """The batch with its image tensors (the ``inputs`` option) in NHWC, no copy when they already are; as
+        it is when the guard's layout is NCHW or nothing in the model is channels last. In ``inputs='auto'``
+        mode the first batch of a structure goes NHWC by a guess (a channel count some convolution takes) while
+        its forward shows which are images (:mod:`channels_last_algo.core.inputs`). ``loop`` (``'validate'``,
+        ``'predict'``): :meth:`on_batch_end` follows the batch's own code, which the first batch of each loop
+        watches with its forward (``out.view(n, -1)``)."""
         require_loop(loop, 'LayoutGuard.on_batch')
         self.inputs.finish()
         if self._viewed is None or not self._viewed.stepping:  # else a batch begun inside the step (plain loop)
@@ -374,15 +378,12 @@ class LayoutGuard:
         """End the watch between batches, and an audit or image search a step that raised left on; safe at any time."""
         self.inputs.finish()
         self._compiled_backward.stop()
-        if self._optimizer_watch is not None:
-            self._optimizer_watch.close()
         if self._viewed is not None:
             self._viewed.between.end()
         self._end_watch(training=False)
-        if self._repair_check is not None:
-            self._repair_check.close()
-        if self._audited is not None:
-            self._audited.close()
+        for part in (self._optimizer_watch, self._repair_check, self._audited):
+            if part is not None:
+                part.close()
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

@@ -114,3 +114,42 @@ def test_a_segmentation_loss_outside_the_model_is_no_break_under_strict():
     assert guard.report.ok and guard.report.breaks == []
     assert [(r.op, r.module_path) for r in guard.report.outside] == [('aten._log_softmax.default', None)]
     assert guard.audit_block.lines[0] == 'channels last: layout audit of 1 training step: no layout breaks'
+
+
+class _FunctionalConvolution(nn.Module):
+    """A convolution through ``F.conv2d`` of a weight no convolution module owns: left as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3, 3, 3))
+
+    def forward(self, x):
+        return nn.functional.conv2d(x, self.weight).relu().mean((2, 3))
+
+
+@pytest.mark.parametrize('mode', ['on', 'auto'])
+@pytest.mark.parametrize(
+    'build',
+    [
+        lambda: torch.jit.script(nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1))),
+        _FunctionalConvolution,
+    ],
+    ids=['torchscript', 'functional'],
+)
+def test_batches_go_as_they_come_where_nothing_in_the_model_is_channels_last(build, mode):
+    """NHWC batches into a model whose weights all stay channels first (TorchScript's, or no convolution's) would
+    only add layout copies to each step: the batches go as they come, auto mode has nothing to time, no step is
+    audited, and the start block says so."""
+    model = build()
+    guard = LayoutGuard(mode=mode, audit_steps=1)
+    with pytest.warns(UserWarning, match='the model was left as it is'):
+        guard.on_init(model)
+    for _ in range(2):
+        images, labels = guard.on_batch((torch.randn(2, 3, 8, 8), torch.arange(2)))
+        assert images.is_contiguous()
+        with guard.step():
+            model(images).sum().backward()
+    assert not guard.channels_last and guard.effective_mode == 'on' and guard.report is None
+    lines = guard.start_block.lines
+    assert '  batches     as they come: no tensor of the model is channels last to feed' in lines, lines
+    assert not any(line.startswith('  audit') for line in lines), lines
