@@ -25,7 +25,7 @@ from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.module_calls import in_graph_capture
 from channels_last_algo.core.view_watch import nhwc
 
-__all__ = ['channels_first_output', 'channels_first_outputs', 'make_outputs_channels_first', 'takes_hooks']
+__all__ = ['channels_first_output', 'channels_first_outputs', 'make_outputs_channels_first']
 
 
 def make_outputs_channels_first(module: torch.nn.Module, one_tensor: bool) -> None:
@@ -33,11 +33,6 @@ def make_outputs_channels_first(module: torch.nn.Module, one_tensor: bool) -> No
     returning one tensor, and its forward takes one argument too, the form TorchScript compiles."""
     scriptable = one_tensor and _one_tensor_in(module)
     module.register_forward_hook(channels_first_output if scriptable else channels_first_outputs, prepend=True)
-
-
-def takes_hooks(module: torch.nn.Module) -> bool:
-    """Whether a forward hook can be put on ``module``: not on a TorchScript module (``torch.jit.script``)."""
-    return not isinstance(module, torch.jit.ScriptModule)
 
 
 def _channels_first(output: Any) -> Any:

@@ -47,6 +47,7 @@ from channels_last_algo.core.argument_checks import require_flags, require_modul
 from channels_last_algo.core.extension_functions import cover_extension_functions
 from channels_last_algo.core.layers import repair_model, unrepaired_subclasses
 from channels_last_algo.core.layout import MemoryFormat, channels_last_format, to_channels_first, to_channels_last
+from channels_last_algo.core.module_calls import is_torchscript
 from channels_last_algo.core.optimizer_state_layout import keep_state_in_weight_layout, match_state_to_weights
 from channels_last_algo.core.safety.bugs import make_safe, unsafe_subclasses
 from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
@@ -175,7 +176,7 @@ def _tensors_by_use(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor,
                 continue
             seen.add(id(tensor))
             reason = None if convolution else f'a tensor of {type(module).__name__}, not a convolution weight'
-            if isinstance(module, torch.jit.ScriptModule):
+            if is_torchscript(module):
                 reason = "a TorchScript module's tensor (no watch sees into TorchScript)"
             yield (f'{path}.{name}' if path else name), tensor, sharing.get(id(tensor), reason)
 

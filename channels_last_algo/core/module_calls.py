@@ -63,6 +63,7 @@ __all__ = [
     'eager_forward',
     'exit_mode',
     'in_graph_capture',
+    'is_torchscript',
     'on_mode_stack',
     'paused',
     'settle_hooks',
@@ -113,6 +114,12 @@ def compiled_network(module: torch.nn.Module) -> torch.nn.Module:
     """The module whose weights a compiled ``module``'s graph runs on: a wrapper's network, else ``module``."""
     network = getattr(module, '_orig_mod', None)
     return network if isinstance(network, torch.nn.Module) else module
+
+
+def is_torchscript(module: Any) -> bool:
+    """Whether ``module`` is TorchScript (``torch.jit.script`` or ``trace``): it takes no hooks, and no Python code
+    of it runs to trace, watch or fuse."""
+    return isinstance(module, torch.jit.ScriptModule)
 
 
 def eager_forward(module: torch.nn.Module) -> Any:

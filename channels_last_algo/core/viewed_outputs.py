@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_leaves
 from channels_last_algo.core.backward_hooks import BackwardHooks, hook_first
 from channels_last_algo.core.batch_tree import BatchTensor, path_name
 from channels_last_algo.core.between_batches import BetweenBatches
-from channels_last_algo.core.channels_first_outputs import make_outputs_channels_first, takes_hooks
+from channels_last_algo.core.channels_first_outputs import make_outputs_channels_first
 from channels_last_algo.core.inputs import InputSelection
 from channels_last_algo.core.late_views import arm, disarm, retrying_refused_traces
 from channels_last_algo.core.module_calls import (
@@ -58,6 +58,7 @@ from channels_last_algo.core.module_calls import (
     compiled_wrapper,
     eager_forward,
     exit_mode,
+    is_torchscript,
     on_mode_stack,
     paused,
     subscribe,
@@ -367,7 +368,7 @@ class ViewedOutputs:
                     'that writes keep in step; the next step is watched to find what makes it'
                 )
             return
-        scripted = sorted(self._name(module) for module in origins if not takes_hooks(module))
+        scripted = sorted(self._name(module) for module in origins if is_torchscript(module))  # they take no hooks
         if not origins or scripted:
             if where not in self.unplaced:
                 self.unplaced.append(where)

@@ -15,6 +15,7 @@ import torch
 
 from channels_last_algo.core.fuse.example_check import ExampleInputError
 from channels_last_algo.core.fuse.inference import fuse_for_inference
+from channels_last_algo.core.module_calls import is_torchscript
 from channels_last_algo.core.weight_layout import weight_layout_for
 
 __all__ = ['FusedEvaluation', 'example_of', 'parameter_holders']
@@ -102,11 +103,9 @@ class FusedEvaluation:
         self._pending = False
         owner, attribute, module = network()
         plan = weight_layout_for(module)
-        scripted = (
-            isinstance(module, torch.jit.ScriptModule) and 'the network is TorchScript, which has no code to fuse'
-        )
-        if plan.sharded or scripted:
-            log.warning('fuse_eval: evaluating unfused, since %s', scripted or plan.reason)
+        unfused = 'the network is TorchScript, which has no code to fuse' if is_torchscript(module) else None
+        if plan.sharded or unfused:
+            log.warning('fuse_eval: evaluating unfused, since %s', unfused or plan.reason)
             return
         self.start(owner, attribute, example_input=example_of(module, batch))
 

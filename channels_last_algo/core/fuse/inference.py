@@ -38,6 +38,7 @@ from channels_last_algo.core.fuse.modules import fuse_modules
 from channels_last_algo.core.fuse.subgraphs import fuse_subgraphs
 from channels_last_algo.core.fuse.summary import FusionSummary
 from channels_last_algo.core.layout import batch_to_channels_last
+from channels_last_algo.core.module_calls import is_torchscript
 
 __all__ = ['BACKENDS', 'InferenceModel', 'fuse_for_inference']
 
@@ -96,7 +97,7 @@ def _check_arguments(model: nn.Module, traceable: bool, backend: str) -> None:
             f"fuse_for_inference: traceable=True (a copy for torch.export) needs backend='eager', got "
             f'{backend!r}; export the eager copy, or compile without traceable'
         )
-    if isinstance(model, torch.jit.ScriptModule):
+    if is_torchscript(model):
         raise ValueError(
             f'fuse_for_inference: the model is TorchScript ({type(model).__name__}, from torch.jit.script or '
             'trace), whose code cannot be traced nor its layers replaced; pass the nn.Module it was made from'
