@@ -18,7 +18,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ['Option', 'add_model_options', 'benchmark_parser', 'check_step_options']
+__all__ = ['Option', 'benchmark_parser', 'parse_step_args']
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,29 +63,39 @@ def benchmark_parser(
     return parser
 
 
-def add_model_options(
-    parser: argparse.ArgumentParser, choices: tuple, default: list, image_size: Optional[int] = None, help: str = ''
-) -> None:
-    """``--models`` (of ``choices``, ``default`` where none is named), ``--batch-size`` (8) and ``--image-size``
-    (``image_size``; None: each model's own, as ``help`` says), for a benchmark that times training steps of models.
+def parse_step_args(
+    doc: str,
+    argv: Optional[list[str]],
+    name: str,
+    models: tuple,
+    default: list,
+    *,
+    rounds: int,
+    warmup: int,
+    image_size: Optional[int] = None,
+    image_size_help: str = '',
+    min_image_size: int = 1,
+) -> argparse.Namespace:
+    """The command line of a benchmark that times training steps of models, parsed and checked: the shared options
+    (``--out``: the folder for ``name``.json and .md), ``--models`` (of ``models``, ``default`` where none is named),
+    ``--batch-size`` (8) and ``--image-size`` (``image_size``; None: each model's own, as ``image_size_help`` says).
+    Values that cannot be run stop with the parser's usage.
 
     Example:
-        >>> parser = benchmark_parser('A.', rounds=Option(3), out='results')
-        >>> add_model_options(parser, ('a', 'b'), ['a'])
-        >>> args = parser.parse_args(['--batch-size', '4'])
-        >>> args.models, args.batch_size, args.image_size
-        (['a'], 4, None)
+        >>> args = parse_step_args('A.', ['--batch-size', '4'], 'a', ('a', 'b'), ['a'], rounds=3, warmup=1)
+        >>> args.models, args.batch_size, args.image_size, args.rounds
+        (['a'], 4, None, 3)
     """
-    parser.add_argument('--models', nargs='+', default=default, choices=choices, metavar='MODEL')
+    parser = benchmark_parser(
+        doc, warmup=Option(warmup), rounds=Option(rounds), out=f'folder for {name}.json and .md', epilog=False
+    )
+    parser.add_argument('--models', nargs='+', default=default, choices=models, metavar='MODEL')
     parser.add_argument('--batch-size', type=int, default=8)
-    parser.add_argument('--image-size', type=int, default=image_size, help=help or None)
-
-
-def check_step_options(parser: argparse.ArgumentParser, args: argparse.Namespace, min_image_size: int = 1) -> None:
-    """Stop with the parser's usage where ``--rounds``, ``--warmup``, ``--batch-size`` or ``--image-size`` cannot
-    be run."""
-    image_size = args.image_size if args.image_size is not None else min_image_size
-    if args.rounds < 1 or args.warmup < 0 or args.batch_size < 2 or image_size < min_image_size:
+    parser.add_argument('--image-size', type=int, default=image_size, help=image_size_help or None)
+    args = parser.parse_args(argv)
+    size = args.image_size if args.image_size is not None else min_image_size
+    if args.rounds < 1 or args.warmup < 0 or args.batch_size < 2 or size < min_image_size:
         parser.error(
             f'need --rounds >= 1, --warmup >= 0, --batch-size >= 2 (BatchNorm) and --image-size >= {min_image_size}'
         )
+    return args

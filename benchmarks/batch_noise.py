@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
-from arguments import Option, add_model_options, benchmark_parser, check_step_options
+from arguments import parse_step_args
 from results_writer import main_over_models, markdown_report, median_and_min
 from torch import nn
 from torch.nn import functional as F
@@ -143,13 +143,16 @@ def markdown(result: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = benchmark_parser(
-        __doc__, warmup=Option(2), rounds=Option(15), out='folder for batch_noise.json and .md', epilog=False
+    return parse_step_args(
+        __doc__,
+        argv,
+        'batch_noise',
+        MODELS,
+        zoo.installed(MODELS),
+        rounds=15,
+        warmup=2,
+        image_size_help="default: each model's zoo size",
     )
-    add_model_options(parser, MODELS, zoo.installed(MODELS), help="default: each model's zoo size")
-    args = parser.parse_args(argv)
-    check_step_options(parser, args)
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

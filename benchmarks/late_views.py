@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
-from arguments import Option, add_model_options, benchmark_parser, check_step_options
+from arguments import parse_step_args
 from results_writer import main_over_models, markdown_report, median_and_min
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -128,13 +128,16 @@ def markdown(result: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = benchmark_parser(
-        __doc__, warmup=Option(2), rounds=Option(15), out='folder for late_views.json and .md', epilog=False
+    return parse_step_args(
+        __doc__,
+        argv,
+        'late_views',
+        MODELS,
+        zoo.installed(MODELS),
+        rounds=15,
+        warmup=2,
+        image_size_help="default: each model's zoo size (64 px)",
     )
-    add_model_options(parser, MODELS, zoo.installed(MODELS), help="default: each model's zoo size (64 px)")
-    args = parser.parse_args(argv)
-    check_step_options(parser, args)
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:

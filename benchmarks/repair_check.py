@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 import zoo_models as zoo  # benchmarks/, next to this script
-from arguments import Option, add_model_options, benchmark_parser, check_step_options
+from arguments import parse_step_args
 from results_writer import main_over_models, markdown_report, median_and_min
 from torch import nn
 
@@ -129,13 +129,17 @@ def markdown(result: dict) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = benchmark_parser(
-        __doc__, warmup=Option(1), rounds=Option(7), out='folder for repair_check.json and .md', epilog=False
+    return parse_step_args(
+        __doc__,
+        argv,
+        'repair_check',
+        MODELS,
+        zoo.installed(MODELS),
+        rounds=7,
+        warmup=1,
+        image_size=64,
+        min_image_size=32,
     )
-    add_model_options(parser, MODELS, zoo.installed(MODELS), image_size=64)
-    args = parser.parse_args(argv)
-    check_step_options(parser, args, min_image_size=32)
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:
