@@ -1,14 +1,21 @@
 """The forward hook that makes a module's NHWC outputs channels first: where a ``.view()`` of them needs NCHW strides.
 
 :class:`~channels_last_algo.core.viewed_outputs.ViewedOutputs` puts it on the module whose output code views
-(:func:`make_outputs_channels_first`), before the module's own hooks. A module of one tensor in and one out gets a
-form ``torch.jit.script`` compiles, so that the model still scripts and makes the output contiguous there as eager
-does; the copy counts as an exit in the layout audit.
+(:class:`Placements`), before the module's own hooks. A module of one tensor in and one out gets a form
+``torch.jit.script`` compiles, so that the model still scripts and makes the output contiguous there as eager
+does; the copy counts as an exit in the layout audit. A module outside the model (a teacher's) has its hook taken
+off when the run ends (:meth:`Placements.release_outside`): the module is the user's.
+
+``torch.save(model)`` pickles each hook as a ``torch.fx.GraphModule`` making the same outputs contiguous
+(:func:`portable_form`, through :mod:`~channels_last_algo.core.hook_pickling`), which torch alone loads, so the
+model loads and views as before where this package is not installed. Outputs in a container other than tuples,
+lists and dicts of str or int keys (a dataclass) keep the package's hook, and need the package to load. A guard given a
+loaded model takes the hooks back as its own (:func:`take_back`).
 
 Example:
     >>> import torch
     >>> conv = torch.nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
-    >>> make_outputs_channels_first(conv, one_tensor=True)
+    >>> _ = make_outputs_channels_first(conv, one_tensor=True)
     >>> conv(torch.randn(1, 3, 5, 5).to(memory_format=torch.channels_last)).is_contiguous()
     True
 """
@@ -16,23 +23,39 @@ Example:
 from __future__ import annotations
 
 import inspect
-from typing import Any
+import operator
+import weakref
+from typing import Any, Union
 
 import torch
 from torch.utils._pytree import tree_map_only
+from torch.utils.hooks import RemovableHandle
 
-from channels_last_algo.core.audit import exit_copies
+from channels_last_algo.core.audit import exit_copies, tensors_in
+from channels_last_algo.core.hook_pickling import pickle_hooks_as, stop_pickling_hooks_as
 from channels_last_algo.core.module_calls import in_graph_capture
 from channels_last_algo.core.view_watch import nhwc
 
-__all__ = ['channels_first_output', 'channels_first_outputs', 'make_outputs_channels_first']
+__all__ = [
+    'ChannelsFirstOutputs',
+    'Placements',
+    'channels_first_output',
+    'channels_first_outputs',
+    'make_outputs_channels_first',
+    'portable_form',
+    'take_back',
+]
+
+Layout = Union[bool, tuple, None]  # per tensor: made contiguous; a container: (its type, its parts' layouts)
 
 
-def make_outputs_channels_first(module: torch.nn.Module, one_tensor: bool) -> None:
+def make_outputs_channels_first(module: torch.nn.Module, one_tensor: bool) -> RemovableHandle:
     """Hook ``module`` (before its own hooks) to return its NHWC outputs contiguous; ``one_tensor``: it was seen
     returning one tensor, and its forward takes one argument too, the form TorchScript compiles."""
     scriptable = one_tensor and _one_tensor_in(module)
-    module.register_forward_hook(channels_first_output if scriptable else channels_first_outputs, prepend=True)
+    handle = module.register_forward_hook(channels_first_output if scriptable else ChannelsFirstOutputs(), prepend=True)
+    pickle_hooks_as(module, portable_form)
+    return handle
 
 
 def _channels_first(output: Any) -> Any:
@@ -59,6 +82,115 @@ def channels_first_output(module: Any, args: tuple[torch.Tensor], output: torch.
 @torch.jit.unused
 def _eager_channels_first(module: Any, args: Any, output: Any) -> Any:
     return channels_first_outputs(module, args, output)
+
+
+class ChannelsFirstOutputs:
+    """:func:`channels_first_outputs` as a hook that keeps the layout of the last outputs it made channels first
+    eagerly, for its portable form."""
+
+    def __init__(self) -> None:
+        self.layout: Layout = None  # None: not run yet, or outputs in a container the portable form cannot rebuild
+
+    def __call__(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        if not in_graph_capture():
+            self.layout = _layout(output)
+        return channels_first_outputs(module, args, output)
+
+
+def _layout(output: Any) -> Layout:
+    """Per tensor of ``output``, whether it is made contiguous, through tuples, lists and dicts of str or int keys;
+    None where tensors sit in another container."""
+    if isinstance(output, torch.Tensor):
+        return nhwc(output)
+    if type(output) in (tuple, list, dict):
+        keys = list(output) if type(output) is dict else range(len(output))
+        parts = {key: _layout(output[key]) for key in keys}
+        whole = all(isinstance(key, (str, int)) for key in keys) and None not in parts.values()
+        return (type(output), parts) if whole else None
+    return None if tensors_in(output) else False
+
+
+def portable_form(hook: Any) -> Any:
+    """The form ``torch.save`` keeps of a hook of this module: a ``torch.fx.GraphModule`` making the same
+    tensors contiguous; any other hook, and one whose outputs it cannot rebuild, as it is."""
+    if hook is channels_first_output:
+        return _graph_hook(True, 'output')
+    if isinstance(hook, ChannelsFirstOutputs) and hook.layout is not None:
+        return _graph_hook(hook.layout, 'outputs')
+    return hook
+
+
+def _graph_hook(layout: Layout, kind: str) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    graph.placeholder('module')
+    graph.placeholder('args')
+    graph.output(_rebuilt(graph, graph.placeholder('output'), layout))
+    hook = torch.fx.GraphModule(torch.nn.Module(), graph)
+    hook.channels_first_hook = kind  # kept by pickling: how take_back knows it
+    return hook
+
+
+def _rebuilt(graph: torch.fx.Graph, node: torch.fx.Node, layout: Layout) -> Any:
+    """``node`` with the tensors ``layout`` marks made contiguous; a container without one, as it is."""
+    if layout is True:
+        return graph.call_method('contiguous', (node,))
+    if layout is False or True not in _marks(layout):
+        return node
+    kind, parts = layout
+    rebuilt = {
+        key: _rebuilt(graph, graph.call_function(operator.getitem, (node, key)), part) for key, part in parts.items()
+    }
+    return rebuilt if kind is dict else kind(rebuilt.values())
+
+
+def _marks(layout: Layout) -> list[bool]:
+    if isinstance(layout, bool):
+        return [layout]
+    return [mark for part in layout[1].values() for mark in _marks(part)]
+
+
+def take_back(module: torch.nn.Module) -> bool:
+    """Put this package's hook back in place of each portable form on ``module`` (a loaded model's); whether any."""
+    taken = False
+    for key, hook in list(module._forward_hooks.items()):
+        kind = getattr(hook, 'channels_first_hook', None) if isinstance(hook, torch.fx.GraphModule) else None
+        if kind is not None:
+            scriptable = kind == 'output' and _one_tensor_in(module)
+            module._forward_hooks[key] = channels_first_output if scriptable else ChannelsFirstOutputs()
+            taken = True
+    if taken:
+        pickle_hooks_as(module, portable_form)
+    return taken
+
+
+class Placements:
+    """The modules of ``model`` whose outputs are made channels first (those a loaded model's hooks name, at
+    start), and the hooks on modules outside it (a teacher's), which :meth:`release_outside` takes off."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._modules: weakref.WeakSet = weakref.WeakSet(module for module in model.modules() if take_back(module))
+        self._outside: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __contains__(self, module: torch.nn.Module) -> bool:
+        return module in self._modules
+
+    def place(self, module: torch.nn.Module, one_tensor: bool, outside: bool) -> None:
+        """Make ``module``'s NHWC outputs channels first (:func:`make_outputs_channels_first`)."""
+        handle = make_outputs_channels_first(module, one_tensor)
+        self._modules.add(module)
+        if outside:
+            self._outside[module] = handle
+
+    def release_outside(self) -> list[torch.nn.Module]:
+        """Take the hooks off the modules outside the model: they outlive the run. Those modules, to be placed
+        again where a later run views their outputs."""
+        released = list(self._outside.items())
+        for module, handle in released:
+            handle.remove()
+            stop_pickling_hooks_as(module)
+            self._modules.discard(module)
+        self._outside.clear()
+        return [module for module, _ in released]
 
 
 def _one_tensor_in(module: torch.nn.Module) -> bool:

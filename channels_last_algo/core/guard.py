@@ -375,11 +375,12 @@ class LayoutGuard:
             self._end_watch(training=False)
 
     def close(self) -> None:
-        """End the watch between batches, and an audit or image search a step that raised left on; safe at any time."""
+        """End the watch between batches (its hooks on modules outside the model come off), and an audit or image
+        search a step that raised left on; safe at any time."""
         self.inputs.finish()
         self._compiled_backward.stop()
         if self._viewed is not None:
-            self._viewed.between.end()
+            self._viewed.close()
         self._end_watch(training=False)
         for part in (self._optimizer_watch, self._repair_check, self._audited):
             if part is not None:

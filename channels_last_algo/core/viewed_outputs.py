@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_leaves
 from channels_last_algo.core.backward_hooks import BackwardHooks, hook_first
 from channels_last_algo.core.batch_tree import BatchTensor, path_name
 from channels_last_algo.core.between_batches import BetweenBatches
-from channels_last_algo.core.channels_first_outputs import make_outputs_channels_first
+from channels_last_algo.core.channels_first_outputs import Placements
 from channels_last_algo.core.inputs import InputSelection
 from channels_last_algo.core.late_views import arm, disarm, retrying_refused_traces
 from channels_last_algo.core.module_calls import (
@@ -88,7 +88,7 @@ class ViewedOutputs:
 
     Attributes:
         placed: paths of the modules whose outputs are now made channels first (a module the forward
-            calls from outside the model, a teacher's, by its class).
+            calls from outside the model, a teacher's, by its class, until :meth:`close`).
         unplaced: where a view of a tensor no module made ran on a copy (``file:line``); the watch
             stays on for every step while there is one.
         extensions: where an extension op takes 4D/5D tensors; a light watch of such ops stays on
@@ -108,7 +108,7 @@ class ViewedOutputs:
         self._weights_viewed = weights_viewed
         self._inputs = inputs  # the batch tensors the guard made NHWC, which it can leave as they come
         self.placed: list[str] = []
-        self._hooked: weakref.WeakSet = weakref.WeakSet()  # the modules placed
+        self._placements = Placements(model)  # the modules placed, and their hooks
         self.unplaced: list[str] = []
         self.extensions: list[str] = []
         self._mode: Optional[ViewWatch] = None
@@ -264,6 +264,12 @@ class ViewedOutputs:
         found, self._new = self._new, []
         return found
 
+    def close(self) -> None:
+        """At a run's end: the watch between batches ends; the hooks on modules outside the model come off."""
+        self.between.end()
+        for module in self._placements.release_outside():
+            self.placed.remove(self._name(module))
+
     def __enter__(self) -> ViewedOutputs:
         self.start()
         return self
@@ -382,9 +388,8 @@ class ViewedOutputs:
                     + ('; drawing by shape there (torch.randn(x.shape, ...)) keeps it' if 'random' in how else '')
                 )
             return
-        for module in [module for module in origins if module not in self._hooked]:
-            make_outputs_channels_first(module, one_tensor=module in self._one_tensor_out)
-            self._hooked.add(module)
+        for module in [module for module in origins if module not in self._placements]:
+            self._placements.place(module, module in self._one_tensor_out, compiled_network(module) not in self._paths)
             self.placed.append(self._name(module))
             self._new.append(f'{self.placed[-1]} outputs made channels first ({how})')
 

@@ -1,8 +1,11 @@
 """A whole guarded model saved with ``torch.save`` loads where this package is not installed: its
-swapped layers (repairs and safe paths) pickle as their original classes with the same state,
-and copies of the model (``copy.deepcopy``, ``copy.copy``) keep the swapped classes."""
+swapped layers (repairs and safe paths) pickle as their original classes with the same state, the hooks
+that make viewed outputs channels first as torch's graph modules, and copies of the model
+(``copy.deepcopy``, ``copy.copy``) keep the swapped classes and the package's hooks."""
 
 import copy
+import inspect
+import pathlib
 import pickle
 import subprocess
 import sys
@@ -13,19 +16,23 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 from torchvision.models.shufflenetv2 import InvertedResidual
+from viewing_model import ViewedEverywhere
 
 from channels_last_algo import LayoutGuard
+from channels_last_algo.core.channels_first_outputs import channels_first_output
 from channels_last_algo.core.layers import repair_model
 from channels_last_algo.core.runtime import Runtime
 from channels_last_algo.core.safety import KNOWN_BUGS, make_safe
 
+HERE = pathlib.Path(__file__).parent
 ONEDNN = next(bug for bug in KNOWN_BUGS if bug.name == 'onednn_1x1_strided_weight_grad')
 XEON = Runtime(torch_version=(2, 7, 0), device='cpu', cpu_isa='AVX512')
 
 # The child: this package cannot be imported (a finder ahead of all others refuses it), the model
-# is loaded whole and run on the saved NCHW input; it saves the output and its classes' modules.
+# is loaded whole, run on the saved NCHW input and pickled again; it saves the output, its classes and
+# the modules of its forward hooks.
 LOAD_WITHOUT_PACKAGE = """
-import importlib.abc, sys
+import importlib.abc, pickle, sys
 
 class NoPackage(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
@@ -36,11 +43,15 @@ class NoPackage(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoPackage())
 import torch
 
-model_path, input_path, output_path = sys.argv[1:]
+model_path, input_path, output_path, classes_path = sys.argv[1:]
+sys.path.insert(0, classes_path)  # where the model's own classes are
 model = torch.load(model_path, weights_only=False)
 loaded = sorted(name for name in sys.modules if name.partition('.')[0] == 'channels_last_algo')
 classes = sorted({f'{type(m).__module__}.{type(m).__qualname__}' for m in model.modules()})
-torch.save({'output': model(torch.load(input_path)), 'loaded': loaded, 'classes': classes}, output_path)
+hooks = sorted({type(h).__module__ for m in model.modules() for h in m._forward_hooks.values()})
+output = model(torch.load(input_path))
+pickle.loads(pickle.dumps(model))  # saved again, as loaded
+torch.save({'output': output, 'loaded': loaded, 'classes': classes, 'hooks': hooks}, output_path)
 """
 
 
@@ -60,6 +71,23 @@ def stem_net() -> nn.Module:
     return nn.Sequential(layers).double().eval()
 
 
+def _load_without_package(model: nn.Module, x: torch.Tensor, tmp_path) -> dict:
+    torch.save(model, tmp_path / 'model.pt')
+    torch.save(x, tmp_path / 'input.pt')
+    child = subprocess.run(
+        [sys.executable, '-I', '-c', LOAD_WITHOUT_PACKAGE, 'model.pt', 'input.pt', 'output.pt', str(HERE)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr
+    loaded = torch.load(tmp_path / 'output.pt', weights_only=False)
+    assert loaded['loaded'] == []
+    assert not [name for name in loaded['classes'] + loaded['hooks'] if name.startswith('channels_last_algo')]
+    return loaded
+
+
 def test_a_saved_guarded_model_loads_and_runs_where_the_package_is_missing(tmp_path):
     model = stem_net()
     guard = LayoutGuard()
@@ -70,20 +98,7 @@ def test_a_saved_guarded_model_loads_and_runs_where_the_package_is_missing(tmp_p
     x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
     with torch.no_grad():
         expected = model(x)
-    torch.save(model, tmp_path / 'model.pt')
-    torch.save(x, tmp_path / 'input.pt')
-    child = subprocess.run(
-        [sys.executable, '-I', '-c', LOAD_WITHOUT_PACKAGE, 'model.pt', 'input.pt', 'output.pt'],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert child.returncode == 0, child.stderr
-    loaded = torch.load(tmp_path / 'output.pt', weights_only=False)
-    assert loaded['loaded'] == []
-    assert not [name for name in loaded['classes'] if name.startswith('channels_last_algo')]
-    torch.testing.assert_close(loaded['output'], expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_load_without_package(model, x, tmp_path)['output'], expected, rtol=1e-12, atol=1e-12)
 
 
 def test_a_swapped_layer_pickles_as_its_original_class_and_copies_keep_the_swap():
@@ -121,3 +136,46 @@ def test_a_swapped_subclass_pickles_as_itself_and_a_parametrized_one_refuses_as_
     copied = copy.deepcopy(model)
     assert [type(m) for m in copied] == [type(m) for m in model]
     assert isinstance(copied[1], parametrized) and copied[1].parametrizations.weight.original1 is not None
+
+
+def _trained(model: nn.Module, guard: LayoutGuard) -> nn.Module:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard.on_init(model, optimizer)
+    for _ in range(2):
+        batch = guard.on_batch(torch.randn(2, 3, 8, 8, dtype=torch.float64))
+        with guard.step():
+            model(batch).square().mean().backward()
+        optimizer.step()
+        guard.on_batch_end()
+    guard.close()
+    return model
+
+
+def _hook_kinds(model: nn.Module) -> dict:
+    """Each module's forward hooks: the function, or the class of a callable object."""
+    kinds = {
+        path: [h if inspect.isfunction(h) else type(h) for h in m._forward_hooks.values()]
+        for path, m in model.named_modules()
+    }
+    return {path: hooks for path, hooks in kinds.items() if hooks}
+
+
+def test_a_model_whose_outputs_are_made_channels_first_loads_and_views_where_the_package_is_missing(tmp_path):
+    """The hooks that make viewed outputs channels first pickle as torch's own graph modules: the child runs
+    the views as NCHW does and saves the model again; copies keep the package's hooks, and a guard given
+    the loaded model takes them back."""
+    torch.manual_seed(0)
+    guard = LayoutGuard()
+    model = _trained(ViewedEverywhere().double(), guard)
+    assert sorted(guard._viewed.placed) == ['block', 'conv', 'pair']
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(x)
+    assert _load_without_package(model, x, tmp_path)['hooks'] == ['torch.fx.graph_module']
+    torch.testing.assert_close(torch.load(tmp_path / 'output.pt')['output'], expected, rtol=1e-12, atol=1e-12)
+    hooks = _hook_kinds(model)
+    assert _hook_kinds(copy.deepcopy(model)) == hooks and hooks['conv'] == [channels_first_output]
+    loaded = torch.load(tmp_path / 'model.pt', weights_only=False)
+    assert all(isinstance(h, torch.fx.GraphModule) for m in loaded.modules() for h in m._forward_hooks.values())
+    LayoutGuard().on_init(loaded)
+    assert _hook_kinds(loaded) == hooks

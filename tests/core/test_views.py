@@ -980,3 +980,17 @@ def test_auto_modes_channels_last_trials_take_views_as_training_steps_do(integra
     if build is _WeightNormalizingNet:
         guard = getattr(owner, 'guard', owner)
         assert guard.effective_mode == 'on' and net.conv.weight.is_contiguous()
+
+
+@EACH_INTEGRATION
+def test_a_teacher_outside_the_model_keeps_no_hook_after_the_run(integration, caplog):
+    """The teacher is the user's: the hook that made its viewed output channels first comes off when the run
+    ends, and it pickles as its class makes it."""
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        _, net, owner = guarded(RUNS['distilled-from-a-teacher'], integration)
+    teacher = net._teacher[0]
+    if integration == 'guard':
+        assert any('a Conv2d outside the model outputs made channels first' in r.getMessage() for r in caplog.records)
+    assert not [path for path, m in teacher.named_modules() if m._forward_hooks or '__getstate__' in vars(m)]
+    guard = owner if isinstance(owner, LayoutGuard) else owner.guard
+    assert not [path for path in guard._viewed.placed if 'outside the model' in path]
