@@ -28,9 +28,9 @@ HERE = pathlib.Path(__file__).parent
 ONEDNN = next(bug for bug in KNOWN_BUGS if bug.name == 'onednn_1x1_strided_weight_grad')
 XEON = Runtime(torch_version=(2, 7, 0), device='cpu', cpu_isa='AVX512')
 
-# The child: this package cannot be imported (a finder ahead of all others refuses it), the model
-# is loaded whole, run on the saved NCHW input and pickled again; it saves the output, its classes and
-# the modules of its forward hooks.
+# The child: this package cannot be imported (a finder ahead of all others refuses it); each model named
+# is loaded whole, run on its saved NCHW input and pickled again; it saves the outputs, the classes and
+# the modules of the forward hooks.
 LOAD_WITHOUT_PACKAGE = """
 import importlib.abc, pickle, sys
 
@@ -43,15 +43,19 @@ class NoPackage(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoPackage())
 import torch
 
-model_path, input_path, output_path, classes_path = sys.argv[1:]
-sys.path.insert(0, classes_path)  # where the model's own classes are
-model = torch.load(model_path, weights_only=False)
+classes_path, *names = sys.argv[1:]
+sys.path.insert(0, classes_path)  # where the models' own classes are
+results = {}
+for name in names:
+    model = torch.load(f'{name}.pt', weights_only=False)
+    results[name] = {
+        'classes': sorted({f'{type(m).__module__}.{type(m).__qualname__}' for m in model.modules()}),
+        'hooks': sorted({type(h).__module__ for m in model.modules() for h in m._forward_hooks.values()}),
+        'output': model(torch.load(f'{name}-input.pt')),
+    }
+    pickle.loads(pickle.dumps(model))  # saved again, as loaded
 loaded = sorted(name for name in sys.modules if name.partition('.')[0] == 'channels_last_algo')
-classes = sorted({f'{type(m).__module__}.{type(m).__qualname__}' for m in model.modules()})
-hooks = sorted({type(h).__module__ for m in model.modules() for h in m._forward_hooks.values()})
-output = model(torch.load(input_path))
-pickle.loads(pickle.dumps(model))  # saved again, as loaded
-torch.save({'output': output, 'loaded': loaded, 'classes': classes, 'hooks': hooks}, output_path)
+torch.save({'loaded': loaded, 'models': results}, 'outputs.pt')
 """
 
 
@@ -71,34 +75,44 @@ def stem_net() -> nn.Module:
     return nn.Sequential(layers).double().eval()
 
 
-def _load_without_package(model: nn.Module, x: torch.Tensor, tmp_path) -> dict:
-    torch.save(model, tmp_path / 'model.pt')
-    torch.save(x, tmp_path / 'input.pt')
-    child = subprocess.run(
-        [sys.executable, '-I', '-c', LOAD_WITHOUT_PACKAGE, 'model.pt', 'input.pt', 'output.pt', str(HERE)],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert child.returncode == 0, child.stderr
-    loaded = torch.load(tmp_path / 'output.pt', weights_only=False)
-    assert loaded['loaded'] == []
-    assert not [name for name in loaded['classes'] + loaded['hooks'] if name.startswith('channels_last_algo')]
-    return loaded
-
-
-def test_a_saved_guarded_model_loads_and_runs_where_the_package_is_missing(tmp_path):
+def _guarded_stem_net() -> tuple[nn.Module, object]:
     model = stem_net()
     guard = LayoutGuard()
     summary = guard.on_init(model)
     guard.close()
+    return model, summary
+
+
+@pytest.fixture(scope='module')
+def without_package(tmp_path_factory) -> dict:
+    """The guarded models saved whole and run by one child without this package (a Python that starts takes
+    seconds): {name: (model, its guard's summary or the guard, its NCHW input, the child's result)}."""
+    folder = tmp_path_factory.mktemp('saved')
+    torch.manual_seed(0)
+    guard = LayoutGuard()
+    models = {'stem': _guarded_stem_net(), 'viewed': (_trained(ViewedEverywhere().double(), guard), guard)}
+    inputs = {}
+    for name, (model, _) in models.items():
+        size = 16 if name == 'stem' else 8
+        inputs[name] = torch.randn(2, 3, size, size, dtype=torch.float64)
+        torch.save(model, folder / f'{name}.pt')
+        torch.save(inputs[name], folder / f'{name}-input.pt')
+    command = [sys.executable, '-I', '-c', LOAD_WITHOUT_PACKAGE, str(HERE), *models]
+    child = subprocess.run(command, cwd=folder, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    outputs = torch.load(folder / 'outputs.pt', weights_only=False)
+    assert outputs['loaded'] == []
+    for result in outputs['models'].values():
+        assert not [name for name in result['classes'] + result['hooks'] if name.startswith('channels_last_algo')]
+    return {name: (*models[name], inputs[name], outputs['models'][name], folder / f'{name}.pt') for name in models}
+
+
+def test_a_saved_guarded_model_loads_and_runs_where_the_package_is_missing(without_package):
+    model, summary, x, loaded, _ = without_package['stem']
     assert sorted(r.reason for r in summary.repaired) == ['global_avg_pool', 'shufflenet_channel_shuffle']
     assert [r.path for r in summary.made_safe] == (['stem'] if ONEDNN.affects(Runtime.current('cpu')) else [])
-    x = torch.randn(2, 3, 16, 16, dtype=torch.float64)
     with torch.no_grad():
-        expected = model(x)
-    torch.testing.assert_close(_load_without_package(model, x, tmp_path)['output'], expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(loaded['output'], model(x), rtol=1e-12, atol=1e-12)
 
 
 def test_a_swapped_layer_pickles_as_its_original_class_and_copies_keep_the_swap():
@@ -160,22 +174,18 @@ def _hook_kinds(model: nn.Module) -> dict:
     return {path: hooks for path, hooks in kinds.items() if hooks}
 
 
-def test_a_model_whose_outputs_are_made_channels_first_loads_and_views_where_the_package_is_missing(tmp_path):
+def test_a_model_whose_outputs_are_made_channels_first_loads_and_views_where_the_package_is_missing(without_package):
     """The hooks that make viewed outputs channels first pickle as torch's own graph modules: the child runs
     the views as NCHW does and saves the model again; copies keep the package's hooks, and a guard given
     the loaded model takes them back."""
-    torch.manual_seed(0)
-    guard = LayoutGuard()
-    model = _trained(ViewedEverywhere().double(), guard)
+    model, guard, x, loaded, path = without_package['viewed']
     assert sorted(guard._viewed.placed) == ['block', 'conv', 'pair']
-    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    assert loaded['hooks'] == ['torch.fx.graph_module']
     with torch.no_grad():
-        expected = model(x)
-    assert _load_without_package(model, x, tmp_path)['hooks'] == ['torch.fx.graph_module']
-    torch.testing.assert_close(torch.load(tmp_path / 'output.pt')['output'], expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(loaded['output'], model(x), rtol=1e-12, atol=1e-12)
     hooks = _hook_kinds(model)
     assert _hook_kinds(copy.deepcopy(model)) == hooks and hooks['conv'] == [channels_first_output]
-    loaded = torch.load(tmp_path / 'model.pt', weights_only=False)
-    assert all(isinstance(h, torch.fx.GraphModule) for m in loaded.modules() for h in m._forward_hooks.values())
-    LayoutGuard().on_init(loaded)
-    assert _hook_kinds(loaded) == hooks
+    loaded_here = torch.load(path, weights_only=False)
+    assert all(isinstance(h, torch.fx.GraphModule) for m in loaded_here.modules() for h in m._forward_hooks.values())
+    LayoutGuard().on_init(loaded_here)
+    assert _hook_kinds(loaded_here) == hooks
