@@ -5,7 +5,9 @@ for NCHW memory from the shape (``(c * h * w, h * w, w, 1, w, 1)``), or takes th
 strides from ``z.stride()`` and writes the spatial ones so (Opacus's ``unfold2d``). On an NHWC ``z``
 either reads other elements, silently. :func:`written_for_nchw` tells such strides from ones built
 from ``z.stride()`` alone (which read the same elements in either layout), and :func:`read_as_in_nchw`
-gives the strides the code would have given in NCHW, where it read the tensor's own.
+gives the strides the code would have given in NCHW, where it read the tensor's own. A read of one
+element at the tensor's start (:func:`first_element_only`: torchdiffeq's ``torch.as_strided(param, (), ())``)
+is the same in either layout, whatever the strides.
 
 Example:
     >>> import torch
@@ -18,11 +20,24 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from typing import Any, Optional
 
 import torch
 
-__all__ = ['read_as_in_nchw', 'written_for_nchw']
+__all__ = ['first_element_only', 'read_as_in_nchw', 'written_for_nchw']
+
+
+def first_element_only(tensor: torch.Tensor, size: Any, storage_offset: Optional[int]) -> bool:
+    """Whether ``tensor.as_strided(size, strides, storage_offset)`` reads at most the tensor's first element,
+    which is the same in either layout: sizes of one (or an empty read), from the tensor's own start.
+
+    Example:
+        >>> z = torch.empty(2, 4, 6, 6).to(memory_format=torch.channels_last)
+        >>> first_element_only(z, (), None), first_element_only(z, (1, 1), 0), first_element_only(z, (1, 2), None)
+        (True, True, False)
+    """
+    return math.prod(size) <= 1 and storage_offset in (None, tensor.storage_offset())
 
 
 def written_for_nchw(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> bool:

@@ -42,7 +42,7 @@ from channels_last_algo.core.aliased_copies import AliasedCopies, same_memory
 from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.batch_tree import BatchTensor
 from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on_contiguous
-from channels_last_algo.core.given_strides import read_as_in_nchw, written_for_nchw
+from channels_last_algo.core.given_strides import first_element_only, read_as_in_nchw, written_for_nchw
 from channels_last_algo.core.late_views import original, passing_through, refused_by_strides
 from channels_last_algo.core.layout import is_4d_or_5d, uninitialized_among
 from channels_last_algo.core.nchw_twins import CONVOLUTIONS, COPY_OR_VIEW, SHAPE_OPS, NchwTwins, aliases
@@ -309,12 +309,13 @@ class ViewWatch(TorchFunctionMode):
     def _as_strided(self, func: Any, args: tuple, kwargs: dict, by_torch: bool) -> Any:
         """``z.as_strided(size, stride)``: strides written for NCHW memory read other elements of NHWC
         memory, so it runs on a copy laid out as NCHW has it (writes through it land in ``z``), and
-        ``z``'s module makes it channels first from the next step on. Strides built from ``z.stride()``
-        read the same elements in either layout: they run as they are."""
+        ``z``'s module makes it channels first from the next step on. Strides built from ``z.stride()``, and
+        any that read only ``z``'s first element, read the same elements in either layout: they run as they are."""
         tensor, given = args[0], dict(zip(('size', 'stride', 'storage_offset'), args[1:]), **kwargs)
         offset, twin = given.get('storage_offset'), self.twins.twin(tensor)
         known = twin is not None and twin.is_contiguous() and (offset is None or offset >= twin.storage_offset())
-        if not known or by_torch or not written_for_nchw(twin, tensor, given['stride']):
+        same = not known or by_torch or first_element_only(tensor, given['size'], offset)
+        if same or not written_for_nchw(twin, tensor, given['stride']):
             return func(*args, **kwargs)  # NCHW's memory is unknown, or the strides are this tensor's own
         where = calling_code()
         how = f'read through the .as_strided() at {where}'

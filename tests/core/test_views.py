@@ -459,6 +459,18 @@ class DistilledFromATeacher(nn.Module):
         return logits - (logits.log_softmax(-1) * taught).sum(-1, keepdim=True)
 
 
+class ReadAtTheStart(_ThreeConvolutions):
+    """Reads the first element of each parameter and of an activation through ``.as_strided()`` of sizes of one
+    (torchdiffeq's adjoint takes ``torch.as_strided(param, (), ())`` of every parameter): the same element in
+    either layout, whatever the strides given."""
+
+    def forward(self, x):
+        z = F.relu(self.stem(x))
+        firsts = sum(torch.as_strided(p, (), ()) for p in self.parameters())
+        corner = torch.as_strided(z, (1, 1, 1), (7, 5, 3), storage_offset=z.storage_offset())
+        return self.head(self.last(F.relu(self.mid(z)))) + firsts + corner.view(1, 1)
+
+
 class ReadThroughAsStridedSquare(ReadThroughAsStrided):
     """The same with 8 channels on 8 x 8 maps, where NHWC and NCHW strides are the same numbers in
     another order."""
@@ -545,6 +557,7 @@ RUNS = {
     'bits-truncated': Run(BitsTruncated, _batches(), _cross_entropy),
     'custom-function-vjp': Run(lambda: CustomFunctionViewing(_TripledByVjp), _batches((2, 3, 8, 8)), _cross_entropy),
     'scripted-block-viewed': Run(ScriptedBlockViewed, _batches((2, 3, 8, 8)), _cross_entropy),
+    'read-at-the-start': Run(ReadAtTheStart, _batches((2, 3, 8, 8)), _cross_entropy),
 }
 WEIGHTS_FLATTENED = ('lbfgs', 'parameters-to-vector', 'max-normed-through-reshape')
 
@@ -994,3 +1007,10 @@ def test_a_teacher_outside_the_model_keeps_no_hook_after_the_run(integration, ca
     assert not [path for path, m in teacher.named_modules() if m._forward_hooks or '__getstate__' in vars(m)]
     guard = owner if isinstance(owner, LayoutGuard) else owner.guard
     assert not [path for path in guard._viewed.placed if 'outside the model' in path]
+
+
+def test_a_read_of_the_first_element_through_as_strided_keeps_the_weights_and_outputs_channels_last(caplog):
+    """Strides given for one element read the same one in either layout: nothing is made contiguous."""
+    with caplog.at_level(logging.WARNING, logger='channels_last_algo.core.guard'):
+        _, net, guard = guarded(RUNS['read-at-the-start'], 'guard')
+    assert not guard.weight_layout.contiguous and not guard._viewed.placed, [r.getMessage() for r in caplog.records]
