@@ -9,8 +9,9 @@ off when the run ends (:meth:`Placements.release_outside`): the module is the us
 ``torch.save(model)`` pickles each hook as a ``torch.fx.GraphModule`` making the same outputs contiguous
 (:func:`portable_form`, through :mod:`~channels_last_algo.core.hook_pickling`), which torch alone loads, so the
 model loads and views as before where this package is not installed. Outputs in a container other than tuples,
-lists and dicts of str or int keys (a dataclass) keep the package's hook, and need the package to load. A guard given a
-loaded model takes the hooks back as its own (:func:`take_back`).
+lists and dicts of str or int keys (a dataclass) keep the package's hook, and need the package to load.
+``apply_channels_last`` (and so a guard) given a loaded model takes the hooks back as its own (:func:`take_back`):
+``torch.jit.script`` compiles those, not the graph modules.
 
 Example:
     >>> import torch
@@ -149,18 +150,22 @@ def _marks(layout: Layout) -> list[bool]:
     return [mark for part in layout[1].values() for mark in _marks(part)]
 
 
-def take_back(module: torch.nn.Module) -> bool:
-    """Put this package's hook back in place of each portable form on ``module`` (a loaded model's); whether any."""
-    taken = False
-    for key, hook in list(module._forward_hooks.items()):
+def take_back(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Put this package's hook back in place of each portable form in ``model`` (a loaded model's, which then
+    scripts again): the modules that carry one of its hooks. ``apply_channels_last`` calls it, as it puts the
+    swapped layers back."""
+    return [module for module in model.modules() if _taken_back(module)]
+
+
+def _taken_back(module: torch.nn.Module) -> bool:
+    hooks = module._forward_hooks
+    for key, hook in list(hooks.items()):
         kind = getattr(hook, 'channels_first_hook', None) if isinstance(hook, torch.fx.GraphModule) else None
         if kind is not None:
             scriptable = kind == 'output' and _one_tensor_in(module)
-            module._forward_hooks[key] = channels_first_output if scriptable else ChannelsFirstOutputs()
-            taken = True
-    if taken:
-        pickle_hooks_as(module, portable_form)
-    return taken
+            hooks[key] = channels_first_output if scriptable else ChannelsFirstOutputs()
+            pickle_hooks_as(module, portable_form)
+    return any(hook is channels_first_output or isinstance(hook, ChannelsFirstOutputs) for hook in hooks.values())
 
 
 class Placements:
@@ -168,7 +173,7 @@ class Placements:
     start), and the hooks on modules outside it (a teacher's), which :meth:`release_outside` takes off."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self._modules: weakref.WeakSet = weakref.WeakSet(module for module in model.modules() if take_back(module))
+        self._modules: weakref.WeakSet = weakref.WeakSet(take_back(model))
         self._outside: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __contains__(self, module: torch.nn.Module) -> bool:

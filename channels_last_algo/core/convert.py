@@ -44,6 +44,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from channels_last_algo.core.argument_checks import require_flags, require_module, require_optimizers
+from channels_last_algo.core.channels_first_outputs import take_back
 from channels_last_algo.core.extension_functions import cover_extension_functions
 from channels_last_algo.core.layers import repair_model, unrepaired_subclasses
 from channels_last_algo.core.layout import MemoryFormat, channels_last_format, to_channels_first, to_channels_last
@@ -297,6 +298,7 @@ def convert_quietly(
         keep_state_in_weight_layout(model)
     summary.repaired = repair_model(model) if repair else []
     summary.not_covered = _not_covered(model, repair, kernel_safety)
+    take_back(model)  # a loaded model's hooks that make viewed outputs channels first
     return summary
 
 

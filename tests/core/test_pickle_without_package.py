@@ -18,7 +18,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from torchvision.models.shufflenetv2 import InvertedResidual
 from viewing_model import ViewedEverywhere
 
-from channels_last_algo import LayoutGuard
+from channels_last_algo import LayoutGuard, apply_channels_last
 from channels_last_algo.core.channels_first_outputs import channels_first_output
 from channels_last_algo.core.layers import repair_model
 from channels_last_algo.core.runtime import Runtime
@@ -176,8 +176,8 @@ def _hook_kinds(model: nn.Module) -> dict:
 
 def test_a_model_whose_outputs_are_made_channels_first_loads_and_views_where_the_package_is_missing(without_package):
     """The hooks that make viewed outputs channels first pickle as torch's own graph modules: the child runs
-    the views as NCHW does and saves the model again; copies keep the package's hooks, and a guard given
-    the loaded model takes them back."""
+    the views as NCHW does and saves the model again; copies keep the package's hooks, and
+    ``apply_channels_last`` given the loaded model takes them back."""
     model, guard, x, loaded, path = without_package['viewed']
     assert sorted(guard._viewed.placed) == ['block', 'conv', 'pair']
     assert loaded['hooks'] == ['torch.fx.graph_module']
@@ -187,5 +187,5 @@ def test_a_model_whose_outputs_are_made_channels_first_loads_and_views_where_the
     assert _hook_kinds(copy.deepcopy(model)) == hooks and hooks['conv'] == [channels_first_output]
     loaded_here = torch.load(path, weights_only=False)
     assert all(isinstance(h, torch.fx.GraphModule) for m in loaded_here.modules() for h in m._forward_hooks.values())
-    LayoutGuard().on_init(loaded_here)
+    apply_channels_last(loaded_here)  # as a guard does
     assert _hook_kinds(loaded_here) == hooks
