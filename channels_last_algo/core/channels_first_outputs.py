@@ -99,10 +99,12 @@ class ChannelsFirstOutputs:
 
 
 def _layout(output: Any) -> Layout:
-    """Per tensor of ``output``, whether it is made contiguous, through tuples, lists and dicts of str or int keys;
-    None where tensors sit in another container."""
+    """Per tensor of ``output``, whether the portable form makes it contiguous, through tuples, lists and dicts of
+    str or int keys; None where tensors sit in another container. Each 4D/5D tensor that is NHWC or contiguous is
+    (a no-op on a contiguous one): one contiguous here because the tensors before it were made so may come NHWC
+    where the model runs loaded (its weights channels last)."""
     if isinstance(output, torch.Tensor):
-        return nhwc(output)
+        return nhwc(output) or (output.dim() in (4, 5) and output.is_contiguous())
     if type(output) in (tuple, list, dict):
         keys = list(output) if type(output) is dict else range(len(output))
         parts = {key: _layout(output[key]) for key in keys}

@@ -180,6 +180,10 @@ def test_a_model_whose_outputs_are_made_channels_first_loads_and_views_where_the
     ``apply_channels_last`` given the loaded model takes them back."""
     model, guard, x, loaded, path = without_package['viewed']
     assert sorted(guard._viewed.placed) == ['block', 'conv', 'pair']
+    (pair_hook,) = (
+        model.pair._forward_hooks.values()
+    )  # its outputs, contiguous since conv's are, made so on loading too
+    assert pair_hook.layout == (tuple, {0: True, 1: (dict, {'shifted': True, 'channels': False})})
     assert loaded['hooks'] == ['torch.fx.graph_module']
     with torch.no_grad():
         torch.testing.assert_close(loaded['output'], model(x), rtol=1e-12, atol=1e-12)
