@@ -9,7 +9,8 @@ off when the run ends (:meth:`Placements.release_outside`): the module is the us
 ``torch.save(model)`` pickles each hook as a ``torch.fx.GraphModule`` making the same outputs contiguous
 (:func:`portable_form`, through :mod:`~channels_last_algo.core.hook_pickling`), which torch alone loads, so the
 model loads and views as before where this package is not installed. Outputs in a container other than tuples,
-lists and dicts of str or int keys (a dataclass) keep the package's hook, and need the package to load.
+lists, dicts of str or int keys and namedtuples a module defines (a dataclass) keep the package's hook, and need
+the package to load.
 ``apply_channels_last`` (and so a guard) given a loaded model takes the hooks back as its own (:func:`take_back`):
 ``torch.jit.script`` compiles those, not the graph modules.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import sys
 import weakref
 from typing import Any, Union
 
@@ -99,13 +101,13 @@ class ChannelsFirstOutputs:
 
 
 def _layout(output: Any) -> Layout:
-    """Per tensor of ``output``, whether the portable form makes it contiguous, through tuples, lists and dicts of
-    str or int keys; None where tensors sit in another container. Each 4D/5D tensor that is NHWC or contiguous is
-    (a no-op on a contiguous one): one contiguous here because the tensors before it were made so may come NHWC
-    where the model runs loaded (its weights channels last)."""
+    """Per tensor of ``output``, whether the portable form makes it contiguous, through tuples, lists, dicts of
+    str or int keys and namedtuples a module defines; None where tensors sit in another container. Each 4D/5D tensor
+    that is NHWC or contiguous is (a no-op on a contiguous one): one contiguous here because the tensors before it
+    were made so may come NHWC where the model runs loaded (its weights channels last)."""
     if isinstance(output, torch.Tensor):
         return nhwc(output) or (output.dim() in (4, 5) and output.is_contiguous())
-    if type(output) in (tuple, list, dict):
+    if type(output) in (tuple, list, dict) or _importable_namedtuple(type(output)):
         keys = list(output) if type(output) is dict else range(len(output))
         parts = {key: _layout(output[key]) for key in keys}
         whole = all(isinstance(key, (str, int)) for key in keys) and None not in parts.values()
@@ -143,7 +145,19 @@ def _rebuilt(graph: torch.fx.Graph, node: torch.fx.Node, layout: Layout) -> Any:
     rebuilt = {
         key: _rebuilt(graph, graph.call_function(operator.getitem, (node, key)), part) for key, part in parts.items()
     }
-    return rebuilt if kind is dict else kind(rebuilt.values())
+    if kind in (tuple, list, dict):
+        return rebuilt if kind is dict else kind(rebuilt.values())
+    return graph.call_function(kind, tuple(rebuilt.values()))  # a namedtuple
+
+
+def _importable_namedtuple(kind: type) -> bool:
+    """A namedtuple class a graph module's code can import by its module and name (one defined in a function cannot)."""
+    if not (issubclass(kind, tuple) and hasattr(kind, '_fields')):
+        return False
+    found: Any = sys.modules.get(kind.__module__)
+    for name in kind.__qualname__.split('.'):
+        found = getattr(found, name, None)
+    return found is kind
 
 
 def _marks(layout: Layout) -> list[bool]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import weight_norm
 from torchvision.models.shufflenetv2 import InvertedResidual
-from viewing_model import ViewedEverywhere
+from viewing_model import Pair, ViewedEverywhere
 
 from channels_last_algo import LayoutGuard, apply_channels_last
 from channels_last_algo.core.channels_first_outputs import channels_first_output
@@ -183,7 +183,7 @@ def test_a_model_whose_outputs_are_made_channels_first_loads_and_views_where_the
     (pair_hook,) = (
         model.pair._forward_hooks.values()
     )  # its outputs, contiguous since conv's are, made so on loading too
-    assert pair_hook.layout == (tuple, {0: True, 1: (dict, {'shifted': True, 'channels': False})})
+    assert pair_hook.layout == (Pair, {0: True, 1: (dict, {'shifted': True, 'channels': False})})
     assert loaded['hooks'] == ['torch.fx.graph_module']
     with torch.no_grad():
         torch.testing.assert_close(loaded['output'], model(x), rtol=1e-12, atol=1e-12)

@@ -1,15 +1,22 @@
 """A model that views what its modules make, in a module of its own: a child without this package loads it."""
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 from torchvision.models.shufflenetv2 import InvertedResidual
 
 
+class Pair(NamedTuple):
+    doubled: torch.Tensor
+    more: dict
+
+
 class Paired(nn.Module):
-    """A block of two outputs, a tensor and a dict of one, made by its own ops."""
+    """A block of two outputs in a namedtuple, a tensor and a dict of one, made by its own ops."""
 
     def forward(self, x):
-        return x * 2, {'shifted': x + 1, 'channels': x.shape[1]}
+        return Pair(x * 2, {'shifted': x + 1, 'channels': x.shape[1]})
 
 
 class ViewedEverywhere(nn.Module):
