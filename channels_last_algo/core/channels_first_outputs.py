@@ -88,15 +88,16 @@ def _eager_channels_first(module: Any, args: Any, output: Any) -> Any:
 
 
 class ChannelsFirstOutputs:
-    """:func:`channels_first_outputs` as a hook that keeps the layout of the last outputs it made channels first
-    eagerly, for its portable form."""
+    """:func:`channels_first_outputs` as a hook that keeps the layout of the first outputs it gets eagerly, for
+    its portable form (read once: a step's outputs keep their structure)."""
 
     def __init__(self) -> None:
-        self.layout: Layout = None  # None: not run yet, or outputs in a container the portable form cannot rebuild
+        self.seen = False
+        self.layout: Layout = None  # None: not seen yet, or outputs in a container the portable form cannot rebuild
 
     def __call__(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
-        if not in_graph_capture():
-            self.layout = _layout(output)
+        if not self.seen and not in_graph_capture():
+            self.seen, self.layout = True, _layout(output)
         return channels_first_outputs(module, args, output)
 
 
@@ -174,13 +175,14 @@ def take_back(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _taken_back(module: torch.nn.Module) -> bool:
-    hooks = module._forward_hooks
+    hooks, portable = module._forward_hooks, False
     for key, hook in list(hooks.items()):
         kind = getattr(hook, 'channels_first_hook', None) if isinstance(hook, torch.fx.GraphModule) else None
         if kind is not None:
             scriptable = kind == 'output' and _one_tensor_in(module)
-            hooks[key] = channels_first_output if scriptable else ChannelsFirstOutputs()
-            pickle_hooks_as(module, portable_form)
+            hooks[key], portable = channels_first_output if scriptable else ChannelsFirstOutputs(), True
+    if portable:
+        pickle_hooks_as(module, portable_form)
     return any(hook is channels_first_output or isinstance(hook, ChannelsFirstOutputs) for hook in hooks.values())
 
 

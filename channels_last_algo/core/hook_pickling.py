@@ -21,12 +21,13 @@ Example:
 from __future__ import annotations
 
 import collections
-import copy
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from channels_last_algo.core.swap import deep_copy_from_state
 
 __all__ = ['pickle_hooks_as', 'stop_pickling_hooks_as']
 
@@ -64,7 +65,4 @@ def _deep_copy(module: torch.nn.Module, memo: dict) -> torch.nn.Module:
     cls = type(module)
     if hasattr(cls, '__deepcopy__'):
         return cls.__deepcopy__(module, memo)
-    copied = cls.__new__(cls)
-    memo[id(module)] = copied
-    copied.__setstate__(copy.deepcopy(cls.__getstate__(module), memo))
-    return copied
+    return deep_copy_from_state(module, cls.__getstate__(module), memo)

@@ -108,10 +108,15 @@ class Replacement:
         return copied
 
     def __deepcopy__(self, memo: dict) -> Any:
-        copied = type(self).__new__(type(self))
-        memo[id(self)] = copied
-        copied.__setstate__(copy.deepcopy(nn.Module.__getstate__(self), memo))
-        return copied
+        return deep_copy_from_state(self, nn.Module.__getstate__(self), memo)
+
+
+def deep_copy_from_state(module: nn.Module, state: dict, memo: dict) -> nn.Module:
+    """A deep copy of ``module`` as ``copy.deepcopy`` makes one: an object of its class given ``state`` deep-copied."""
+    copied = type(module).__new__(type(module))
+    memo[id(module)] = copied
+    copied.__setstate__(copy.deepcopy(state, memo))
+    return copied
 
 
 def unswapped_class(cls: type) -> type:
