@@ -50,6 +50,7 @@ from channels_last_algo.core.layers import repair_model, unrepaired_subclasses
 from channels_last_algo.core.layout import MemoryFormat, channels_last_format, to_channels_first, to_channels_last
 from channels_last_algo.core.module_calls import is_torchscript
 from channels_last_algo.core.optimizer_state_layout import keep_state_in_weight_layout, match_state_to_weights
+from channels_last_algo.core.process_sharing import shared_between_processes
 from channels_last_algo.core.safety.bugs import make_safe, unsafe_subclasses
 from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 from channels_last_algo.core.weight_layout import ddp_around, weight_layout_for
@@ -162,10 +163,12 @@ def _owned_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]
             yield f'parametrizations.{name}', tensor
 
 
-def _tensors_by_use(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor, Optional[str]]]:
+def _tensors_by_use(model: torch.nn.Module, restride: Restride) -> Iterable[tuple[str, torch.Tensor, Optional[str]]]:
     """Every 4D/5D (or lazy) parameter and buffer of ``model``, once, with why it keeps its layout:
     None for a convolution's tensors, which go channels last; a reason for any other (a positional
-    embedding, a weight bank that the model views and mixes), which is left as it is."""
+    embedding, a weight bank that the model views and mixes), which is left as it is, and for a
+    convolution's tensor whose memory is shared where ``restride`` would copy it (one that already
+    has the strides is kept as it is, and counts as unchanged)."""
     seen: set[int] = set()
     sharing = _memory_shared(model)
     for path, module in model.named_modules():
@@ -179,12 +182,15 @@ def _tensors_by_use(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor,
             reason = None if convolution else f'a tensor of {type(module).__name__}, not a convolution weight'
             if is_torchscript(module):
                 reason = "a TorchScript module's tensor (no watch sees into TorchScript)"
-            yield (f'{path}.{name}' if path else name), tensor, sharing.get(id(tensor), reason)
+            if id(tensor) in sharing and restride(data := tensor.data) is not data:
+                reason = sharing[id(tensor)]
+            yield (f'{path}.{name}' if path else name), tensor, reason
 
 
 def _memory_shared(model: torch.nn.Module) -> dict[int, str]:
     """Why each parameter or buffer whose memory is not its own alone keeps its layout: a restrided
-    copy would no longer share it (``b.weight.data = a.weight.data``; a view into a larger buffer)."""
+    copy would no longer share it (``b.weight.data = a.weight.data``; a view into a larger buffer;
+    ``model.share_memory()`` for Hogwild workers)."""
     by_storage: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in (*model.named_parameters(remove_duplicate=True), *model.named_buffers()):
         if is_lazy(tensor):
@@ -199,7 +205,11 @@ def _memory_shared(model: torch.nn.Module) -> dict[int, str]:
     for group in by_storage.values():
         for _, tensor in group:
             others = [other for other, t in group if t is not tensor]
-            if others:
+            if shared_between_processes(tensor):
+                reasons[id(tensor)] = (
+                    'shares its memory with other processes (share_memory()): a restrided copy would not'
+                )
+            elif others:
                 reasons[id(tensor)] = f'shares its memory with {others[0]}: a restrided copy would not'
             elif tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
                 reasons[id(tensor)] = 'a view into a larger buffer: a restrided copy would leave it'
@@ -216,7 +226,7 @@ def _restride_model(
     summary = ConversionSummary(layout=str(memory_format))
     # before the first weight changes: a walk over the objects alive, where a process group exists
     not_under_ddp = (lambda: None) if outside_ddp else functools.cache(functools.partial(refuse_under_ddp, model))
-    for name, tensor, reason in _tensors_by_use(model):
+    for name, tensor, reason in _tensors_by_use(model, restride):
         if is_lazy(tensor):
             summary.uninitialized.append(name)
             continue

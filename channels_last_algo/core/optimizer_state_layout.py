@@ -44,6 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from channels_last_algo.core.first_optimizer_step import torch_step
 from channels_last_algo.core.layout import channels_last_format
+from channels_last_algo.core.process_sharing import shared_between_processes
 
 __all__ = ['keep_state_in_weight_layout', 'match_state_to_weights']
 
@@ -145,8 +146,9 @@ def _restride(value: torch.Tensor, param: torch.Tensor) -> int:
 
 
 def _restridable(value: torch.Tensor, param: torch.Tensor) -> bool:
-    """``value`` is shaped like ``param``, whose strides are dense, and owns all its memory."""
-    if value.shape != param.shape:
+    """``value`` is shaped like ``param``, whose strides are dense, and owns all its memory, shared with no
+    other process (A3C's shared Adam state)."""
+    if value.shape != param.shape or shared_between_processes(value):
         return False
     if value.untyped_storage().nbytes() != value.numel() * value.element_size():
         return False

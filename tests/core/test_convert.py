@@ -158,3 +158,45 @@ def test_a_model_whose_only_weights_share_memory_is_left_alone_saying_why():
     with pytest.warns(UserWarning, match='0.weight: shares its memory with 1.weight'):
         summary = apply_channels_last(nn.Sequential(first, second))
     assert summary.tensors == 0
+
+
+def test_weights_that_share_memory_and_already_have_the_strides_count_as_channels_last():
+    """No copy is needed, so nothing is split: the model counts as converted (a guard then watches it)."""
+    first, second = nn.Conv2d(3, 4, 3), nn.Conv2d(3, 4, 3)
+    first.weight.data = first.weight.data.to(memory_format=torch.channels_last)
+    second.weight.data = first.weight.data
+    summary = apply_channels_last(nn.Sequential(first, second))
+    assert summary.unchanged == ['0.weight', '1.weight'] and not summary.left
+    assert first.weight.data_ptr() == second.weight.data_ptr()
+
+
+def test_weights_in_memory_shared_with_other_processes_keep_it_and_their_layout():
+    """``model.share_memory()`` (Hogwild workers, an A3C shared model): a restrided copy would be this
+    process's alone, so the other processes would stop seeing its updates."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3)).share_memory()
+    with pytest.warns(UserWarning, match='0.weight: shares its memory with other processes'):
+        summary = apply_channels_last(model)
+    assert summary.tensors == 0 and all(p.is_shared() and p.is_contiguous() for p in model.parameters())
+
+
+@pytest.mark.parametrize('converted_first', [False, True], ids=['shared-nchw', 'converted-then-shared'])
+def test_a_hogwild_worker_trains_the_model_its_parent_shares(converted_first):
+    """pytorch/examples' mnist_hogwild with a guard in the spawned worker: the parent's model takes every update,
+    equal to NCHW training's in float64; a model converted before it is shared trains channels last."""
+    import multiprocessing
+
+    from hogwild_training import Net, train
+
+    torch.manual_seed(0)
+    expected, shared = Net().double(), Net().double()
+    shared.load_state_dict(expected.state_dict())
+    train(expected, guarded=False)
+    if converted_first:
+        apply_channels_last(shared)
+    worker = multiprocessing.get_context('spawn').Process(target=train, args=(shared.share_memory(), True))
+    worker.start()
+    worker.join(timeout=600)
+    assert worker.exitcode == 0
+    for (name, value), wanted in zip(shared.state_dict().items(), expected.state_dict().values()):
+        torch.testing.assert_close(value, wanted, rtol=0, atol=1e-12, msg=name)
+    assert has_channels_last_strides(shared.conv2.weight) == converted_first and shared.conv2.weight.is_shared()

@@ -143,6 +143,18 @@ def test_state_that_views_a_shared_buffer_keeps_its_memory():
     assert weight.grad.stride() == weight.stride() and torch.equal(weight.grad, torch.ones(4, 3, 2, 2))
 
 
+def test_state_shared_with_other_processes_keeps_its_memory():
+    """A3C's shared Adam: moments in shared memory that every worker steps; a restrided copy would be this
+    process's alone."""
+    weight = nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
+    optimizer = torch.optim.Adam([weight], lr=0.1)
+    shared = torch.zeros(4, 3, 2, 2).share_memory_()
+    optimizer.state[weight]['exp_avg'] = shared
+
+    assert match_state_to_weights(optimizer) == 0
+    assert optimizer.state[weight]['exp_avg'] is shared and shared.is_shared() and shared.is_contiguous()
+
+
 def test_nothing_is_restrided_once_no_converted_model_lives():
     """In a process of its own: the count of converted models alive is the process's."""
     program = (
