@@ -56,6 +56,9 @@ def test_canonical_state_copies_only_channels_last_tensors_and_leaves_live_state
     for name, weight in _conv_weights(model).items():
         assert torch.equal(saved['model'][name], weight)
         saved['model'][name].view(weight.shape[0], -1)  # what .view()-based consumers do
+    safetensors = pytest.importorskip('safetensors.torch')  # which refuses any non-contiguous tensor
+    loaded = safetensors.load(safetensors.save(saved['model']))
+    assert all(torch.equal(loaded[name], value) for name, value in saved['model'].items())
     # the optimizer's own per-parameter state stays channels last (the saved dict has new containers)
     assert all(is_channels_last(buffer) for buffer in _momentum_of(optimizer))
     # model.state_dict() itself still aliases the weights, so in-place EMA updates through it work
