@@ -572,6 +572,50 @@ def test_a_hooked_submodule_stays_a_module_that_calls_its_hooks():
     assert len(seen) == calls + 1 and seen[-1] == (2, 8, 8, 8)
 
 
+class _Flattened(nn.Module):
+    """The tutorials' LeNet flatten, ``x.view(n, -1)`` after a convolution, a BatchNorm and a pool (the fx route)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.fc = nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6), nn.Linear(6 * 3 * 3, 4)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn(self.conv(x))), 2)
+        return self.fc(x.view(x.size(0), -1))
+
+
+class _WrittenThroughAView(_Flattened):
+    """Writes through a view of the activation, which aliases it in NCHW, then flattens it; a ``Proxy`` does not
+    take the item assignment (the module route)."""
+
+    def forward(self, x):
+        z = F.relu(self.bn(self.conv(x)))
+        z.view(z.size(0), -1)[:, :10] = 0
+        return self.fc(F.max_pool2d(z, 2).view(z.size(0), -1))
+
+
+@pytest.mark.parametrize('model_class', [_Flattened, _WrittenThroughAView])
+@pytest.mark.parametrize('checked', [True, False], ids=['example', 'no-example'])
+def test_code_that_views_an_activation_runs_as_in_nchw(model_class, checked, tmp_path):
+    """The copy's first call is watched: the convolution whose output code views is made channels first, as
+    training does (with or without an example to check on); copies, pickles and the exported program keep it."""
+    torch.manual_seed(0)
+    model = _randomize_batchnorm(model_class()).eval()
+    x, other = torch.randn(2, 3, 8, 8), torch.randn(3, 3, 8, 8)
+    fused = fuse_for_inference(model, x if checked else None)
+    with torch.no_grad():
+        for copied in (fused, copy.deepcopy(fused), pickle.loads(pickle.dumps(fused))):
+            assert _relative_error(copied(other), model(other)) < 1e-5
+    fx = model_class is _Flattened  # the module route leaves the BatchNorm, whose output is the one viewed
+    assert fused.summary.route == ('fx' if fx else 'modules') and fused.summary.viewed == ['conv' if fx else 'bn']
+    assert f'outputs of {fused.summary.viewed[0]} made channels first' in str(fused.summary)
+    if checked:
+        export_for_inference(model, tmp_path / 'viewed.pt2', x)
+        program = torch.export.load(tmp_path / 'viewed.pt2').module()
+        with torch.no_grad():
+            assert _relative_error(program(other.to(memory_format=torch.channels_last)), model(other)) < 1e-5
+
+
 class _TwoInputs(nn.Module):
     """A network its owner calls with the images and a second tensor."""
 

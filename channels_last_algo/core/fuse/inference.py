@@ -22,6 +22,7 @@ import copy
 import functools
 import logging
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -39,6 +40,7 @@ from channels_last_algo.core.fuse.subgraphs import fuse_subgraphs
 from channels_last_algo.core.fuse.summary import FusionSummary
 from channels_last_algo.core.layout import batch_to_channels_last
 from channels_last_algo.core.module_calls import is_torchscript
+from channels_last_algo.core.viewed_outputs import ViewedOutputs
 
 __all__ = ['BACKENDS', 'InferenceModel', 'fuse_for_inference']
 
@@ -80,6 +82,19 @@ class InferenceModel(nn.Module):
                 'torch.inference_mode(), or differentiate the original model.'
             )
         args, kwargs = batch_to_channels_last((args, kwargs))
+        watch = _watches.get(self, ...)
+        if watch is None:  # watched once, nothing left to watch
+            return self._call(args, kwargs)
+        if watch is ...:  # the first call
+            watch = _watches[self] = ViewedOutputs(self.module)
+        with watch:
+            output = self._call(args, kwargs)
+        self.summary.viewed = list(watch.placed)
+        if not (watch.unplaced or watch.extensions):  # else each call is watched, as each training step then is
+            _watches[self] = None
+        return output
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
         if self.summary.backend == 'inductor':
             import torch._inductor.config as inductor_config
 
@@ -87,6 +102,11 @@ class InferenceModel(nn.Module):
             with torch.no_grad(), inductor_config.patch(freezing=True):
                 return self.module(*args, **kwargs)
         return self.module(*args, **kwargs)
+
+
+# each copy's view watch: absent before its first call, None once nothing is left to watch (a copy or a pickle of
+# the copy, which holds the hooks placed, is watched once again)
+_watches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _check_arguments(model: nn.Module, traceable: bool, backend: str) -> None:

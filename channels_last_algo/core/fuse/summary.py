@@ -37,6 +37,9 @@ class FusionSummary:
             read concatenated -> their paths (each is ``'conv+bn...'`` in ``fused``; it counts once).
         graphs: on the module route, the submodules fused on their own traced graphs
             (:mod:`~channels_last_algo.core.fuse.subgraphs`).
+        viewed: paths (in the fused network) of the modules whose NHWC outputs are made channels first,
+            since code ``.view()``s them in a shape NHWC strides cannot take (found on the first call,
+            :mod:`~channels_last_algo.core.viewed_outputs`).
     """
 
     route: str
@@ -47,6 +50,7 @@ class FusionSummary:
     backend: str = 'eager'
     split: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     graphs: list[str] = dataclasses.field(default_factory=list)
+    viewed: list[str] = dataclasses.field(default_factory=list)
 
     def count(self, part: str) -> int:
         """How many fused convolutions include ``part`` (``'bn'``, ``'add'``, ``'relu'``...)."""
@@ -63,6 +67,8 @@ class FusionSummary:
             text += f'; {len(self.graphs)} submodules fused on their traced graphs'
         if self.refused:
             text += f'; {len(self.refused)} run as plain ops at the example shape (the fused kernel refused it)'
+        if self.viewed:
+            text += f'; outputs of {", ".join(self.viewed)} made channels first (viewed)'
         if self.backend != 'eager':
             text += f'; compiled by {self.backend} (freezing)'
         return text if self.trace_error is None else f'{text} (fx route not taken: {self.trace_error})'
