@@ -73,13 +73,36 @@ SHAPE_OPS = COPY_OR_VIEW | _VIEW_OPS
 """The ops whose results :class:`NchwTwins` gives twins."""
 
 
-CONVOLUTIONS = _ops('conv1d', 'conv2d', 'conv3d', 'conv_transpose1d', 'conv_transpose2d', 'conv_transpose3d')
+def _overloads(namespace: Any, name: str) -> set:
+    """The op packet ``namespace.name`` and its overloads; none where this torch lacks it (built without oneDNN)."""
+    try:
+        packet = getattr(namespace, name)
+    except (AttributeError, RuntimeError):
+        return set()
+    return {packet, *(getattr(packet, overload) for overload in packet.overloads())}
+
+
+FUNCTIONAL_CONVOLUTIONS = _ops('conv1d', 'conv2d', 'conv3d', 'conv_transpose1d', 'conv_transpose2d', 'conv_transpose3d')
 """The functional convolutions, whose output a channels-last weight lays out NHWC."""
+
+FUSED_CONVOLUTIONS = frozenset(
+    _overloads(torch.ops.mkldnn, '_convolution_pointwise')
+    | _ops('cudnn_convolution_relu', 'cudnn_convolution_add_relu')
+)
+"""oneDNN's and cuDNN's fused convolutions, the fused inference copy's kernels: an NCHW run's weights are NCHW, so
+the input alone says how its output is laid out there (the weight they are given may be an opaque prepacked one,
+and oneDNN's has no meta kernel)."""
+
+IN_PLACE_CONVOLUTIONS = frozenset(_overloads(torch.ops.mkldnn, '_convolution_pointwise_'))
+"""oneDNN's fused convolution that adds into its first argument and returns it: that tensor's twin stands."""
+
+CONVOLUTIONS = FUNCTIONAL_CONVOLUTIONS | FUSED_CONVOLUTIONS | IN_PLACE_CONVOLUTIONS
+"""Every convolution op a watch may see: what it returns comes from the module, not from a batch tensor."""
 
 
 def _as_convolution_lays_out(input: Any, weight: Any, twin_result: torch.Tensor) -> torch.Tensor:
     """A convolution's output NHWC where its input or weight is, as cuDNN and oneDNN lay it out (meta kernels of
-    some torch versions give contiguous)."""
+    some torch versions give contiguous); ``weight`` None: the input alone decides."""
     if twin_result.dim() not in (4, 5):
         return twin_result
     fmt = torch.channels_last if twin_result.dim() == 4 else torch.channels_last_3d
@@ -160,15 +183,21 @@ class NchwTwins:
             return
         if not any(isinstance(t, torch.Tensor) for t in tree_leaves(result)):
             return
+        if func in IN_PLACE_CONVOLUTIONS:
+            return
         try:
             with _disable_current_modes():  # an audit or a FLOP counter sees the real op only
                 twin_args, twin_kwargs = self._on_twins((args, kwargs))
+                if func in FUSED_CONVOLUTIONS and isinstance(result, torch.Tensor):
+                    shaped = torch.empty(result.shape, dtype=result.dtype, device='meta')
+                    self.note(result, _as_convolution_lays_out(twin_args[0], None, shaped))
+                    return
                 twins = [t for t in tree_leaves((twin_args, twin_kwargs)) if isinstance(t, torch.Tensor)]
                 if _laid_out_alike(tensors, twins):
                     self.note(result, tree_map_only(torch.Tensor, _meta_like, result))  # what the kernel gave here
                     return
                 twin_result = func(*twin_args, **twin_kwargs)
-                if func in CONVOLUTIONS and isinstance(twin_result, torch.Tensor):
+                if func in FUNCTIONAL_CONVOLUTIONS and isinstance(twin_result, torch.Tensor):
                     weight = twin_args[1] if len(twin_args) > 1 else twin_kwargs.get('weight')
                     twin_result = _as_convolution_lays_out(twin_args[0], weight, twin_result)
         except Exception:  # no meta kernel, or an op that leaves the device (.cpu(), .numpy()): unknown

@@ -616,6 +616,33 @@ def test_code_that_views_an_activation_runs_as_in_nchw(model_class, checked, tmp
             assert _relative_error(program(other.to(memory_format=torch.channels_last)), model(other)) < 1e-5
 
 
+class _WrittenThroughContiguousCopies(nn.Module):
+    """Writes through ``.contiguous()`` of convolution outputs, the outputs themselves in NCHW: the first
+    convolution's, and the second's, whose input is laid out as neither NCHW nor NHWC (H and W swapped)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), nn.Linear(4, 2)
+
+    def forward(self, x):
+        z = self.conv1(x)
+        z.contiguous()[:, 0].mul_(3)
+        w = self.conv2(F.relu(z).transpose(2, 3).contiguous().transpose(2, 3))
+        w.contiguous()[:, 1].mul_(2)
+        return self.fc(F.adaptive_avg_pool2d(w, 1).flatten(1))
+
+
+def test_writes_through_what_nchw_aliases_reach_the_fused_convolutions_outputs():
+    """The watch knows the fused kernels lay out their outputs as the NCHW run's convolutions would (from the
+    input alone: the prepacked weights have no NCHW layout to read)."""
+    torch.manual_seed(0)
+    model, x = _WrittenThroughContiguousCopies().eval(), torch.randn(2, 3, 8, 8)
+    fused = fuse_for_inference(model, x)
+    with torch.no_grad():
+        assert _relative_error(fused(x), model(x)) < 1e-5
+    assert fused.summary.route == 'fx' and fused.summary.viewed == ['conv1', 'conv2']
+
+
 class _TwoInputs(nn.Module):
     """A network its owner calls with the images and a second tensor."""
 
