@@ -30,6 +30,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import TensorWeakRef
 
+from channels_last_algo.core.nchw_twins import aliases
+
 __all__ = ['AliasedCopies', 'same_memory', 'written_tensors']
 
 _IN_PLACE_OPERATORS = frozenset(
@@ -96,6 +98,27 @@ class AliasedCopies:
         """Keep ``copy`` in step with ``original`` from now on (``in_step``; else apart, as a copy NCHW
         makes of what NHWC aliases); ``on_write()`` runs the first time either is written."""
         self._pairs.append((original, TensorWeakRef(copy), on_write, in_step))
+
+    def as_in_nchw(
+        self,
+        tensor: torch.Tensor,
+        result: torch.Tensor,
+        twin: torch.Tensor,
+        twin_result: Any,
+        on_write: Callable[[torch.Tensor, bool], Callable[[], None]],
+    ) -> torch.Tensor:
+        """``result`` of a shape op that views or copies (``tensor.reshape()``, ``.contiguous()``), aliasing ``tensor``
+        where NCHW's op on ``tensor``'s NCHW ``twin`` gives an alias (``twin_result``): a copy NCHW would not make is
+        kept in step with ``tensor``; a view NCHW would not make becomes a copy laid out as NCHW's, kept apart.
+        ``on_write(tensor, in_step)`` gives what to call at the first write through either (see :meth:`pair`)."""
+        in_nchw = aliases(twin, twin_result)
+        if in_nchw == (result is tensor or same_memory(result, tensor)):
+            return result
+        if not in_nchw:  # autograd sees a copy
+            shape, strides = twin_result.shape, twin_result.stride()
+            result = torch.empty_strided(shape, strides, dtype=result.dtype, device=result.device).copy_(result)
+        self.pair(tensor, result, on_write(tensor, in_nchw), in_step=in_nchw)
+        return result
 
     def written(self, func: Any, args: tuple, kwargs: dict) -> None:
         """After ``func(*args, **kwargs)`` ran: where it wrote in place to a copy (or to an original),

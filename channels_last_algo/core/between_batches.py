@@ -16,6 +16,11 @@ where NCHW's strides would take it (:mod:`~channels_last_algo.core.nchw_twins`),
   channels-first copy, which in-place writes keep in step with the tensor while the watch lasts
   (:mod:`~channels_last_algo.core.aliased_copies`); one line names the place, once.
 
+A ``.reshape()``, ``.flatten()`` or ``.contiguous()`` that copies where NCHW has a view (a max-norm
+through ``weight.reshape(n, -1)``), or views where NCHW copies, is kept in step with its tensor, or
+apart, as NCHW's is; the first write through it makes the weights contiguous if it is a weight's,
+else names the place once.
+
 Random numbers drawn like a channels-last tensor (a random pruning's ``torch.rand_like(weight)``) are drawn in the
 memory order NCHW's tensor has (:mod:`~channels_last_algo.core.random_draws`), so they fall on the same elements.
 
@@ -53,9 +58,9 @@ from channels_last_algo.core.aliased_copies import AliasedCopies
 from channels_last_algo.core.late_views import original, refused_by_strides
 from channels_last_algo.core.layout import Layout, layout_of, uninitialized_among
 from channels_last_algo.core.module_calls import exit_mode
-from channels_last_algo.core.nchw_twins import SHAPE_OPS, NchwTwins
+from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, SHAPE_OPS, NchwTwins
 from channels_last_algo.core.random_draws import DRAWS, drawn_in, nchw_draw_order
-from channels_last_algo.core.view_watch import VIEWS, calling_code
+from channels_last_algo.core.view_watch import VIEWS, calling_code, written_through
 
 __all__ = ['BetweenBatches']
 
@@ -138,6 +143,17 @@ class BetweenBatches:
             )
         return copies.view(func, tensor, args[1:], kwargs)
 
+    def written(self, tensor: torch.Tensor, where: str, how: str) -> None:
+        """A write went through what a shape op at ``where`` made of ``tensor`` (a copy here, an alias in NCHW, or
+        the reverse), and reached what NCHW's reaches. For a weight or its gradient the weights go contiguous, where
+        that op is a view again; any other place is named once."""
+        weight_or_gradient = isinstance(tensor, torch.nn.Parameter) or self._weight_gradient(tensor)
+        if weight_or_gradient and self._weights_viewed(f'a weight is {how}, between batches'):
+            return
+        if where not in self._places:
+            self._places.add(where)
+            self._found(f'{how}, between batches: kept in step as in NCHW (every time)')
+
 
 class _FailingViews(TorchFunctionMode):
     """The mode :class:`BetweenBatches` runs: a view that raises, of a channels-last tensor or of what shape ops
@@ -171,6 +187,8 @@ class _FailingViews(TorchFunctionMode):
         if followed:  # a shape op's result (z.flatten(2), z[:, :2]) keeps the strides NCHW would give it
             ran = self.twins.run(func, args, kwargs)
             if ran is not None:
+                if func in COPY_OR_VIEW:  # a copy where NCHW has an alias (weight.reshape(n, -1)), or the reverse
+                    result = self.copies.as_in_nchw(tensor, result, *ran, written_through(func, self.watch.written))
                 self.twins.note(result, ran[1])
         return result
 

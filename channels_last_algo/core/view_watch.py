@@ -38,14 +38,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from channels_last_algo.core.aliased_copies import AliasedCopies, same_memory
+from channels_last_algo.core.aliased_copies import AliasedCopies
 from channels_last_algo.core.audit import exit_copies
 from channels_last_algo.core.batch_tree import BatchTensor
 from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on_contiguous
 from channels_last_algo.core.given_strides import first_element_only, read_as_in_nchw, written_for_nchw
 from channels_last_algo.core.late_views import original, passing_through, refused_by_strides
 from channels_last_algo.core.layout import is_4d_or_5d, uninitialized_among
-from channels_last_algo.core.nchw_twins import CONVOLUTIONS, COPY_OR_VIEW, SHAPE_OPS, NchwTwins, aliases
+from channels_last_algo.core.nchw_twins import CONVOLUTIONS, COPY_OR_VIEW, SHAPE_OPS, NchwTwins
 from channels_last_algo.core.random_draws import DRAWS, drawn_in, nchw_draw_order
 
 __all__ = [
@@ -97,9 +97,18 @@ def calling_code() -> str:
     return _where(_caller())
 
 
-def _fresh_like(twin: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor`` with ``twin``'s strides (autograd sees a copy)."""
-    return torch.empty_strided(twin.shape, twin.stride(), dtype=tensor.dtype, device=tensor.device).copy_(tensor)
+def written_through(func: Any, report: Callable[[torch.Tensor, str, str], None]) -> Callable[..., Any]:
+    r"""What :meth:`~channels_last_algo.core.aliased_copies.AliasedCopies.as_in_nchw` calls for a copy or view
+    ``func`` made of a tensor, here: given the tensor and whether NCHW aliases it there, the call that ``report``\ s
+    where and how, at the first write through either."""
+
+    def on_write(tensor: torch.Tensor, in_step: bool) -> Callable[[], None]:
+        where, name = calling_code(), getattr(func, '__name__', 'reshape')
+        kind = '(a copy here, an alias in NCHW)' if in_step else '(an alias here, a copy in NCHW)'
+        how = f'written in place through the .{name}() at {where} {kind}'
+        return lambda: report(tensor, where, how)
+
+    return on_write
 
 
 def contiguous_gradient(grad: torch.Tensor) -> Optional[torch.Tensor]:
@@ -221,18 +230,11 @@ class ViewWatch(TorchFunctionMode):
             return result
         twin, twin_result = ran
         if func in COPY_OR_VIEW:
-            in_nchw = aliases(twin, twin_result)
-            if in_nchw != (result is args[0] or same_memory(result, args[0])):
-                result = result if in_nchw else _fresh_like(twin_result, result)
-                self._pair(func, args[0], result, in_step=in_nchw)
+            result = self.copies.as_in_nchw(
+                args[0], result, twin, twin_result, written_through(func, self._written_through)
+            )
         self.twins.note(result, twin_result)
         return result
-
-    def _pair(self, func: Any, tensor: torch.Tensor, result: torch.Tensor, in_step: bool) -> None:
-        where, name = calling_code(), getattr(func, '__name__', 'reshape')
-        kind = '(a copy here, an alias in NCHW)' if in_step else '(an alias here, a copy in NCHW)'
-        how = f'written in place through the .{name}() at {where} {kind}'
-        self.copies.pair(tensor, result, lambda: self._written_through(tensor, where, how), in_step)
 
     def _written_through(self, tensor: torch.Tensor, where: str, how: str) -> None:
         """A write went through what a shape op at ``where`` made of ``tensor``, or reached ``tensor``

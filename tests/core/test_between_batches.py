@@ -1,7 +1,8 @@
 """Code between training batches that views NHWC tensors trains as in NCHW.
 
 A pruning pass (``torch.nn.utils.prune``: ``torch.abs(weight).view(-1)``), a max-norm constraint
-through ``weight.data.view(n, -1)`` after the optimizer step, ``parameters_to_vector`` /
+through ``weight.data.view(n, -1)`` or ``weight.reshape(n, -1)`` (a copy of an NHWC weight, whose writes
+were lost) after the optimizer step, a write through a reshape NCHW copies and NHWC views, ``parameters_to_vector`` /
 ``vector_to_parameters``, a read of the step's output through ``.view(-1)`` and a write through a
 view of an NHWC buffer: each raised "view size is not compatible" under channels last, where NCHW
 runs. A random pruning ranks ``torch.rand_like(weight)``, which an NHWC weight draws in another order. Each
@@ -90,6 +91,24 @@ def _max_normed(net, output) -> None:
             rows.mul_((0.5 / rows.norm(dim=1, keepdim=True)).clamp(max=1.0))
 
 
+def _max_normed_through_reshapes(net, output) -> None:
+    """The same through ``weight.reshape(n, -1)`` under ``no_grad``, a view in NCHW (a copy of an NHWC weight)."""
+    with torch.no_grad():
+        for conv in (net[0], net[2]):
+            rows = conv.weight.reshape(len(conv.weight), -1)
+            rows.mul_((0.5 / rows.norm(dim=1, keepdim=True)).clamp(max=1.0))
+
+
+def _rows_of_filters_scaled(net, output) -> None:
+    """Scales each filter's first row through ``.permute(0, 2, 3, 1).reshape(-1, c)`` of a copy of the weight:
+    NCHW copies there, so the weight must not change (an NHWC weight's rows are a view)."""
+    with torch.no_grad():
+        weight = net[2].weight
+        rows = weight.permute(0, 2, 3, 1).reshape(-1, weight.shape[1])
+        rows[0].mul_(100.0)
+        weight.mul_(0.99)
+
+
 def _decayed_as_a_vector(net, output) -> None:
     with torch.no_grad():
         vector_to_parameters(parameters_to_vector(net.parameters()) * 0.9, net.parameters())
@@ -127,6 +146,8 @@ RUNS = {
     'pruned-globally': Run(_net, _batches(), _cross_entropy, batch_end=_pruned_globally),
     'pruned-at-random': Run(_net, _batches(), _cross_entropy, batch_end=_pruned_at_random),
     'max-normed-after-the-step': Run(_net, _batches(), _cross_entropy, batch_end=_max_normed),
+    'max-normed-through-reshapes': Run(_net, _batches(), _cross_entropy, batch_end=_max_normed_through_reshapes),
+    'rows-of-a-permuted-weight-written': Run(_net, _batches(), _cross_entropy, batch_end=_rows_of_filters_scaled),
     'decayed-as-a-vector': Run(_net, _batches(), _cross_entropy, batch_end=_decayed_as_a_vector),
     'buffer-written-through-a-view': Run(WithMemory, _batches(), _cross_entropy, batch_end=_memory_cleared),
     'output-read-through-a-view': Run(_conv_output_net, _batches(), _map_loss, batch_end=_read_output),
