@@ -91,3 +91,21 @@ def test_an_extension_op_inside_a_compiled_model_is_said_to_get_nhwc_memory(capl
             compiled(guard.on_batch(_images(0))).sum().backward()
     lines = [r.getMessage() for r in caplog.records if 'extension op' in r.getMessage()]
     assert len(lines) == 1 and 'inside a torch.compile graph' in lines[0] and "mode='off'" in lines[0]
+
+
+def test_the_fused_inference_copy_gives_an_extension_op_contiguous_tensors_on_every_call():
+    """The copy's watch of extension ops stays on, as a training run's does; it says so once."""
+    import warnings
+
+    from channels_last_algo import fuse_for_inference
+
+    torch.manual_seed(0)
+    model = RampNet().eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        fused = fuse_for_inference(model, _images(0).float())
+        with torch.no_grad():
+            for seed in (1, 2):
+                torch.testing.assert_close(fused(_images(seed).float()), model(_images(seed).float()))
+    said = [str(w.message) for w in caught if 'channels_last_tests::ramp' in str(w.message)]
+    assert len(said) == 1 and 'each call of the copy is watched' in said[0]

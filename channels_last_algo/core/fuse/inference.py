@@ -87,11 +87,21 @@ class InferenceModel(nn.Module):
             return self._call(args, kwargs)
         if watch is ...:  # the first call
             watch = _watches[self] = ViewedOutputs(self.module)
-        with watch:
+        watch.start()
+        try:
             output = self._call(args, kwargs)
+        finally:
+            found = watch.stop()
         self.summary.viewed = list(watch.placed)
-        if not (watch.unplaced or watch.extensions):  # else each call is watched, as each training step then is
+        if watch.unplaced or watch.extensions:  # each call is watched, as each training step then is
+            if found:
+                warnings.warn(
+                    f'fuse_for_inference: {"; ".join(found)} (each call of the copy is watched)', stacklevel=2
+                )
+        else:
             _watches[self] = None
+            for line in found:
+                log.info('fuse_for_inference: %s', line)
         return output
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
