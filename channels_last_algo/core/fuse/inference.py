@@ -87,6 +87,11 @@ class InferenceModel(nn.Module):
             return self._call(args, kwargs)
         if watch is ...:  # the first call
             watch = _watches[self] = ViewedOutputs(self.module)
+        return self._watched_call(watch, args, kwargs)
+
+    def _watched_call(self, watch: ViewedOutputs, args: tuple, kwargs: dict) -> Any:
+        """A call under the view watch: modules whose outputs code views make them channels first from then on;
+        where a view reads what no module made, or an extension op takes 4D tensors, every call stays watched."""
         watch.start()
         try:
             output = self._call(args, kwargs)
