@@ -188,8 +188,10 @@ class AutoMode:
         return {'stood_down': self.stood_down_because} if decision is None else decision.to_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps: the decision (None before one)."""
-        return {'decision': None if self.decision is None else self.decision.to_dict()}
+        """What a checkpoint keeps: the decision, or the one a resumed run loaded and has yet to apply (None before
+        either)."""
+        decision = self.decision if self.decision is not None else self._resumed
+        return {'decision': None if decision is None else decision.to_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take a checkpointed run's decision, which :meth:`settle` then applies instead of measuring."""

@@ -78,5 +78,20 @@ class GuardedIntegration:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.guard.load_state_dict(state)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling and ``copy.deepcopy`` keep (Lightning's ``ddp_spawn`` sends the trainer, callbacks and all,
+        to each process it starts): the guard as its options, its checkpointed state and its console; what it holds
+        of a run under way (its watches, weak tables, the model's hooks) belongs to that process's run."""
+        state = dict(self.__dict__)
+        guard = state.pop('guard')
+        state['guard'] = (dict(guard.options), guard.state_dict(), guard.console)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        options, saved, console = state['guard']
+        self.__dict__.update(state, guard=LayoutGuard(**options))
+        self.guard.load_state_dict(saved)
+        self.guard.console = console
+
     def __repr__(self) -> str:
         return options_repr(type(self).__name__, {**self.guard.options, 'fuse_eval': self.fuse_eval})

@@ -56,6 +56,20 @@ def test_repr_rebuilds_the_algorithm():
     assert repr(eval(repr(algorithm), {'ChannelsLast': ChannelsLast})) == repr(algorithm)
 
 
+def test_the_algorithm_pickles_and_copies_on_a_guard_of_its_own():
+    """A trainer pickled or deep-copied with its algorithms (the guard's weak tables failed to pickle) keeps the
+    options; the copy converts a model as the original would."""
+    import copy
+    import pickle
+
+    algorithm = ChannelsLast(mode='on', audit_steps=1, fuse_eval=True)
+    for copied in (pickle.loads(pickle.dumps(algorithm)), copy.deepcopy(algorithm)):
+        assert repr(copied) == repr(algorithm) and copied.guard is not algorithm.guard
+        model = TinyResNet()
+        copied.guard.on_init(model)
+        assert all(has_channels_last_strides(p) for p in model.parameters() if p.dim() == 4)
+
+
 def test_audit_steps_zero_installs_nothing_in_composer():
     module = TinyResNet()
     modes = []

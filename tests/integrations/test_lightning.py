@@ -226,6 +226,25 @@ def test_state_dict_holds_the_decision():
     assert not is_channels_last(fit.strategy.batch_to_device(random_images(n=2, size=IMAGE))[0])
 
 
+def test_the_callback_pickles_and_copies_with_its_options_and_a_resumed_decision():
+    """Lightning's ``ddp_spawn`` pickles the trainer, callbacks and all, into each process it starts (the callback's
+    weak tables failed to pickle): options, console and a loaded decision come through, on a guard of its own."""
+    import copy
+    import pickle
+
+    decision = LayoutDecision(False, False, (0.5, 0.8), [1.0], [2.0], 0.02, 0.95, 'evidence', 3.0)
+    callback = ChannelsLastCallback(mode='auto', audit_steps=1, fuse_eval=True, network='net')
+    callback.load_state_dict({'decision': decision.to_dict()})
+    for copied in (pickle.loads(pickle.dumps(callback)), copy.deepcopy(callback)):
+        assert repr(copied) == repr(callback) and copied.network == 'net'
+        assert copied.guard is not callback.guard and copied.state_dict() == {'decision': decision.to_dict()}
+        assert copied.guard.console is copied._console
+        fit, module = set_up(copied)
+        fit.strategy.model_to_device()  # the resumed decision, applied: NCHW
+        assert copied.decision == decision
+        assert not any(has_channels_last_strides(p) for p in weights_4d(module).values())
+
+
 # --- a Trainer on the CPU -------------------------------------------------------------------------
 
 
