@@ -54,3 +54,9 @@ def train(model: nn.Module, guarded: bool) -> None:
             guard.on_batch_end()
     if guard:
         guard.close()
+
+
+def train_each(models: list) -> None:
+    """:func:`train` each of ``models`` under a guard, one after the other (one worker process for them all)."""
+    for model in models:
+        train(model, guarded=True)

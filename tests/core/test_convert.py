@@ -179,24 +179,26 @@ def test_weights_in_memory_shared_with_other_processes_keep_it_and_their_layout(
     assert summary.tensors == 0 and all(p.is_shared() and p.is_contiguous() for p in model.parameters())
 
 
-@pytest.mark.parametrize('converted_first', [False, True], ids=['shared-nchw', 'converted-then-shared'])
-def test_a_hogwild_worker_trains_the_model_its_parent_shares(converted_first):
-    """pytorch/examples' mnist_hogwild with a guard in the spawned worker: the parent's model takes every update,
-    equal to NCHW training's in float64; a model converted before it is shared trains channels last."""
+def test_a_hogwild_worker_trains_the_models_its_parent_shares():
+    """pytorch/examples' mnist_hogwild with a guard in the spawned worker: the parent's models take every update,
+    equal to NCHW training's in float64; the one converted before it is shared trains channels last."""
     import multiprocessing
 
-    from hogwild_training import Net, train
+    from hogwild_training import Net, train, train_each
 
     torch.manual_seed(0)
-    expected, shared = Net().double(), Net().double()
+    expected, shared, converted = Net().double(), Net().double(), Net().double()
     shared.load_state_dict(expected.state_dict())
+    converted.load_state_dict(expected.state_dict())
     train(expected, guarded=False)
-    if converted_first:
-        apply_channels_last(shared)
-    worker = multiprocessing.get_context('spawn').Process(target=train, args=(shared.share_memory(), True))
+    apply_channels_last(converted)
+    models = [shared.share_memory(), converted.share_memory()]
+    worker = multiprocessing.get_context('spawn').Process(target=train_each, args=(models,))
     worker.start()
     worker.join(timeout=600)
     assert worker.exitcode == 0
-    for (name, value), wanted in zip(shared.state_dict().items(), expected.state_dict().values()):
-        torch.testing.assert_close(value, wanted, rtol=0, atol=1e-12, msg=name)
-    assert has_channels_last_strides(shared.conv2.weight) == converted_first and shared.conv2.weight.is_shared()
+    for model in models:
+        for (name, value), wanted in zip(model.state_dict().items(), expected.state_dict().values()):
+            torch.testing.assert_close(value, wanted, rtol=0, atol=1e-12, msg=name)
+        assert model.conv2.weight.is_shared()
+    assert [has_channels_last_strides(model.conv2.weight) for model in models] == [False, True]
