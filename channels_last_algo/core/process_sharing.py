@@ -30,6 +30,6 @@ def shared_between_processes(tensor: torch.Tensor) -> bool:
         storage = tensor.untyped_storage()
     except (RuntimeError, NotImplementedError):  # no storage of its own (a tensor subclass, sparse)
         return False
-    if storage.device.type == 'cpu' and storage.is_shared():
-        return True
+    if storage.device.type == 'cpu':  # torch moves a CPU storage it sends into shared memory
+        return storage.is_shared()
     return any(ref.cdata == storage._cdata and not ref.expired() for ref in list(shared_cache.values()))
