@@ -107,7 +107,7 @@ def _as_convolution_lays_out(input: Any, weight: Any, twin_result: torch.Tensor)
         return twin_result
     fmt = torch.channels_last if twin_result.dim() == 4 else torch.channels_last_3d
     tensors = [t for t in (input, weight) if isinstance(t, torch.Tensor) and t.dim() == twin_result.dim()]
-    if any(t.is_contiguous(memory_format=fmt) and not t.is_contiguous() for t in tensors):
+    if any(layout_of(t).is_channels_last for t in tensors):
         return twin_result.contiguous(memory_format=fmt)
     return twin_result.contiguous()
 

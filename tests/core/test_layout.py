@@ -55,3 +55,30 @@ def test_permuted_view_is_other_and_is_restrided():
     assert layout_of(y) is Layout.OTHER
     assert layout_of(to_channels_last(y)) is Layout.NHWC
     assert layout_of(torch.randn(3, 4)) is Layout.OTHER
+
+
+def _tensors_of_every_layout():
+    """4D and 5D tensors: contiguous, channels last, ambiguous (size-1 dimensions), permuted, sliced, expanded."""
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(2, 3, 4, 5), (2, 1, 4, 5), (2, 3, 1, 1), (1, 3, 4, 1), (2, 3, 4, 5, 6), (2, 1, 1, 5, 6)]:
+        x = torch.randn(shape, generator=generator)
+        yield x
+        yield to_channels_last(x)
+        yield x.transpose(-1, -2)
+        yield to_channels_last(x)[:, :, :1]
+        yield to_channels_last(x)[..., ::2]
+        yield x[:1].expand(3, *shape[1:])
+
+
+def test_layouts_inside_vmap_are_those_of_the_same_strides_outside():
+    """Inside ``torch.func.vmap`` torch does not say whether a tensor is channels-last contiguous ("NYI"): the
+    layout of each sample is read from its strides, as outside."""
+    for x in _tensors_of_every_layout():
+        assert _read_inside_vmap(x) == [(layout_of(x), is_channels_last(x))], (x.shape, x.stride())
+
+
+def _read_inside_vmap(x: torch.Tensor) -> list:
+    """What ``layout_of`` and ``is_channels_last`` say of ``x`` as the one sample of a batch ``vmap`` runs."""
+    seen = []
+    torch.func.vmap(lambda t: seen.append((layout_of(t), is_channels_last(t))) or t)(x.expand(2, *x.shape))
+    return seen
