@@ -238,3 +238,57 @@ def test_a_batchnorm_after_concatenated_convolutions_folds_slice_by_slice(reuse)
         for size in (9, 6):
             images = torch.randn(3, 8, size, size)
             assert _relative_error(fused(images), model(images)) < 1e-5
+
+
+class _TiedDecoder(nn.Module):
+    """An encoder convolution and BatchNorm, and a decoder that reads the encoder's weight (tied weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv_transpose2d(self.enc(x), self.enc[0].weight, padding=1)
+
+
+class _NormalizedByWeight(nn.Module):
+    """Outputs divided by each filter's norm, read from the convolution's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.conv.weight.flatten(1).norm(dim=1)[None, :, None, None]
+        return self.head(self.bn(self.conv(x)) / scale)
+
+
+class _ReadInsideAWholeModule(nn.Module):
+    """A forward fx cannot trace (it decides on a value) around a tied block: the module route fuses inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _TiedDecoder()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.block(x)
+        return y if float(y.abs().max()) < 1e9 else y / 2
+
+
+@pytest.mark.parametrize(
+    'model,read',
+    [(_TiedDecoder, 'enc.0'), (_NormalizedByWeight, 'conv'), (_ReadInsideAWholeModule, 'block.enc.0')],
+    ids=['tied decoder', 'weight norm', 'module route'],
+)
+def test_a_convolution_whose_weight_the_forward_reads_keeps_it_unfolded(model, read):
+    """Folding the BatchNorm would change the weight for its other reader too: without an example input (no
+    check runs) the copy must still compute what the model does."""
+    torch.manual_seed(0)
+    model = _randomize_batchnorm(model()).eval()
+    fused = fuse_for_inference(model)
+    with torch.no_grad():
+        for size in (8, 5):
+            images = torch.randn(2, 3, size, size)
+            assert _relative_error(fused(images), model(images)) < 1e-5
+    assert read not in fused.summary.fused

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import fx, nn
 
-from channels_last_algo.core.fuse.node_uses import value_users
+from channels_last_algo.core.fuse.node_uses import attributes_read, reads_of, value_users
 from channels_last_algo.core.fuse.patterns import BATCHNORM, batchnorm_holding, fold_batchnorm
 from channels_last_algo.core.fuse.plain_convs import as_plain_conv2d
 from channels_last_algo.core.fuse.postops import has_hooks
@@ -39,8 +39,12 @@ _CATS = (torch.cat, torch.concat, torch.concatenate)
 
 
 def module_calls(graph: fx.Graph) -> collections.Counter:
-    """How many nodes of ``graph`` call each module."""
-    return collections.Counter(node.target for node in graph.nodes if node.op == 'call_module')
+    """How many nodes of ``graph`` use each module it calls: its calls, and the reads of its attributes outside
+    them (:func:`~.node_uses.attributes_read`). A module used once is its call's alone to fuse: folding a
+    BatchNorm into a convolution whose weight a tied decoder also reads would change the decoder's result."""
+    calls = collections.Counter(node.target for node in graph.nodes if node.op == 'call_module')
+    reads = attributes_read(graph)
+    return collections.Counter({path: count + reads_of(path, reads) for path, count in calls.items()})
 
 
 def concatenated_convolutions(node: fx.Node, root: nn.Module, calls: collections.Counter) -> Optional[list[fx.Node]]:

@@ -6,7 +6,8 @@ its children as leaves), then to every other convolution alone.
 
 A run is a convolution and the children after it, stepping over eval-mode identities
 (Identity, Dropout); each absorbed child is replaced by ``nn.Identity``. A convolution that
-appears at several places in the model is left alone, and a run ends before a child its forward
+appears at several places in the model, or whose weight a traced forward reads (a tied decoder's
+``F.conv_transpose2d(h, self.block[0].weight)``), is left alone, and a run ends before a child its forward
 calls twice. Residual adds are calls in some ``forward``, never children, so the patterns
 with an add do not match here.
 
@@ -27,6 +28,7 @@ from typing import Any, Optional
 
 from torch import fx, nn
 
+from channels_last_algo.core.fuse.node_uses import attributes_read, reads_of
 from channels_last_algo.core.fuse.patterns import (
     LONGEST_PATTERN,
     Element,
@@ -68,12 +70,10 @@ def _called_children(module: nn.Module) -> Optional[fx.Graph]:
         return None
 
 
-def _runs_of_children(module: nn.Module) -> list[list[str]]:
-    """The runs of children ``module``'s forward calls one into the next, by name: each call the only
-    user of the one before, and each child called only there (a ReLU called twice ends a run)."""
-    graph = _called_children(module)
-    if graph is None:
-        return []
+def _runs_of_children(graph: fx.Graph) -> list[list[str]]:
+    """The runs of children a module's forward (its ``graph``: :func:`_called_children`) calls one into the next,
+    by name: each call the only user of the one before, and each child called only there (a ReLU called twice
+    ends a run)."""
     calls = [node for node in graph.nodes if node.op == 'call_module']
     counts = collections.Counter(node.target for node in calls)
 
@@ -97,10 +97,12 @@ class _ModuleFuser:
     """One module-route pass over ``model``: how often each module appears in it, and the fusion
     at a slot of a plain ``nn.Sequential`` or at one module alone."""
 
-    def __init__(self, model: nn.Module, prepack: bool) -> None:
+    def __init__(self, model: nn.Module, prepack: bool, reads: list[str]) -> None:
         self.model = model
         self.prepack = prepack
-        self.uses = collections.Counter(id(module) for _, module in model.named_modules(remove_duplicate=False))
+        self.uses = collections.Counter()  # appearances, and reads of its attributes by a forward (a tied weight)
+        for path, module in model.named_modules(remove_duplicate=False):
+            self.uses[id(module)] += 1 + reads_of(path, reads)
 
     def value_of(self, element: Element, module: nn.Module, previous: Optional[nn.Module]) -> Any:
         """What ``element`` accepts of ``module``; a convolution that appears twice is left alone."""
@@ -136,9 +138,9 @@ class _ModuleFuser:
 
 
 def _traced(module: nn.Module) -> bool:
-    """Whether the runs of ``module``'s children are found by tracing its forward: a module with
-    children of its own, not a plain ``nn.Sequential`` (its children are one run) or a container."""
-    return len(module._modules) > 1 and not _plain_sequential(module) and not isinstance(module, CONTAINERS)
+    """Whether the runs of ``module``'s children, and its reads of their weights, are found by tracing its forward:
+    a module with children of its own, not a plain ``nn.Sequential`` (its children are one run) or a container."""
+    return bool(module._modules) and not _plain_sequential(module) and not isinstance(module, CONTAINERS)
 
 
 def _inside(path: str, prefixes: tuple[str, ...]) -> bool:
@@ -151,11 +153,13 @@ def fuse_modules(model: nn.Module, prepack: bool, traced: bool = True, done: tup
     :class:`~channels_last_algo.core.fuse.conv.FusedConv2d`, in place; not inside the submodules at the
     paths ``done`` (fused already)."""
     summary = FusionSummary(route='modules')
-    fuser = _ModuleFuser(model, prepack)
     modules = [(path, module) for path, module in model.named_modules() if not _inside(path, done)]
     runs = [(prefix, list(container._modules)) for prefix, container in modules if _plain_sequential(container)]
-    if traced:
-        runs += [(prefix, run) for prefix, module in modules if _traced(module) for run in _runs_of_children(module)]
+    graphs = [(prefix, _called_children(module)) for prefix, module in modules if traced and _traced(module)]
+    graphs = [(prefix, graph) for prefix, graph in graphs if graph is not None]
+    runs += [(prefix, run) for prefix, graph in graphs for run in _runs_of_children(graph)]
+    reads = [f'{prefix}.{read}' if prefix else read for prefix, graph in graphs for read in attributes_read(graph)]
+    fuser = _ModuleFuser(model, prepack, reads)
     for prefix, names in runs:
         slots = model.get_submodule(prefix)._modules
         for index, name in enumerate(names):
