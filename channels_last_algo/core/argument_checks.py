@@ -14,11 +14,51 @@ Example:
 from __future__ import annotations
 
 import collections.abc
-from typing import Any
+import os
+from pathlib import Path
+from typing import Any, Optional
 
 import torch
 
-__all__ = ['require_flags', 'require_input', 'require_loop', 'require_module', 'require_optimizers', 'require_state']
+__all__ = [
+    'ExampleInputError',
+    'example_input_error',
+    'require_flags',
+    'require_input',
+    'require_loop',
+    'require_module',
+    'require_optimizers',
+    'require_positive',
+    'require_state',
+    'why',
+    'write_problem',
+]
+
+
+def why(error: BaseException) -> str:
+    """``error`` in one line: its type and its message's first line."""
+    return f'{type(error).__name__}: {(str(error).strip().splitlines() or [""])[0]}'
+
+
+class ExampleInputError(ValueError):
+    """The model itself raises on the example input: it is not the positional arguments its forward takes."""
+
+
+def example_input_error(caller: str, model: torch.nn.Module, error: BaseException, hint: str = '') -> ExampleInputError:
+    """The :class:`ExampleInputError` of ``caller`` for ``model``, which raised ``error`` on the example input.
+
+    Example:
+        >>> net = torch.nn.Conv2d(3, 8, 3)
+        >>> try:
+        ...     net(torch.zeros(1, 4, 8, 8))
+        ... except RuntimeError as error:
+        ...     print(str(example_input_error('audit_model', net, error))[:64])
+        audit_model: Conv2d itself raises on example_input (RuntimeError
+    """
+    return ExampleInputError(
+        f'{caller}: {type(model).__name__} itself raises on example_input ({why(error)}); give the positional '
+        f'arguments its forward takes (a tuple for several){hint}'
+    )
 
 
 def _shown(value: Any) -> str:
@@ -64,6 +104,48 @@ def require_input(example_input: Any, caller: str) -> None:
         f'{caller}: example_input is a {type(example_input).__name__}; pass one tensor, or a tuple of the '
         "model's positional inputs"
     )
+
+
+def require_positive(caller: str, **numbers: Any) -> None:
+    """ValueError naming ``caller`` and the argument unless each is a real number above 0.
+
+    Example:
+        >>> require_positive('fuse_for_inference', rtol=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: fuse_for_inference: rtol must be a number above 0, got -1
+    """
+    for name, value in numbers.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f'{caller}: {name} must be a number above 0, got {value!r}')
+
+
+def write_problem(target: Path, suffix: str, inputs: tuple[Path, ...] = ()) -> Optional[str]:
+    """Why writing the file ``target`` could fail or destroy something, or None: a link (the write would replace
+    its target), a folder, a missing folder, a pipe or device, one of ``inputs``, an existing file that is no
+    ``suffix`` file (a checkpoint, a recipe), no permission.
+
+    Example:
+        >>> write_problem(Path('/'), '.pt2')
+        'is a folder; give a file name in it'
+    """
+    if target.is_symlink():
+        return 'is a link; writing would replace the file it points to: give the path of a new file'
+    if target.is_dir():
+        return 'is a folder; give a file name in it'
+    if not target.parent.is_dir():
+        found = 'is a file' if target.parent.exists() else 'does not exist'
+        return f'its folder {target.parent} {found}; create the folder or give another path'
+    if target.exists():
+        if not target.is_file():
+            return 'is a pipe, socket or device, not a regular file; give the path of a file'
+        if any(p.exists() and target.samefile(p) for p in inputs):
+            return 'is one of the files this command reads; give the path of a new file'
+        if target.suffix != suffix:
+            return f'exists and is no {suffix} file (it would be overwritten); give a new file name or remove it'
+    if not os.access(target.parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        return 'cannot be written here (permission denied); give a writable path'
+    return None
 
 
 def require_flags(caller: str, **flags: Any) -> None:

@@ -198,6 +198,13 @@ def is_channels_last(tensor: torch.Tensor) -> bool:
     return layout_of(tensor) is not Layout.AMBIGUOUS or has_channels_last_strides(tensor)
 
 
+def _require_tensor(value: Any, caller: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f'{caller}: expected a torch.Tensor, got a {type(value).__name__}; make it one (torch.as_tensor)'
+        )
+
+
 def to_channels_last(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` restrided to channels last (4D) or channels last 3D (5D).
 
@@ -205,6 +212,7 @@ def to_channels_last(tensor: torch.Tensor) -> torch.Tensor:
     :func:`is_channels_last`) or is not 4D/5D. Ambiguous shapes get the real channels-last
     strides.
     """
+    _require_tensor(tensor, 'to_channels_last')
     fmt = channels_last_format(tensor)
     if fmt is None or is_channels_last(tensor):
         return tensor
@@ -220,6 +228,7 @@ def to_channels_first(tensor: torch.Tensor) -> torch.Tensor:
         >>> layout_of(to_channels_first(x))
         <Layout.NCHW: 'NCHW'>
     """
+    _require_tensor(tensor, 'to_channels_first')
     if channels_last_format(tensor) is None:
         return tensor
     if tensor.stride() == torch.empty(tensor.shape, device='meta').stride():

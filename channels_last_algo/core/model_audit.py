@@ -25,9 +25,9 @@ from typing import Any, Union
 
 import torch
 
-from channels_last_algo.core.argument_checks import require_flags, require_input, require_module
+from channels_last_algo.core.argument_checks import example_input_error, require_flags, require_input, require_module
 from channels_last_algo.core.audit import LayoutAudit, tensors_in
-from channels_last_algo.core.audit_report import AuditReport
+from channels_last_algo.core.audit_report import AuditReport, LayoutBreakError
 from channels_last_algo.core.layout import Layout, layout_of
 
 __all__ = ['audit_model']
@@ -85,6 +85,9 @@ def audit_model(
             ``torch.no_grad()``).
         strict: raise :class:`~channels_last_algo.core.audit_report.LayoutBreakError` at the first break.
 
+    Raises:
+        ExampleInputError: (a ``ValueError``) the model itself raises on ``example_input``.
+
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
         >>> model = model.to(memory_format=torch.channels_last)
@@ -96,13 +99,36 @@ def audit_model(
     require_flags('audit_model', backward=backward, strict=strict)
     inputs = example_input if isinstance(example_input, tuple) else (example_input,)
     audit = LayoutAudit(model, strict=strict)
-    with _left_as_found(model), torch.set_grad_enabled(backward), audit:
-        output = model(*inputs)
-        if backward:
-            _scalar_loss(output, model).backward()
+    _audited_run(model, inputs, audit, backward)
     report = audit.report
     report.notes = _not_channels_last(model, inputs)
     return report
+
+
+def _audited_run(model: torch.nn.Module, inputs: tuple, audit: LayoutAudit, backward: bool) -> None:
+    """The forward (and backward) under ``audit``; :class:`ExampleInputError` where the model raises on ``inputs``
+    without the audit too."""
+    try:
+        with _left_as_found(model), torch.set_grad_enabled(backward), audit:
+            output = model(*inputs)
+            if backward:
+                _scalar_loss(output, model).backward()
+    except LayoutBreakError:
+        raise
+    except Exception as error:  # the model's own error on inputs it does not take, or one under the audit only
+        if _raises_without_the_audit(model, inputs):
+            raise example_input_error('audit_model', model, error) from error
+        raise
+
+
+def _raises_without_the_audit(model: torch.nn.Module, inputs: tuple) -> bool:
+    """Whether ``model``'s forward raises on ``inputs`` by itself (no audit, no gradients), leaving it as found."""
+    try:
+        with _left_as_found(model), torch.no_grad():
+            model(*inputs)
+    except Exception:  # whatever the forward raises on inputs it does not take
+        return True
+    return False
 
 
 @contextlib.contextmanager

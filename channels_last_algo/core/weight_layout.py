@@ -41,6 +41,7 @@ from typing import Any, Optional, Union
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from channels_last_algo.core.argument_checks import require_module
 from channels_last_algo.core.first_optimizer_step import FirstStep, torch_step
 from channels_last_algo.core.flattening_optimizers import flattening
 from channels_last_algo.core.layout import MemoryFormat
@@ -103,6 +104,7 @@ def weight_layout_for(
     Raises:
         ValueError: ``model`` is already wrapped in ``DistributedDataParallel``.
     """
+    require_module(model, 'weight_layout_for')
     if not torch.distributed.is_available():
         return WeightLayoutPlan(False, 'torch.distributed is not available: one process')
     plan = _wrapped_now(model)

@@ -24,8 +24,8 @@ from channels_last_algo import (
 from channels_last_algo.app.cli.entry import main
 from channels_last_algo.app.recipes.models import build_model
 from channels_last_algo.app.runs.demo import TinyResNet
+from channels_last_algo.core.argument_checks import ExampleInputError
 from channels_last_algo.core.fuse import FUSION_PATTERNS, FusedEvaluation, PostOp, patterns
-from channels_last_algo.core.fuse.example_check import ExampleInputError
 from channels_last_algo.core.fuse.graph import fuse_graph, trace
 from channels_last_algo.core.fuse.modules import fuse_modules
 from channels_last_algo.core.layout import has_channels_last_strides

@@ -264,6 +264,43 @@ API_CALLS = {
         lambda: channels_last_algo.export_for_inference(torch.nn.Conv2d(3, 3, 1), 5, torch.zeros(2, 3, 4, 4)),
         'export_for_inference: path must be a file path, got int 5',
     ),
+    'to_channels_last(list)': (
+        lambda: channels_last_algo.to_channels_last([[1.0]]),
+        'to_channels_last: expected a torch.Tensor, got a list',
+    ),
+    'weight_layout_for(None)': (lambda: channels_last_algo.weight_layout_for(None), 'weight_layout_for: model is'),
+}
+
+
+def _export_to(path):
+    channels_last_algo.export_for_inference(torch.nn.Conv2d(3, 3, 1).eval(), path, torch.zeros(2, 3, 4, 4))
+
+
+VALUE_CALLS = {
+    'fuse_for_inference(rtol=-1)': (
+        lambda tmp_path: channels_last_algo.fuse_for_inference(torch.nn.Conv2d(3, 3, 1).eval(), rtol=-1),
+        'fuse_for_inference: rtol must be a number above 0, got -1',
+    ),
+    "fuse_for_inference(rtol='1e-3')": (
+        lambda tmp_path: channels_last_algo.fuse_for_inference(torch.nn.Conv2d(3, 3, 1).eval(), rtol='1e-3'),
+        "fuse_for_inference: rtol must be a number above 0, got '1e-3'",
+    ),
+    'export_for_inference(path=folder)': (
+        lambda tmp_path: _export_to(tmp_path),
+        'export_for_inference: path {tmp_path}: is a folder; give a file name in it',
+    ),
+    'export_for_inference(path=a recipe)': (
+        lambda tmp_path: _export_to(tmp_path / 'recipe.yaml'),
+        'recipe.yaml: exists and is no .pt2 file (it would be overwritten)',
+    ),
+    'audit_model(input of other channels)': (
+        lambda tmp_path: channels_last_algo.audit_model(torch.nn.Conv2d(3, 3, 1), torch.zeros(1, 4, 4, 4)),
+        'audit_model: Conv2d itself raises on example_input (RuntimeError: Given groups=1',
+    ),
+    'audit_model(two inputs to a one-input model)': (
+        lambda tmp_path: channels_last_algo.audit_model(torch.nn.Conv2d(3, 3, 1), (torch.zeros(1, 3, 4, 4),) * 2),
+        'audit_model: Conv2d itself raises on example_input (TypeError: ',
+    ),
 }
 
 FLAG_CALLS = {
@@ -310,6 +347,18 @@ def test_the_api_refuses_what_is_not_a_model_in_one_line(case):
     with pytest.raises(TypeError) as raised:
         call()
     assert fragment in str(raised.value) and '\n' not in str(raised.value)
+
+
+@pytest.mark.parametrize('case', sorted(VALUE_CALLS))
+def test_the_api_refuses_a_value_it_cannot_use_in_one_line_and_overwrites_nothing(case, tmp_path):
+    """Before any work: a tolerance that is no positive number, an export path that is a folder or another
+    kind of file (left as it was), an example input the model itself refuses (named, with the model's error)."""
+    (tmp_path / 'recipe.yaml').write_text('model: resnet50\n')
+    call, fragment = VALUE_CALLS[case]
+    with pytest.raises(ValueError) as raised:
+        call(tmp_path)
+    assert fragment.format(tmp_path=tmp_path) in str(raised.value) and '\n' not in str(raised.value)
+    assert (tmp_path / 'recipe.yaml').read_text() == 'model: resnet50\n'
 
 
 # --- what only Composer checks ----------------------------------------------------------------------------

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Optional
+
+from channels_last_algo.core.argument_checks import why as first_line
+from channels_last_algo.core.argument_checks import write_problem
 
 __all__ = ['UsageError', 'check_writable', 'count', 'first_line', 'positive_int', 'seconds']
 
@@ -56,39 +58,14 @@ def seconds(text: str) -> float:
     return value
 
 
-def first_line(error: BaseException) -> str:
-    """``Type: the first line of the message``."""
-    return f'{type(error).__name__}: {(str(error).strip().splitlines() or [""])[0]}'
-
-
 def check_writable(path: str, what: str, suffix: str, inputs: Sequence[Optional[str]] = ()) -> None:
     """UsageError naming ``what`` (the argument) when the file ``path`` cannot be written, or writing it could
     destroy something: a link (the write would replace its target), a pipe or device, one of the command's
     ``inputs``, or an existing file that is no ``suffix`` file (a checkpoint, a recipe). Checked before any work."""
     target = Path(path)
     try:
-        problem = _write_problem(target, suffix, [Path(p) for p in inputs if p])
+        problem = write_problem(target, suffix, tuple(Path(p) for p in inputs if p))
     except OSError as error:  # a name too long, a loop of links
         problem = f'cannot be looked at ({error.strerror or error})'
     if problem:
         raise UsageError(f'{what} {path}: {problem}')
-
-
-def _write_problem(target: Path, suffix: str, inputs: list[Path]) -> Optional[str]:
-    if target.is_symlink():
-        return 'is a link; writing would replace the file it points to: give the path of a new file'
-    if target.is_dir():
-        return 'is a folder; give a file name in it'
-    if not target.parent.is_dir():
-        found = 'is a file' if target.parent.exists() else 'does not exist'
-        return f'its folder {target.parent} {found}; create the folder or give another path'
-    if target.exists():
-        if not target.is_file():
-            return 'is a pipe, socket or device, not a regular file; give the path of a file'
-        if any(p.exists() and target.samefile(p) for p in inputs):
-            return 'is one of the files this command reads; give the path of a new file'
-        if target.suffix != suffix:
-            return f'exists and is no {suffix} file (it would be overwritten); give a new file name or remove it'
-    if not os.access(target.parent, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        return 'cannot be written here (permission denied); give a writable path'
-    return None

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from channels_last_algo.core.fuse.example_check import ExampleInputError
+from channels_last_algo.core.argument_checks import ExampleInputError
 from channels_last_algo.core.fuse.inference import fuse_for_inference
 from channels_last_algo.core.module_calls import is_torchscript
 from channels_last_algo.core.weight_layout import weight_layout_for

@@ -30,18 +30,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from channels_last_algo.core.argument_checks import example_input_error, why
 from channels_last_algo.core.saved_state import AttributeState
 
-__all__ = ['FLOAT64_RTOL', 'ExampleCheck', 'ExampleInputError', 'max_relative_error', 'why']
+__all__ = ['FLOAT64_RTOL', 'ExampleCheck', 'max_relative_error']
 
 log = logging.getLogger(__name__)
 
 FLOAT64_RTOL = 1e-8  # float64 rounding leaves about 1e-13 through a deep network; a wrong copy, far more
-
-
-def why(error: BaseException) -> str:
-    """``error`` in one line: its type and its message's first line."""
-    return f'{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ""}'
 
 
 def max_relative_error(actual: Any, expected: Any, any_order: bool = False) -> float:
@@ -106,13 +102,9 @@ def _module_outputs(network: nn.Module, inputs: tuple) -> dict[str, tuple[type, 
     return outputs
 
 
-class ExampleInputError(ValueError):
-    """The model itself raises on the example input: it is not the positional arguments its forward takes."""
-
-
 class ExampleCheck:
     """The check of a fused copy on the example input, the model's output computed once, first: a model that
-    raises on the example raises :class:`ExampleInputError`."""
+    raises on the example raises :class:`~channels_last_algo.core.argument_checks.ExampleInputError`."""
 
     def __init__(self, model: nn.Module, example_input: Any, backend: str, rtol: float) -> None:
         self.model = model
@@ -127,10 +119,7 @@ class ExampleCheck:
             with torch.no_grad():
                 self._expected.append(model(*self.inputs))
         except Exception as error:  # whatever the model's forward raises on arguments it does not take
-            raise ExampleInputError(
-                f'fuse_for_inference: {type(model).__name__} itself raises on example_input ({why(error)}); give the '
-                'positional arguments its forward takes (a tuple for several), or None to check nothing'
-            ) from error
+            raise example_input_error('fuse_for_inference', model, error, ', or None to check nothing') from error
         finally:
             attributes.put_back()
 
@@ -201,6 +190,6 @@ class ExampleCheck:
                 raise
             raise RuntimeError(
                 f'fuse_for_inference(backend={self.backend!r}): torch.compile failed on the fused '
-                f'{type(self.model).__name__}: {type(error).__name__}: {str(error).strip().splitlines()[0]}; '
+                f'{type(self.model).__name__}: {why(error)}; '
                 "use backend='eager' (the fused kernels without compiling)"
             ) from error

@@ -21,7 +21,7 @@ from typing import Union
 import torch
 from torch import nn
 
-from channels_last_algo.core.argument_checks import require_flags, require_module
+from channels_last_algo.core.argument_checks import require_flags, require_module, write_problem
 from channels_last_algo.core.fuse.inference import fuse_for_inference
 from channels_last_algo.core.fuse.summary import FusionSummary
 from channels_last_algo.core.layout import to_channels_last
@@ -50,9 +50,14 @@ def _register_fake_binary_convolution() -> None:
 
 
 def _check_export_arguments(path: Union[str, Path], example_input: torch.Tensor, dynamic_batch: bool) -> None:
-    """Refuse a path that is not a file path, and a dynamic batch with an example batch of 1."""
+    """Refuse a path that is not a file path or that writing could destroy (a folder, a link, an existing file
+    that is no ``.pt2``), and a dynamic batch with an example batch of 1; a missing folder is made."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f'export_for_inference: path must be a file path, got {type(path).__name__} {path!r}')
+    target = Path(path)
+    problem = write_problem(target, '.pt2') if target.parent.exists() or target.is_symlink() else None  # else made
+    if problem:
+        raise ValueError(f'export_for_inference: path {path}: {problem}')
     if dynamic_batch and example_input.shape[0] < 2:
         raise ValueError(
             f'export with a dynamic batch size needs an example batch of at least 2, got shape '
@@ -99,7 +104,8 @@ def export_for_inference(
         The exported program that was saved, and what was fused.
 
     Raises:
-        ValueError: ``model`` is in train mode, or a dynamic batch has an example batch of 1.
+        ValueError: ``model`` is in train mode, a dynamic batch has an example batch of 1, or ``path`` is a folder,
+            a link, or an existing file that is no ``.pt2`` (which it would overwrite).
     """
     require_module(model, 'export_for_inference')
     require_flags('export_for_inference', dynamic_batch=dynamic_batch)

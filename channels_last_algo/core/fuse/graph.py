@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch.nn.functional as F
 from torch import fx, nn
 
+from channels_last_algo.core.argument_checks import why
 from channels_last_algo.core.fuse.concatenations import fold_through_concatenations, module_calls
 from channels_last_algo.core.fuse.conv import FusedConv2d
 from channels_last_algo.core.fuse.functional_calls import (
@@ -91,7 +92,7 @@ class _Tracer(fx.Tracer):
             self.module_stack.clear()
             self.module_stack.update(stack)
             self.num_calls = calls
-            self.untraceable[path] = f'{type(error).__name__}: {error}'.splitlines()[0]
+            self.untraceable[path] = why(error)
             self.errors.append(error)
             return super().call_module(m, forward, args, kwargs)
 

@@ -30,10 +30,10 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_flatten
 
-from channels_last_algo.core.argument_checks import require_flags, require_module
+from channels_last_algo.core.argument_checks import require_flags, require_module, require_positive, why
 from channels_last_algo.core.convert import convert_quietly
 from channels_last_algo.core.fuse.conv import FusedConv2d
-from channels_last_algo.core.fuse.example_check import ExampleCheck, why
+from channels_last_algo.core.fuse.example_check import ExampleCheck
 from channels_last_algo.core.fuse.graph import called_whole, fuse_graph, optional_inputs_used, trace
 from channels_last_algo.core.fuse.modules import fuse_modules
 from channels_last_algo.core.fuse.subgraphs import fuse_subgraphs
@@ -124,7 +124,8 @@ class InferenceModel(nn.Module):
 _watches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _check_arguments(model: nn.Module, traceable: bool, backend: str) -> None:
+def _check_arguments(model: nn.Module, traceable: bool, backend: str, rtol: float) -> None:
+    require_positive('fuse_for_inference', rtol=rtol)
     if backend not in BACKENDS:
         raise ValueError(f'fuse_for_inference: backend must be one of {BACKENDS}, got {backend!r}')
     if traceable and backend != 'eager':
@@ -303,12 +304,12 @@ def fuse_for_inference(
 
     Raises:
         ValueError: ``model`` or a submodule of it is in train mode, a bad ``backend``, or ``model`` itself
-            raises on ``example_input`` (:class:`~.example_check.ExampleInputError`).
+            raises on ``example_input`` (:class:`~channels_last_algo.core.argument_checks.ExampleInputError`).
         RuntimeError: the copy does not match ``model`` on ``example_input``, or ``torch.compile`` fails on it.
     """
     require_module(model, 'fuse_for_inference')
     require_flags('fuse_for_inference', traceable=traceable)
-    _check_arguments(model, traceable, backend)
+    _check_arguments(model, traceable, backend, rtol)
     prepack = not traceable and backend == 'eager'
     check = ExampleCheck(model, example_input, backend, rtol)
     fused, trace_error = _fx_route(model, prepack, check)
