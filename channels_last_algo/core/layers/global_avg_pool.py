@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from channels_last_algo.core.layout import Layout, layout_of
 from channels_last_algo.core.swap import Replacement
 
 __all__ = ['ChannelsLastAdaptiveAvgPool2d', 'global_avg_pool_nhwc', 'is_global_pool']
@@ -40,7 +39,9 @@ __all__ = ['ChannelsLastAdaptiveAvgPool2d', 'global_avg_pool_nhwc', 'is_global_p
 def global_avg_pool_nhwc(x: torch.Tensor) -> torch.Tensor:
     """Mean over H and W of a (..., C, H, W) tensor, kept as (..., C, 1, 1), computed in NHWC order,
     or in NCHW order where ``x`` is channels first only."""
-    if layout_of(x) is Layout.NCHW:
+    # channels first only, from the sizes (TorchScript compiles it; vmap answers no channels-last query):
+    # a contiguous map is channels-last contiguous too where C or H x W is 1
+    if x.dim() == 4 and x.is_contiguous() and x.size(1) != 1 and x.size(2) * x.size(3) != 1:
         return x.mean(dim=(2, 3), keepdim=True)
     c = x.dim() - 3  # the channel axis
     return x.movedim(c, c + 2).mean(dim=(c, c + 1), keepdim=True).movedim(c + 2, c)
