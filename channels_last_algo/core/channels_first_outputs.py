@@ -193,20 +193,30 @@ class Placements:
     def __init__(self, model: torch.nn.Module) -> None:
         self._modules: weakref.WeakSet = weakref.WeakSet(take_back(model))
         self._outside: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._pending: list[tuple[torch.nn.Module, bool, bool]] = []  # placed in the step under way
 
     def __contains__(self, module: torch.nn.Module) -> bool:
-        return module in self._modules
+        return module in self._modules or any(module is pending for pending, _, _ in self._pending)
 
     def place(self, module: torch.nn.Module, one_tensor: bool, outside: bool) -> None:
-        """Make ``module``'s NHWC outputs channels first (:func:`make_outputs_channels_first`)."""
-        handle = make_outputs_channels_first(module, one_tensor)
-        self._modules.add(module)
-        if outside:
-            self._outside[module] = handle
+        """Make ``module``'s NHWC outputs channels first (:func:`make_outputs_channels_first`) from :meth:`settle` on,
+        not in the step under way: its backward may run the forward again (activation checkpointing), which must do
+        as the forward did (selective checkpointing replays the forward's ops one by one)."""
+        self._pending.append((module, one_tensor, outside))
+
+    def settle(self) -> None:
+        """Hook the modules placed since the last call: a watched step or forward is over."""
+        pending, self._pending = self._pending, []
+        for module, one_tensor, outside in pending:
+            handle = make_outputs_channels_first(module, one_tensor)
+            self._modules.add(module)
+            if outside:
+                self._outside[module] = handle
 
     def release_outside(self) -> list[torch.nn.Module]:
         """Take the hooks off the modules outside the model: they outlive the run. Those modules, to be placed
         again where a later run views their outputs."""
+        self.settle()
         released = list(self._outside.items())
         for module, handle in released:
             handle.remove()

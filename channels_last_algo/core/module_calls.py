@@ -65,6 +65,7 @@ __all__ = [
     'in_graph_capture',
     'is_torchscript',
     'on_mode_stack',
+    'on_top_of_mode_stack',
     'paused',
     'settle_hooks',
     'subscribe',
@@ -230,6 +231,12 @@ def settle_hooks() -> None:
 def on_mode_stack(mode: torch.overrides.TorchFunctionMode) -> bool:
     """Whether ``mode`` is on the torch function mode stack, at any depth."""
     return any(torch._C._get_function_stack_at(i) is mode for i in range(torch._C._len_torch_function_stack()))
+
+
+def on_top_of_mode_stack(mode: torch.overrides.TorchFunctionMode) -> bool:
+    """Whether ``mode`` is the innermost torch function mode, the first to see an op."""
+    depth = torch._C._len_torch_function_stack()
+    return depth > 0 and torch._C._get_function_stack_at(depth - 1) is mode
 
 
 def exit_mode(mode: torch.overrides.TorchFunctionMode) -> None:

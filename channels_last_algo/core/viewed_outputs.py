@@ -6,20 +6,20 @@ step, made channels first where they are made.
 compatible with input tensor's size and stride"). While :class:`ViewedOutputs` watches a step (its mode:
 :mod:`~channels_last_algo.core.view_watch`), a view that fails so runs on a channels-first copy instead, which
 in-place writes keep in step with the activation (:mod:`~channels_last_algo.core.aliased_copies`), and the module
-whose output the viewed tensor derives from (through any ops, but no other module) is noted. From then on that
-module's NHWC outputs are made channels first (one copy, which the layout audit counts as an exit) by a forward hook
-that runs before the module's own hooks, so the view aliases the activation as in NCHW. The same holds where a
-``.reshape()``, ``.flatten()``, ``.unflatten()`` or ``.contiguous()`` copies an NHWC tensor that NCHW would have
-aliased (itself or a view) and an in-place write then goes through either of them: the write reaches the other, and
-the module is noted; and where NHWC returns a view NCHW would copy (``z.permute(0, 2, 3, 1).reshape(-1, c)``) and
-one of them is written (:mod:`~channels_last_algo.core.nchw_twins` tells which case is which). A module called more
-than once a step (a pool shared by two stages) is passed over for the modules its viewed output came from. A batch
-tensor the guard made NHWC is left as it comes from the next batch on (:meth:`InputSelection.leave`). A view of a
-tensor that neither a module nor the guard made (a gradient in a tensor hook, whose layout its consumers decide), or
-that a TorchScript module made (it takes no hooks), cannot be placed so: the watch then stays on for every step, at
-the cost of following each op. An extension op given 4D/5D tensors runs as in NCHW
-(:mod:`~channels_last_algo.core.extension_ops`); a light watch, of extension ops only, then stays on for every step.
-A view first reached on a later step starts the watch there (:mod:`~channels_last_algo.core.late_views`).
+whose output the viewed tensor derives from (through any ops, but no other module) is noted. From the step's end
+(its backward may run the forward again: activation checkpointing) that module's NHWC outputs are made channels first
+(one copy, an exit in the layout audit) by a forward hook before the module's own, so the view aliases as in NCHW.
+The same holds where a ``.reshape()``, ``.flatten()``, ``.unflatten()`` or ``.contiguous()`` copies an NHWC tensor
+that NCHW would have aliased (itself or a view) and an in-place write then goes through either of them: the write
+reaches the other, and the module is noted; and where NHWC returns a view NCHW would copy
+(``z.permute(0, 2, 3, 1).reshape(-1, c)``) and one of them is written (:mod:`~channels_last_algo.core.nchw_twins`
+tells which case is which). A module called more than once a step (a pool shared by two stages) is passed over for the
+modules its viewed output came from. A batch tensor the guard made NHWC is left as it comes from the next batch on
+(:meth:`InputSelection.leave`). A view of a tensor that neither a module nor the guard made (a gradient in a tensor
+hook, whose layout its consumers decide), or that a TorchScript module made (it takes no hooks), cannot be placed so:
+the watch then stays on for every step, at the cost of following each op. An extension op given 4D/5D tensors runs as
+in NCHW (:mod:`~channels_last_algo.core.extension_ops`); a light watch, of extension ops only, then stays on for every
+step. A view first reached on a later step starts the watch there (:mod:`~channels_last_algo.core.late_views`).
 
 Example:
     >>> import torch
@@ -43,7 +43,6 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
@@ -60,6 +59,7 @@ from channels_last_algo.core.module_calls import (
     exit_mode,
     is_torchscript,
     on_mode_stack,
+    on_top_of_mode_stack,
     paused,
     subscribe,
     unsubscribe,
@@ -70,11 +70,6 @@ from channels_last_algo.core.view_watch import ViewWatch, contiguous_gradient, n
 __all__ = ['ViewedOutputs']
 
 log = logging.getLogger(__name__)
-
-
-def _on_top(mode: TorchFunctionMode) -> bool:
-    depth = torch._C._len_torch_function_stack()
-    return depth > 0 and torch._C._get_function_stack_at(depth - 1) is mode
 
 
 class ViewedOutputs:
@@ -254,6 +249,7 @@ class ViewedOutputs:
         disarm(self)
         paused, self._paused_for = self._paused_for, None
         self._hooks.restore()
+        self._placements.settle()
         for weight in self._to_hook:  # outside the backward, whose hook tables must not change under it
             hook_first(weight, contiguous_gradient)
         self._to_hook = []
@@ -305,7 +301,8 @@ class ViewedOutputs:
                 log.debug('channels last: the eager rehearsal of a compiled forward stopped: %s', error)
             finally:
                 self._rehearsing = False
-        if self._paused_for is None and _on_top(self._mode):
+                self._placements.settle()  # the graph traced next makes the viewed outputs channels first
+        if self._paused_for is None and on_top_of_mode_stack(self._mode):
             self._paused_for = wrapper  # a graph traced under the mode would be traced again without it
             exit_mode(self._mode)
 
