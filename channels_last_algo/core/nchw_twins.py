@@ -32,9 +32,9 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from channels_last_algo.core.layout import layout_of
+from channels_last_algo.core.layout import is_4d_or_5d, is_channels_last, layout_of
 
-__all__ = ['CONVOLUTIONS', 'COPY_OR_VIEW', 'SHAPE_OPS', 'NchwTwins', 'aliases']
+__all__ = ['CONVOLUTIONS', 'COPY_OR_VIEW', 'SHAPE_OPS', 'NchwTwins', 'aliases', 'laid_out_by_weight']
 
 
 def _ops(*names: str) -> frozenset:
@@ -98,6 +98,20 @@ IN_PLACE_CONVOLUTIONS = frozenset(_overloads(torch.ops.mkldnn, '_convolution_poi
 
 CONVOLUTIONS = FUNCTIONAL_CONVOLUTIONS | FUSED_CONVOLUTIONS | IN_PLACE_CONVOLUTIONS
 """Every convolution op a watch may see: what it returns comes from the module, not from a batch tensor."""
+
+
+def laid_out_by_weight(args: tuple, kwargs: dict) -> bool:
+    """Whether a convolution's weight (its second argument) is channels last, which lays the output out NHWC
+    whatever the input (oneDNN, cuDNN): making the input channels first would leave the output NHWC.
+
+    Example:
+        >>> weight = torch.randn(8, 3, 3, 3).to(memory_format=torch.channels_last)
+        >>> x = torch.randn(1, 3, 8, 8)
+        >>> laid_out_by_weight((x, weight), {}), laid_out_by_weight((x,), {'weight': weight.contiguous()})
+        (True, False)
+    """
+    weight = kwargs.get('weight', args[1] if len(args) > 1 else None)
+    return is_4d_or_5d(weight) and weight.layout == torch.strided and is_channels_last(weight)
 
 
 def _as_convolution_lays_out(input: Any, weight: Any, twin_result: torch.Tensor) -> torch.Tensor:

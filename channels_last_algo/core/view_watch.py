@@ -45,7 +45,7 @@ from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on
 from channels_last_algo.core.given_strides import first_element_only, read_as_in_nchw, written_for_nchw
 from channels_last_algo.core.late_views import original, passing_through, refused_by_strides
 from channels_last_algo.core.layout import is_4d_or_5d, uninitialized_among
-from channels_last_algo.core.nchw_twins import CONVOLUTIONS, COPY_OR_VIEW, SHAPE_OPS, NchwTwins
+from channels_last_algo.core.nchw_twins import CONVOLUTIONS, COPY_OR_VIEW, SHAPE_OPS, NchwTwins, laid_out_by_weight
 from channels_last_algo.core.random_draws import DRAWS, drawn_in, nchw_draw_order
 
 __all__ = [
@@ -300,8 +300,9 @@ class ViewWatch(TorchFunctionMode):
             if not outputs:
                 return
         origins = frozenset().union(*(self.origins(t) for t in inputs))
-        if convolution:
-            origins = frozenset(o for o in origins if not isinstance(o, BatchTensor))
+        if convolution:  # from its module, not a batch tensor; from no input where a channels-last weight lays it out
+            keep = not laid_out_by_weight(args, kwargs)
+            origins = frozenset(o for o in origins if keep and not isinstance(o, BatchTensor))
         for tensor in outputs:
             if not nhwc(tensor) and not tensor.is_contiguous():
                 self.flattened[tensor] = True

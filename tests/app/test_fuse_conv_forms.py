@@ -292,3 +292,27 @@ def test_a_convolution_whose_weight_the_forward_reads_keeps_it_unfolded(model, r
             images = torch.randn(2, 3, size, size)
             assert _relative_error(fused(images), model(images)) < 1e-5
     assert read not in fused.summary.fused
+
+
+class _TiedReconstructionError(_TiedDecoder):
+    """The tied decoder's error, viewed: a map that the transposed convolution's channels-last weight lays out."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (super().forward(x) - x).view(x.size(0), -1).pow(2).mean(1)
+
+
+@pytest.mark.parametrize('example', [False, True], ids=['no example', 'example'])
+def test_a_view_of_a_map_no_module_makes_runs_on_every_call(example):
+    """The copy's first call (the example check's, or the first real one) finds no module to make the viewed map
+    channels first: every later call is watched too, and computes what the model does."""
+    torch.manual_seed(0)
+    model = _randomize_batchnorm(_TiedReconstructionError()).eval()
+    images = torch.randn(2, 3, 8, 8)
+    with pytest.warns(UserWarning, match='each call of the copy is watched'):
+        fused = fuse_for_inference(model, images if example else None)
+        with torch.no_grad():
+            fused(images)
+    with torch.no_grad():
+        for size in (8, 6, 8):
+            x = torch.randn(3, 3, size, size)
+            assert _relative_error(fused(x), model(x)) < 1e-5

@@ -647,6 +647,30 @@ def test_writes_no_module_can_place_keep_the_watch_on_saying_so(caplog):
     assert 'test_views.py:' in lines[0] and "(a copy here, an alias in NCHW) is no module's output" in lines[0]
 
 
+class TiedAutoencoder(nn.Module):
+    """A decoder that is the encoder's transpose (``F.conv_transpose2d`` on its weight), its error viewed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.norm = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        decoded = F.conv_transpose2d(F.relu(self.norm(self.enc(x))), self.enc.weight, padding=1)
+        return (decoded - x).view(x.size(0), -1).pow(2).mean(1)
+
+
+def test_a_view_of_what_a_channels_last_weight_lays_out_places_no_module_and_stays_watched(caplog):
+    """A functional convolution on a channels-last weight gives NHWC whatever its input: making the module before
+    it channels first would only add a copy each step. No module is placed; every step is watched, as NCHW."""
+    run = Run(TiedAutoencoder, _batches((2, 3, 8, 8)), lambda output, batch: output.mean())
+    with caplog.at_level(logging.INFO, logger='channels_last_algo.core.guard'):
+        steps, net, _ = guarded(run, 'guard')
+    assert_same_run(steps, nchw(run), 'tied autoencoder')
+    messages = [r.getMessage() for r in caplog.records]
+    assert not any('outputs made channels first' in m for m in messages), messages
+    assert any("is no module's output" in m and 'every step is watched' in m for m in messages), messages
+
+
 def test_a_view_of_a_torchscript_modules_output_is_watched_every_step_and_its_tensors_are_left(caplog):
     """A TorchScript module takes no hooks, so its viewed output cannot be made channels first where it is made:
     the console names it and every step is watched; its weights, which no watch sees used, keep their layout."""
