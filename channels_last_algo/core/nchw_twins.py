@@ -110,8 +110,13 @@ def laid_out_by_weight(args: tuple, kwargs: dict) -> bool:
         >>> laid_out_by_weight((x, weight), {}), laid_out_by_weight((x,), {'weight': weight.contiguous()})
         (True, False)
     """
-    weight = kwargs.get('weight', args[1] if len(args) > 1 else None)
+    weight = _weight_of(args, kwargs)
     return is_4d_or_5d(weight) and weight.layout == torch.strided and is_channels_last(weight)
+
+
+def _weight_of(args: tuple, kwargs: dict) -> Any:
+    """A convolution call's weight: its second argument, given by position or by name."""
+    return args[1] if len(args) > 1 else kwargs.get('weight')
 
 
 def _as_convolution_lays_out(input: Any, weight: Any, twin_result: torch.Tensor) -> torch.Tensor:
@@ -212,8 +217,9 @@ class NchwTwins:
                     return
                 twin_result = func(*twin_args, **twin_kwargs)
                 if func in FUNCTIONAL_CONVOLUTIONS and isinstance(twin_result, torch.Tensor):
-                    weight = twin_args[1] if len(twin_args) > 1 else twin_kwargs.get('weight')
-                    twin_result = _as_convolution_lays_out(twin_args[0], weight, twin_result)
+                    twin_result = _as_convolution_lays_out(
+                        twin_args[0], _weight_of(twin_args, twin_kwargs), twin_result
+                    )
         except Exception:  # no meta kernel, or an op that leaves the device (.cpu(), .numpy()): unknown
             return
         self.note(result, twin_result)
