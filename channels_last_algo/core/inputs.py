@@ -66,7 +66,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from channels_last_algo.core.batch_tree import Path, leaves, map_leaves, path_name
 from channels_last_algo.core.input_flow import InputFlow
-from channels_last_algo.core.layout import is_4d_or_5d
+from channels_last_algo.core.layout import channels_last_contiguous, is_4d_or_5d
 from channels_last_algo.core.module_calls import compiled_wrapper, exit_mode, settle_hooks, subscribe, unsubscribe
 
 __all__ = ['Inputs', 'InputSelection', 'check_inputs']
@@ -127,6 +127,8 @@ class InputSelection:
         self._flow: Optional[InputFlow] = None
         self._structure: Any = None
         self._restrided: dict[Path, torch.Tensor] = {}  # the NHWC copies the first batch's guess made
+        self._first_channels_first: frozenset[Path] = frozenset()  # the first batch's tensors it ran channels first
+        self._missed = False  # a first batch ran channels first a tensor later batches give NHWC (see missed)
         self._calls: list[bool] = []  # the module calls under way, each: followed inside or not
         self._named_checked: set[str] = set()  # the batch structures a list of inputs was checked against
         self._current: Any = None  # the structure of the batch put last
@@ -245,6 +247,7 @@ class InputSelection:
             self.chosen[self._structure] = frozenset()
             return batch
         self._restrided = {path: leaf for path, leaf in followed if leaf is not given.get(path)}
+        self._first_channels_first = frozenset(path for path, leaf in followed if not channels_last_contiguous(leaf))
         self._flow = InputFlow(followed, frozenset(guessed))
         subscribe(self)  # module calls: channels_last_algo.core.module_calls
         return first
@@ -297,6 +300,7 @@ class InputSelection:
         left = self._left_by_use.get(self._structure, {})
         chosen = (flow.fed if flow.convolutions else flow.guessed) - flow.viewed - set(left)
         self.chosen[self._structure] = chosen
+        self._missed = self._missed or bool(chosen & self._first_channels_first)
         self._left_because[self._structure] = {
             **{path: 'its dimensions reordered before a convolution' for path in flow.reordered - flow.fed},
             **{path: 'viewed in a shape NHWC cannot take' for path in flow.viewed},
@@ -304,6 +308,13 @@ class InputSelection:
         }
         self._undo_guess(chosen)
         log.info('channels last inputs: %s', self._describe(self._structure))
+
+    def missed(self) -> bool:
+        """Whether a first batch since the last call ran channels first a tensor that the later batches of its
+        structure give NHWC (the guess missed it: a convolution whose channel count no module tells): what ran on
+        it ran on other strides than it will from now on."""
+        missed, self._missed = self._missed, False
+        return missed
 
     def _undo_guess(self, chosen: frozenset[Path]) -> None:
         """The NHWC copies the guess made of tensors that are not chosen, channels first again in

@@ -19,7 +19,8 @@ modules its viewed output came from. A batch tensor the guard made NHWC is left 
 hook, whose layout its consumers decide), or that a TorchScript module made (it takes no hooks), cannot be placed so:
 the watch then stays on for every step, at the cost of following each op. An extension op given 4D/5D tensors runs as
 in NCHW (:mod:`~channels_last_algo.core.extension_ops`); a light watch, of extension ops only, then stays on for every
-step. A view first reached on a later step starts the watch there (:mod:`~channels_last_algo.core.late_views`).
+step. A view first reached on a later step starts the watch there (:mod:`~channels_last_algo.core.late_views`); a step
+whose batch ran an image channels first that later batches give NHWC (:meth:`InputSelection.missed`) is watched again.
 
 Example:
     >>> import torch
@@ -250,6 +251,8 @@ class ViewedOutputs:
         paused, self._paused_for = self._paused_for, None
         self._hooks.restore()
         self._placements.settle()
+        if self._inputs is not None and self._inputs.missed():  # its batch ran an image channels first: again NHWC
+            self._rearm.add(self._whole_step)
         for weight in self._to_hook:  # outside the backward, whose hook tables must not change under it
             hook_first(weight, contiguous_gradient)
         self._to_hook = []

@@ -388,6 +388,27 @@ class PerSampleClipped(_ThreeConvolutions):
         return self.head(self.last(F.relu(self.mid(F.relu(self.stem(x))))))
 
 
+class _FunctionalStem(nn.Module):
+    """A convolution by ``F.conv2d`` of a weight of its own: no module tells its channel count, so the first batch
+    runs channels first (the guard's guess), and the later ones NHWC."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel = nn.Parameter(torch.randn(4, 3, 3, 3) / 5)
+
+    def forward(self, x):
+        return F.conv2d(x, self.kernel, padding=1)
+
+
+class PerSampleClippedAfterAFunctionalStem(PerSampleClipped):
+    """:class:`PerSampleClipped` whose stem is a :class:`_FunctionalStem`: the input ``mid`` keeps is first NHWC
+    on the second step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = _FunctionalStem()
+
+
 def _clipped_per_sample(net: nn.Module) -> None:
     for conv in (net.mid, net.last):
         samples = conv.grad_sample
@@ -552,6 +573,9 @@ RUNS = {
     'hooked-at-construction': Run(HookedAtConstruction, _batches((2, 3, 8, 8)), _cross_entropy),
     'per-sample-clipped': Run(
         PerSampleClipped, _batches((2, 3, 8, 8)), _cross_entropy, after_backward=_clipped_per_sample
+    ),
+    'per-sample-clipped-after-a-functional-stem': Run(
+        PerSampleClippedAfterAFunctionalStem, _batches((2, 3, 8, 8)), _cross_entropy, after_backward=_clipped_per_sample
     ),
     'custom-function-viewing': Run(CustomFunctionViewing, _batches((2, 3, 8, 8)), _cross_entropy),
     'bits-truncated': Run(BitsTruncated, _batches(), _cross_entropy),
