@@ -56,7 +56,7 @@ from torch.overrides import TorchFunctionMode
 
 from channels_last_algo.core.aliased_copies import AliasedCopies
 from channels_last_algo.core.late_views import original, refused_by_strides
-from channels_last_algo.core.layout import Layout, layout_of, uninitialized_among
+from channels_last_algo.core.layout import Layout, layout_of, unreadable_among
 from channels_last_algo.core.module_calls import exit_mode
 from channels_last_algo.core.nchw_twins import COPY_OR_VIEW, SHAPE_OPS, NchwTwins
 from channels_last_algo.core.random_draws import DRAWS, drawn_in, nchw_draw_order
@@ -168,7 +168,7 @@ class _FailingViews(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs, func = kwargs or {}, original(func)  # torch's view, where a late-view wrapper is on
-        if torch.compiler.is_compiling() or uninitialized_among(types):
+        if torch.compiler.is_compiling() or unreadable_among(types, (args, kwargs)):
             return func(*args, **kwargs)
         tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
         order = self._nchw_draw_order(func, args, kwargs) if func in DRAWS and tensor is not None else None

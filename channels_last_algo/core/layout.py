@@ -27,11 +27,12 @@ Example:
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Callable
 from typing import Any, Optional, TypeVar
 
 import torch
-from torch.nn.parameter import UninitializedTensorMixin
+from torch.utils._pytree import tree_leaves
 
 from channels_last_algo.core.batch_tree import map_leaves
 
@@ -140,15 +141,41 @@ def is_4d_or_5d(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and channels_last_format(value) is not None
 
 
-def uninitialized_among(types: Any) -> bool:
-    """Whether a ``__torch_function__``'s ``types`` hold a lazy module's parameter or buffer before its shape is
-    known, which refuses every op but a few (``dim()`` too): the op is its lazy module's own initialization.
+_READABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tensor subclass -> whether it answers reads
+
+
+def unreadable_among(types: Any, values: Any) -> bool:
+    """Whether a ``__torch_function__``'s ``types`` hold a tensor subclass whose tensors among ``values`` (the op's
+    arguments) are not :func:`readable`: a lazy module's parameter before its shape is known (the op is its module's
+    own initialization), an ``ExpandedWeight``.
 
     Example:
-        >>> uninitialized_among((torch.nn.UninitializedParameter,)), uninitialized_among((torch.Tensor,))
+        >>> lazy = torch.nn.UninitializedParameter()
+        >>> unreadable_among((type(lazy),), (lazy,)), unreadable_among((torch.Tensor,), (torch.zeros(1),))
         (True, False)
     """
-    return any(issubclass(t, UninitializedTensorMixin) for t in types)
+    return any(type(t) in types and not readable(t) for t in tree_leaves(values) if isinstance(t, torch.Tensor))
+
+
+def readable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s strides and autograd node can be read: its subclass's ``__torch_function__`` answers
+    (the ``ExpandedWeight`` that per-sample gradients put in a layer's weights handles a few ops and raises on the
+    rest). Each subclass is tried once.
+
+    Example:
+        >>> readable(torch.zeros(2)), readable(torch.nn.Parameter(torch.zeros(2)))
+        (True, True)
+    """
+    kind = type(tensor)
+    if kind in (torch.Tensor, torch.nn.Parameter):
+        return True
+    if kind not in _READABLE:
+        try:
+            tensor.stride(), tensor.grad_fn
+            _READABLE[kind] = True
+        except Exception:  # the subclass's own refusal, whatever it raises
+            _READABLE[kind] = False
+    return _READABLE[kind]
 
 
 def layout_of(tensor: torch.Tensor) -> Layout:

@@ -44,7 +44,7 @@ from channels_last_algo.core.batch_tree import BatchTensor
 from channels_last_algo.core.extension_ops import OP_TYPES, extension_op, run_on_contiguous
 from channels_last_algo.core.given_strides import first_element_only, read_as_in_nchw, written_for_nchw
 from channels_last_algo.core.late_views import original, passing_through, refused_by_strides
-from channels_last_algo.core.layout import is_4d_or_5d, uninitialized_among
+from channels_last_algo.core.layout import is_4d_or_5d, readable, unreadable_among
 from channels_last_algo.core.nchw_twins import CONVOLUTIONS, COPY_OR_VIEW, SHAPE_OPS, NchwTwins, laid_out_by_weight
 from channels_last_algo.core.random_draws import DRAWS, drawn_in, nchw_draw_order
 
@@ -88,13 +88,10 @@ def _op_caller() -> tuple[Any, bool]:
     return frame, above
 
 
-def _where(frame: Any) -> str:
-    return f'{frame.f_code.co_filename}:{frame.f_lineno}'
-
-
 def calling_code() -> str:
     """``file:line`` of the code that called the op a mode handles (past torch and this package's core)."""
-    return _where(_caller())
+    frame = _caller()
+    return f'{frame.f_code.co_filename}:{frame.f_lineno}'
 
 
 def written_through(func: Any, report: Callable[[torch.Tensor, str, str], None]) -> Callable[..., Any]:
@@ -191,11 +188,14 @@ class ViewWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         func = original(func)  # torch's view, where a late-view wrapper is on (core/late_views.py)
         op = extension_op(func) if isinstance(func, OP_TYPES) else None
-        if torch.compiler.is_compiling() or (self.light and op is None) or uninitialized_among(types):
-            return func(*args, **kwargs)  # a compiled graph, a lazy module's initialization: not followed
+        if torch.compiler.is_compiling() or (self.light and op is None):
+            return func(*args, **kwargs)  # a compiled graph: not followed
         caller, above = _op_caller()
-        if above or caller.f_code.co_filename.startswith(_INTERNAL[1]):
-            return func(*args, **kwargs)  # a watch above this one follows it, or this package's own code runs it
+        if above:
+            return func(*args, **kwargs)  # a watch above this one follows it
+        if caller.f_code.co_filename.startswith(_INTERNAL[1]) or unreadable_among(types, (args, kwargs)):
+            self._watch_custom_backwards(args, kwargs)  # this package's own code runs it, or a tensor subclass's
+            return func(*args, **kwargs)  # (a lazy parameter's initialization, an ExpandedWeight's op): not followed
         by_torch = caller.f_code.co_filename.startswith(_INTERNAL[0])  # torch's own code chose the op and its strides
         if op is not None and any(is_4d_or_5d(t) for t in tree_leaves((args, kwargs))):
             return self._extension(op, args, kwargs)
@@ -267,17 +267,18 @@ class ViewWatch(TorchFunctionMode):
         return result
 
     def _watch_custom_backwards(self, args: tuple, kwargs: dict) -> None:
-        """The backward of each custom autograd Function of the user's that made a tensor among ``args`` runs
-        under a watch of its own (autograd calls it outside every mode, as a hook), set on its node of this
-        step's graph. torch's own (a ``torch.library`` op's, whose backward gets contiguous gradients as an
-        extension op; a checkpoint's) run as they are."""
+        """The backward of each custom autograd Function that made a tensor among ``args`` runs under a watch of
+        its own (autograd calls it outside every mode, as a hook), set on its node of this step's graph: the user's,
+        and torch's written as a user's would be (``ExpandedWeight``'s per-sample gradients view theirs). torch's
+        machinery runs as it is: a ``torch.library`` op's (its backward gets contiguous gradients as an extension
+        op's), a compiled graph's, a checkpoint's."""
         for tensor in tree_leaves((args, kwargs)):
-            node = tensor.grad_fn if isinstance(tensor, torch.Tensor) else None
+            node = tensor.grad_fn if isinstance(tensor, torch.Tensor) and readable(tensor) else None
             if isinstance(node, BackwardCFunction) and node._forward_cls is type(node)._forward_cls:
                 function = node._forward_cls
                 if function not in self.functions:
-                    torchs_own = function.__module__.partition('.')[0] == 'torch'
-                    self.functions[function] = None if torchs_own else watched_function(function, self.owner)
+                    machinery = f'{function.__module__}.'.startswith(('torch._', 'torch.utils.checkpoint.'))
+                    self.functions[function] = None if machinery else watched_function(function, self.owner)
                 if self.functions[function] is not None:
                     node._forward_cls = self.functions[function]
 

@@ -219,8 +219,11 @@ class ChannelsLastCallback(GuardedIntegration, pl.Callback):
         # Lightning restores the optimizer state after strategy.setup, just before this hook.
         self.guard.on_load(pl_module, trainer.optimizers or None)
         if pl_module.automatic_optimization:  # the step ends the batch's own code (not so inside a manual step)
-            optimizers = [o for o in trainer.optimizers if isinstance(o, torch.optim.Optimizer)]
-            self._undo.extend(o.register_step_post_hook(self._optimizer_stepped).remove for o in optimizers)
+            for optimizer in (o for o in trainer.optimizers if isinstance(o, torch.optim.Optimizer)):
+                try:
+                    self._undo.append(optimizer.register_step_post_hook(self._optimizer_stepped).remove)
+                except AttributeError:  # a wrapper that never ran Optimizer.__init__ (Opacus's DPOptimizer) takes no
+                    pass  # hooks: on_train_batch_end ends the batch
         bar = trainer.progress_bar_callback
         self._console.bar = bar if bar is not None and bar.is_enabled else None  # disabled off rank 0
 
