@@ -42,9 +42,12 @@ def first_element_only(tensor: torch.Tensor, size: Any, storage_offset: Optional
 
 def written_for_nchw(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> bool:
     """Whether ``strides`` (given to ``tensor.as_strided()``) were written for the NCHW memory of
-    ``twin`` rather than built from ``tensor.stride()``: by the stride values only one layout has;
-    where both or neither do (8 channels on 8 x 8 maps have the same values), by which layout's
-    strides divide them dimension by dimension; else by their falling as NCHW strides do.
+    ``twin`` rather than built from ``tensor.stride()``: by which layout's strides divide them
+    dimension by dimension (a window's dimensions past the tensor's taking its spatial strides in
+    turn), as given or with the leading ones taken from ``tensor.stride()`` put as NCHW's
+    (:func:`read_as_in_nchw`: Opacus's windows, whose dilation and stride multiply NCHW's strides
+    into values NHWC's has); where both or neither do, by the stride values only one layout has
+    (8 channels on 8 x 8 maps have the same values); else by their falling as NCHW strides do.
 
     Example:
         >>> z = torch.empty(2, 4, 6, 6).to(memory_format=torch.channels_last)
@@ -55,20 +58,27 @@ def written_for_nchw(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> 
         >>> windows = (512, 64, 8, 1, 8, 1)
         >>> written_for_nchw(square_twin, square, windows), written_for_nchw(square_twin, square, square.stride())
         (True, False)
+        >>> written_for_nchw(square_twin, square, (*square.stride()[:2], 8, 1, 8, 1))
+        True
     """
+    for candidate in (strides, read_as_in_nchw(twin, tensor, strides)):  # as given; as NCHW's code would give them
+        fit_nchw, fit_own = _divide(candidate, twin.stride()), _divide(candidate, tensor.stride())
+        if fit_nchw != fit_own:
+            return fit_nchw
     given, own, nchw = set(strides) - {0}, set(tensor.stride()), set(twin.stride())
     only_nchw, only_own = bool(given & (nchw - own)), bool(given & (own - nchw))
     if only_nchw != only_own:
         return only_nchw
     leading = list(strides[: tensor.dim()])
-
-    def divide(reference: tuple) -> bool:
-        return all(r == 0 or s % r == 0 for s, r in zip(leading, reference))
-
-    fit_nchw, fit_own = divide(twin.stride()), divide(tensor.stride())
-    if fit_nchw != fit_own:
-        return fit_nchw
     return leading == sorted(leading, reverse=True)
+
+
+def _divide(strides: Any, reference: tuple) -> bool:
+    """Whether each of ``strides`` is a multiple of ``reference``'s in its dimension; a dimension past the
+    reference's takes its spatial ones in turn (windows ``(n, c, kh, kw, oh, ow)`` step along H, W, H, W)."""
+    spatial = reference[2:]
+    cycled = [*reference, *(spatial[d % len(spatial)] for d in range(max(0, len(strides) - len(reference))))]
+    return all(r == 0 or s % r == 0 for s, r in zip(strides, cycled))
 
 
 def read_as_in_nchw(twin: torch.Tensor, tensor: torch.Tensor, strides: Any) -> tuple:

@@ -388,6 +388,19 @@ class PerSampleClipped(_ThreeConvolutions):
         return self.head(self.last(F.relu(self.mid(F.relu(self.stem(x))))))
 
 
+class PerSampleClippedSquare(PerSampleClipped):
+    """:class:`PerSampleClipped` with 10 channels on 8 x 8 maps, padded to 10 x 10: the windows' strides, the
+    channel count's and the padded width's, are the same numbers in NCHW and NHWC."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.mid, self.last = (nn.Conv2d(c, 10, 3, padding=1) for c in (3, 10, 10))
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(10, 10))
+        for conv in (self.mid, self.last):
+            conv.register_forward_hook(self._keep)
+            conv.register_full_backward_hook(self._per_sample)
+
+
 class _FunctionalStem(nn.Module):
     """A convolution by ``F.conv2d`` of a weight of its own: no module tells its channel count, so the first batch
     runs channels first (the guard's guess), and the later ones NHWC."""
@@ -573,6 +586,9 @@ RUNS = {
     'hooked-at-construction': Run(HookedAtConstruction, _batches((2, 3, 8, 8)), _cross_entropy),
     'per-sample-clipped': Run(
         PerSampleClipped, _batches((2, 3, 8, 8)), _cross_entropy, after_backward=_clipped_per_sample
+    ),
+    'per-sample-clipped-square': Run(
+        PerSampleClippedSquare, _batches((2, 3, 8, 8)), _cross_entropy, after_backward=_clipped_per_sample
     ),
     'per-sample-clipped-after-a-functional-stem': Run(
         PerSampleClippedAfterAFunctionalStem, _batches((2, 3, 8, 8)), _cross_entropy, after_backward=_clipped_per_sample
