@@ -154,7 +154,8 @@ def unreadable_among(types: Any, values: Any) -> bool:
         >>> unreadable_among((type(lazy),), (lazy,)), unreadable_among((torch.Tensor,), (torch.zeros(1),))
         (True, False)
     """
-    return any(type(t) in types and not readable(t) for t in tree_leaves(values) if isinstance(t, torch.Tensor))
+    subclasses = set(types) - {torch.Tensor, torch.nn.Parameter}
+    return bool(subclasses) and any(type(t) in subclasses and not readable(t) for t in tree_leaves(values))
 
 
 def readable(tensor: torch.Tensor) -> bool:
