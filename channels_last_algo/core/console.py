@@ -174,14 +174,26 @@ def _conversion_rows(summary: ConversionSummary, repaired: dict[str, list[str]])
 
 
 def _not_covered(layers: list[UncoveredLayer]) -> str:
-    """The layers a row needs but no swap may replace, by row, with the methods their classes override."""
-    needs = _grouped(
-        (u.reason, f'{u.path or "(root)"} ({u.layer.rpartition(".")[2]}.{"/".join(u.overrides)})') for u in layers
-    )
-    return (
-        f'{_count(len(layers), "layer")}: {_named(needs)}: its class overrides what the swap replaces; '
-        "keep the base class's forward to have it swapped"
-    )
+    """The layers a row needs but no swap may replace, by row: with the methods their classes override, and those
+    other code hooks."""
+    overriding, hooked = [u for u in layers if not u.hooked], [u for u in layers if u.hooked]
+    parts = []
+    if overriding:
+        needs = _grouped(
+            (u.reason, f'{u.path or "(root)"} ({u.layer.rpartition(".")[2]}.{"/".join(u.overrides)})')
+            for u in overriding
+        )
+        parts.append(
+            f'{_count(len(overriding), "layer")}: {_named(needs)}: its class overrides what the swap replaces; '
+            "keep the base class's forward to have it swapped"
+        )
+    if hooked:
+        needs = _grouped((u.reason, u.path or '(root)') for u in hooked)
+        parts.append(
+            f'{_count(len(hooked), "layer")}: {_named(needs)}: hooked forward and backward by other code, which may '
+            "pick its handling by the layer's class (Opacus, BackPACK): it keeps its class"
+        )
+    return '; '.join(parts)
 
 
 def _run_rows(mode: str, decision: Optional[LayoutDecision], audit_steps: int, swapped: int) -> list[str]:

@@ -47,7 +47,8 @@ class SwapRecord:
 @dataclasses.dataclass(frozen=True)
 class UncoveredLayer:
     """A module that a row would swap but whose class defines its own version of a method the
-    swap takes over, so it keeps its class (and its layout break or kernel bug).
+    swap takes over, or whose backward other code extends (a repair), so it keeps its class (and its
+    layout break or kernel bug).
 
     Attributes:
         path: the module's name in ``model.named_modules()`` ('' for the model itself).
@@ -55,6 +56,7 @@ class UncoveredLayer:
         reason: that row: the repair rule's name or the kernel bug's name.
         layer: qualified name of the module's class.
         overrides: the methods its class defines that the swap would replace (``('forward',)``).
+        hooked: other code hooks it forward and backward, which may pick its handling by its exact class.
     """
 
     path: str
@@ -62,3 +64,4 @@ class UncoveredLayer:
     reason: str
     layer: str
     overrides: tuple[str, ...]
+    hooked: bool = False

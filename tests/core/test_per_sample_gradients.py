@@ -5,8 +5,10 @@ torch's expanded weights (``call_for_per_sample_grads``, Opacus's ``grad_sample_
 in each layer's weights: a tensor subclass whose ``__torch_function__`` refuses every op but a layer's own (no
 strides, no ``grad_fn``), and whose autograd Functions ``.view()`` the gradients they are given, which plain channels
 last makes NHWC ("view size is not compatible"). Opacus's optimizer wraps the user's without running
-``Optimizer.__init__``: it takes no step hooks. Each run trains 3 float64 steps through every integration, clipping
-each sample's gradient to norm 1 as DP-SGD does, each step equal to the NCHW run's.
+``Optimizer.__init__``: it takes no step hooks. BackPACK's and Opacus's hooks look each layer's handling up by
+its exact class, which a repair changes: such a layer keeps its class. Each run trains 3 float64 steps through
+every integration (with expanded weights clipping each sample's gradient to norm 1 as DP-SGD does), each step
+equal to the NCHW run's.
 """
 
 from __future__ import annotations
@@ -58,11 +60,40 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self.inner.zero_grad(set_to_none)
 
 
+class TypeDispatchedHooks:
+    """A forward and a backward hook on every layer that look their handling up by ``type(module)``, as BackPACK's
+    and Opacus's hooks do (a class they do not know raises KeyError): the forward one changes the output, the
+    backward one checks the layer is known."""
+
+    TABLE = {
+        nn.AdaptiveAvgPool2d: lambda output: output * 2,
+        nn.GroupNorm: lambda output: output + 0.1,
+        **{kind: lambda output: output for kind in (nn.Conv2d, nn.ReLU, nn.Flatten, nn.Linear, nn.Sequential)},
+    }
+
+    def __init__(self, net: nn.Module) -> None:
+        for module in net.modules():
+            module.register_forward_hook(self._dispatched)
+            module.register_full_backward_hook(
+                lambda module, grad_input, grad_output: self.TABLE[type(module)] and None
+            )
+
+    def _dispatched(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return self.TABLE[type(module)](output)
+
+
+def _hooked_stack() -> nn.Module:
+    net = _stack()
+    TypeDispatchedHooks(net)
+    return net
+
+
 RUNS = {
     'expanded-weights': Run(
         _stack, classification_batches((4, 3, 9, 9)), _summed_loss,
         forward=_per_sample_forward, after_backward=_clip_per_sample,
     ),
+    'type-dispatched-hooks': Run(_hooked_stack, classification_batches((4, 3, 9, 9)), _summed_loss),
     'wrapped-optimizer': Run(
         _stack, classification_batches((4, 3, 9, 9)), _summed_loss,
         optimizer=lambda params: WrappedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9)),

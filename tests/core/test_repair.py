@@ -195,6 +195,34 @@ def test_subclasses_of_a_rule_type_that_keep_its_forward_are_repaired_and_keep_t
     assert repair_model(model) == []
 
 
+def test_a_layer_other_code_hooks_forward_and_backward_keeps_its_class_and_is_named():
+    """Code that extends a layer's backward (a forward and a backward hook) may look its handling up by
+    ``type(module)`` (Opacus, BackPACK): the layer is not repaired. A forward hook alone (a logger's), and the
+    package's own hooks (a viewed output made channels first), do not count."""
+    from channels_last_algo.core.channels_first_outputs import make_outputs_channels_first
+
+    for forward, backward in (
+        ('register_forward_hook', 'register_full_backward_hook'),
+        ('register_forward_pre_hook', 'register_full_backward_pre_hook'),
+    ):
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1))
+        getattr(model[1], forward)(print)
+        getattr(model[1], backward)(print)
+        summary = apply_channels_last(model)
+        assert type(model[1]) is nn.AdaptiveAvgPool2d and summary.repaired == [], forward
+        assert summary.not_covered == [
+            UncoveredLayer('1', 'repair', 'global_avg_pool', 'torch.nn.modules.pooling.AdaptiveAvgPool2d', (), True)
+        ]
+    for one_tensor in (True, False):  # the package's hook TorchScript compiles, and the one for any outputs
+        hooked = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1))
+        hooked[1].register_full_backward_hook(print)
+        make_outputs_channels_first(hooked[1], one_tensor)
+        assert [r.path for r in repair_model(hooked)] == ['1'] and unrepaired_subclasses(hooked) == []
+    logged = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1))
+    logged[1].register_forward_hook(print)
+    assert [r.path for r in repair_model(logged)] == ['1']
+
+
 def test_a_replacement_must_subclass_the_original_and_the_replacement_base():
     with pytest.raises(TypeError, match="repair rule 'bad'.*must subclass torch.nn.modules.conv.Conv2d"):
         RepairRule(name='bad', breaks='none', original=nn.Conv2d, replacement=nn.Identity, removes='nothing')

@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import ClassVar, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import torch
 from torch import nn
@@ -59,7 +59,7 @@ from channels_last_algo.core.layers.mobilenet_v2 import ChannelsLastMobileNetV2
 from channels_last_algo.core.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d
 from channels_last_algo.core.layers.pixel_shuffle import ChannelsLastPixelShuffle, ChannelsLastPixelUnshuffle
 from channels_last_algo.core.runtime import VersionSpec, model_device
-from channels_last_algo.core.swap import SwapRow, swap_first_match, uncovered
+from channels_last_algo.core.swap import SwapRow, first_matches, qualified_name, swap_first_match, swappable, uncovered
 from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 
 __all__ = ['RULES', 'RepairRule', 'repair_model', 'unrepaired_subclasses']
@@ -101,6 +101,36 @@ class RepairRule(SwapRow):
             and self.unswapped_original(module)
             and (self.condition is None or self.condition(module))
         )
+
+    def matches(self, module: nn.Module, where: Any) -> bool:
+        """True when the swap may replace ``module``'s class (:meth:`SwapRow.matches`) and no other code extends
+        its backward (:func:`extended_by_others`)."""
+        return super().matches(module, where) and not extended_by_others(module)
+
+
+def extended_by_others(module: nn.Module) -> bool:
+    """Whether code other than this package hooks ``module`` both ways, a forward (or forward pre) hook and a
+    backward (or backward pre) hook, as libraries that extend backprop layer by layer do: they pick their handling
+    of a layer by its exact class (Opacus's per-sample gradients and BackPACK's extensions look ``type(module)``
+    up in a table), which a repair would change under them.
+
+    Example:
+        >>> pool = nn.AdaptiveAvgPool2d(1)
+        >>> _ = pool.register_forward_hook(print)  # hooks of other code
+        >>> logged = extended_by_others(pool)
+        >>> _ = pool.register_full_backward_hook(print)
+        >>> logged, extended_by_others(pool)
+        (False, True)
+    """
+    forward = (module._forward_hooks, module._forward_pre_hooks)
+    backward = (module._backward_hooks, module._backward_pre_hooks)
+    return all(any(not _ours(hook) for table in tables for hook in table.values()) for tables in (forward, backward))
+
+
+def _ours(hook: Any) -> bool:
+    """Whether ``hook`` (a function, a bound method, a partial, a callable object) is this package's."""
+    hook = getattr(hook, 'func', hook)
+    return (getattr(hook, '__module__', None) or type(hook).__module__).startswith(f'{__package__.split(".")[0]}.')
 
 
 _TIMM_GHOST = 'timm.models.ghostnet'
@@ -273,7 +303,8 @@ def unrepaired_subclasses(
     model: nn.Module, device: Optional[Union[torch.device, str]] = None, rules: Sequence[RepairRule] = RULES
 ) -> list[UncoveredLayer]:
     """The modules of ``model`` that a rule's break holds but whose class overrides what the
-    replacement takes over (its own ``forward``), so :func:`repair_model` leaves them as they are.
+    replacement takes over (its own ``forward``), or whose backward other code extends
+    (:func:`extended_by_others`), so :func:`repair_model` leaves them as they are.
 
     Example:
         >>> class OwnPool(nn.AdaptiveAvgPool2d):
@@ -284,4 +315,11 @@ def unrepaired_subclasses(
         [('1', 'global_avg_pool', ('forward',))]
     """
     device = model_device(model) if device is None else torch.device(device)
-    return uncovered(model, rules, 'repair', lambda rule, module: rule.reaches(module, device))
+
+    def hooked(rule: RepairRule, module: nn.Module) -> bool:
+        return extended_by_others(module) and swappable(module, rule) and rule.reaches(module, device)
+
+    return uncovered(model, rules, 'repair', lambda rule, module: rule.reaches(module, device)) + [
+        UncoveredLayer(path, 'repair', rule.name, qualified_name(type(module)), (), hooked=True)
+        for path, module, rule in first_matches(model, rules, hooked)
+    ]
