@@ -25,6 +25,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -146,6 +147,15 @@ def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device='meta')
 
 
+def _view_of(tensor: torch.Tensor) -> Optional[tuple]:
+    """What makes two tensors the same view of memory (its address, shape and strides); None for a tensor without
+    storage (a batched tensor inside ``vmap``)."""
+    try:
+        return tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype
+    except RuntimeError:
+        return None
+
+
 def _base(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor._base is None else tensor._base
 
@@ -155,17 +165,22 @@ class NchwTwins:
 
     def __init__(self) -> None:
         self._twins: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> its NCHW twin (meta)
+        self._views: dict[tuple, tuple] = {}  # a tensor's memory, shape and strides -> (its base, its twin)
 
     def __contains__(self, tensor: torch.Tensor) -> bool:
         """Whether a shape op made ``tensor``, and its twin is known."""
         return tensor in self._twins
 
     def twin(self, tensor: Any) -> Optional[torch.Tensor]:
-        """``tensor``'s NCHW twin: known from the ops that made it, or contiguous for a dense NHWC tensor and for a
-        4D/5D parameter (a 1x1 kernel restrided to channels last is contiguous too, but not laid out as NCHW's)."""
+        """``tensor``'s NCHW twin: known from the ops that made it or an alias of it (the same memory, shape and
+        strides: what a module's full backward hook returns in place of its outputs, through a Function no mode
+        sees), or contiguous for a dense NHWC tensor and for a 4D/5D parameter (a 1x1 kernel restrided to channels
+        last is contiguous too, but not laid out as NCHW's)."""
         if not isinstance(tensor, torch.Tensor):
             return None
         known = self._twins.get(tensor)
+        if known is None:
+            known = self._twin_of_alias(tensor)
         if known is None and (
             _dense_nhwc(tensor) or (isinstance(tensor, torch.nn.Parameter) and tensor.dim() in (4, 5))
         ):
@@ -196,7 +211,7 @@ class NchwTwins:
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if not tensors:  # a factory given a channels-last memory format: the same in NCHW
             for made in [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and _dense_nhwc(t)]:
-                self._twins[made] = _meta_like(made)
+                self._noted(made, _meta_like(made))
             return
         if not any(t in self._twins or _dense_nhwc(t) for t in tensors):
             return
@@ -239,7 +254,19 @@ class NchwTwins:
         if len(tensors) == len(twins):
             for tensor, twin in zip(tensors, twins):
                 if isinstance(tensor, torch.Tensor) and isinstance(twin, torch.Tensor):
-                    self._twins[tensor] = twin
+                    self._noted(tensor, twin)
+
+    def _noted(self, tensor: torch.Tensor, twin: torch.Tensor) -> None:
+        self._twins[tensor] = twin
+        view = _view_of(tensor)
+        if view is not None:
+            self._views[view] = (weakref.ref(_base(tensor)), twin)
+
+    def _twin_of_alias(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """The twin of a tensor noted with ``tensor``'s memory, shape and strides, and its base: the same view."""
+        view = _view_of(tensor)
+        base, twin = self._views.get(view, (None, None)) if view is not None else (None, None)
+        return twin if base is not None and base() is _base(tensor) else None
 
 
 def aliases(twin: torch.Tensor, twin_result: Any) -> bool:

@@ -128,17 +128,16 @@ def nhwc(tensor: Any) -> bool:
 class ViewWatch(TorchFunctionMode):
     """Follows which module's output each NHWC tensor derives from; runs failing views on copies.
 
-    ``owner`` hears what is found: ``owner._found(modules, where, how)`` for a tensor the code at
-    ``where`` uses in a way (``how``) that needs it channels first, ``owner._weights_viewed(why)``
-    for such a use of a weight or of a weight's gradient (``owner.weight_gradient(tensor)``; True
-    where the weights are contiguous now), ``owner.gradient_hook_found(weight, how)`` for such a use
-    of the gradient a hook on ``weight`` is given (``hooked``), and
-    ``owner.extension_found(name, where)`` for an extension op given 4D/5D tensors. ``step``: the watch runs a
-    backward hook or a custom Function's backward, which autograd calls outside every mode, during a step that
-    ``step`` watches: a tensor the hook did not make has the origins ``step`` knows (an activation a forward hook
-    kept), and none where it saw none (a gradient, whose layout its consumers decide). ``light``: only extension ops
-    are watched. ``batch_path(tensor)``: the path of a batch tensor made NHWC by the guard, an origin
-    (:class:`BatchTensor`) of what derives from it.
+    ``owner`` hears what is found: ``owner._found(modules, where, how)`` for a tensor the code at ``where`` uses in a
+    way (``how``) that needs it channels first, ``owner._weights_viewed(why)`` for such a use of a weight or of a
+    weight's gradient (``owner.weight_gradient(tensor)``; True where the weights are contiguous now),
+    ``owner.gradient_hook_found(weight, how)`` for such a use of the gradient a hook on ``weight`` is given
+    (``hooked``), and ``owner.extension_found(name, where)`` for an extension op given 4D/5D tensors. ``step``: the
+    watch runs a backward hook or a custom Function's backward, which autograd calls outside every mode, during a
+    step that ``step`` watches: a tensor the hook did not make has the origins and the NCHW twin ``step`` knows (an
+    activation a forward hook kept; a map NHWC in NCHW too), and no origins where it saw none (a gradient, whose
+    layout its consumers decide). ``light``: only extension ops are watched. ``batch_path(tensor)``: the path of a
+    batch tensor made NHWC by the guard, an origin (:class:`BatchTensor`) of what derives from it.
     """
 
     def __init__(
@@ -160,7 +159,7 @@ class ViewWatch(TorchFunctionMode):
         self.calls: dict[torch.nn.Module, int] = {}  # module -> its calls this step
         self.copies = AliasedCopies()  # copies of tensors NCHW aliases, kept in step with their originals
         self.flattened: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensors of other ranks strided by NHWC ones
-        self.twins = NchwTwins()  # what NCHW would have: a view or a copy
+        self.twins = NchwTwins() if step is None else step.twins  # what NCHW would have (a view or a copy)
         self.functions: dict[type, Optional[type]] = {}  # a custom autograd Function -> its watched subclass
 
     def origins(self, tensor: torch.Tensor) -> frozenset:

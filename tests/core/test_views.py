@@ -401,6 +401,26 @@ class PerSampleClippedSquare(PerSampleClipped):
             conv.register_full_backward_hook(self._per_sample)
 
 
+class _TokenNorm(nn.LayerNorm):
+    """ConvNeXt's LayerNorm2d: normalized over the channels of tokens, its output permuted back (NHWC in NCHW too)."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class PerSampleClippedAfterATokenNorm(PerSampleClipped):
+    """:class:`PerSampleClipped` with a token norm before ``mid``, hooked backward too (as Opacus hooks every layer):
+    the windows of ``mid``'s input read NHWC memory in NCHW as well, and must read the same here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = _TokenNorm(4)
+        self.norm.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+
+    def forward(self, x):
+        return self.head(self.last(F.relu(self.mid(self.norm(F.relu(self.stem(x)))))))
+
+
 class _FunctionalStem(nn.Module):
     """A convolution by ``F.conv2d`` of a weight of its own: no module tells its channel count, so the first batch
     runs channels first (the guard's guess), and the later ones NHWC."""
@@ -589,6 +609,9 @@ RUNS = {
     ),
     'per-sample-clipped-square': Run(
         PerSampleClippedSquare, _batches((2, 3, 8, 8)), _cross_entropy, after_backward=_clipped_per_sample
+    ),
+    'per-sample-clipped-after-a-token-norm': Run(
+        PerSampleClippedAfterATokenNorm, _batches((2, 3, 8, 8)), _cross_entropy, after_backward=_clipped_per_sample
     ),
     'per-sample-clipped-after-a-functional-stem': Run(
         PerSampleClippedAfterAFunctionalStem, _batches((2, 3, 8, 8)), _cross_entropy, after_backward=_clipped_per_sample
