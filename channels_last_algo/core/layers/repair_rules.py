@@ -59,7 +59,7 @@ from channels_last_algo.core.layers.mobilenet_v2 import ChannelsLastMobileNetV2
 from channels_last_algo.core.layers.padding import ChannelsLastReflectionPad2d, ChannelsLastReplicationPad2d
 from channels_last_algo.core.layers.pixel_shuffle import ChannelsLastPixelShuffle, ChannelsLastPixelUnshuffle
 from channels_last_algo.core.runtime import VersionSpec, model_device
-from channels_last_algo.core.swap import SwapRow, first_matches, qualified_name, swap_first_match, swappable, uncovered
+from channels_last_algo.core.swap import SwapRow, first_matches, qualified_name, swap_first_match, uncovered
 from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 
 __all__ = ['RULES', 'RepairRule', 'repair_model', 'unrepaired_subclasses']
@@ -316,8 +316,8 @@ def unrepaired_subclasses(
     """
     device = model_device(model) if device is None else torch.device(device)
 
-    def hooked(rule: RepairRule, module: nn.Module) -> bool:
-        return extended_by_others(module) and swappable(module, rule) and rule.reaches(module, device)
+    def hooked(rule: RepairRule, module: nn.Module) -> bool:  # what the rule would swap but for the hooks
+        return extended_by_others(module) and SwapRow.matches(rule, module, device)
 
     return uncovered(model, rules, 'repair', lambda rule, module: rule.reaches(module, device)) + [
         UncoveredLayer(path, 'repair', rule.name, qualified_name(type(module)), (), hooked=True)
