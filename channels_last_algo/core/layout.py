@@ -141,6 +141,7 @@ def is_4d_or_5d(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and channels_last_format(value) is not None
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _READABLE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tensor subclass -> whether it answers reads
 
 
@@ -154,8 +155,9 @@ def unreadable_among(types: Any, values: Any) -> bool:
         >>> unreadable_among((type(lazy),), (lazy,)), unreadable_among((torch.Tensor,), (torch.zeros(1),))
         (True, False)
     """
-    subclasses = set(types) - {torch.Tensor, torch.nn.Parameter}
-    return bool(subclasses) and any(type(t) in subclasses and not readable(t) for t in tree_leaves(values))
+    if all(kind in _PLAIN for kind in types):  # every op of plain tensors and parameters: one pass over its types
+        return False
+    return any(type(t) in types and not readable(t) for t in tree_leaves(values))
 
 
 def readable(tensor: torch.Tensor) -> bool:
@@ -168,7 +170,7 @@ def readable(tensor: torch.Tensor) -> bool:
         (True, True)
     """
     kind = type(tensor)
-    if kind in (torch.Tensor, torch.nn.Parameter):
+    if kind in _PLAIN:
         return True
     if kind not in _READABLE:
         try:
