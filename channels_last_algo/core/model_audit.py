@@ -29,6 +29,7 @@ from channels_last_algo.core.argument_checks import example_input_error, require
 from channels_last_algo.core.audit import LayoutAudit, tensors_in
 from channels_last_algo.core.audit_report import AuditReport, LayoutBreakError
 from channels_last_algo.core.layout import Layout, layout_of
+from channels_last_algo.core.safety.bugs import refuse_crashing_layers
 
 __all__ = ['audit_model']
 
@@ -44,18 +45,28 @@ def _scalar_loss(output: Any, model: torch.nn.Module) -> torch.Tensor:
     return sum(t.sum() for t in tensors)
 
 
+def _nhwc(tensors: list[torch.Tensor], ambiguous: bool = True) -> bool:
+    """Whether one of ``tensors`` is channels last; with ``ambiguous``, one whose strides are those of
+    either layout (a 1x1 weight, a 1x1 map) counts too."""
+    return any(layout_of(t).is_channels_last or ambiguous and layout_of(t) is Layout.AMBIGUOUS for t in tensors)
+
+
+def _images_and_weights(model: torch.nn.Module, inputs: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The 4D/5D tensors among ``inputs``, and the 4D/5D parameters of ``model``."""
+    return [t for t in tensors_in(inputs) if t.dim() in (4, 5)], [p for p in model.parameters() if p.dim() in (4, 5)]
+
+
 def _not_channels_last(model: torch.nn.Module, inputs: tuple) -> list[str]:
     """Why an audit of ``model`` on ``inputs`` cannot find a break: no 4D/5D input, or no 4D/5D
-    weight, that is channels last (ambiguous tensors count as either)."""
+    weight, that is channels last."""
     notes = []
-    images = [t for t in tensors_in(inputs) if t.dim() in (4, 5)]
-    if images and not any(layout_of(t).is_channels_last or layout_of(t) is Layout.AMBIGUOUS for t in images):
+    images, weights = _images_and_weights(model, inputs)
+    if images and not _nhwc(images):
         notes.append(
             f'the input of shape {tuple(images[0].shape)} is {layout_of(images[0]).value}; pass '
             'input.to(memory_format=torch.channels_last) to audit the channels-last path'
         )
-    weights = [p for p in model.parameters() if p.dim() in (4, 5)]
-    if weights and not any(layout_of(p).is_channels_last or layout_of(p) is Layout.AMBIGUOUS for p in weights):
+    if weights and not _nhwc(weights):
         notes.append(
             f'none of the {len(weights)} 4D/5D weights of {type(model).__name__} is channels last; '
             'convert the model with apply_channels_last(model) first'
@@ -71,22 +82,22 @@ def audit_model(
 ) -> AuditReport:
     """Audit one forward pass of ``model`` and, with ``backward``, the backward of a scalar loss.
 
-    The loss is the sum of every output tensor that requires grad (so auxiliary outputs, as
-    GoogLeNet's in train mode, are audited too). The model runs in the mode it is in; pass an
-    NHWC input to audit the channels-last path. An NCHW input or a model with no channels-last
-    weight is named in ``report.notes`` (and ``report.ok`` is False): nothing could break there.
-    The model is left as it was found: its parameters and buffers (BatchNorm running
-    statistics) keep their values and each parameter's ``.grad`` is the tensor it was before.
+    The loss is the sum of every output tensor that requires grad (so auxiliary outputs, as GoogLeNet's in
+    train mode, are audited too). The model runs in the mode it is in; pass an NHWC input to audit the
+    channels-last path. An NCHW input or a model with no channels-last weight is named in ``report.notes``
+    (and ``report.ok`` is False): nothing could break there. The model is left as it was found: its
+    parameters and buffers (BatchNorm running statistics) keep their values and each parameter's ``.grad``
+    is the tensor it was before.
 
     Args:
         model: the model, usually after ``apply_channels_last``.
         example_input: one input tensor, or a tuple of positional inputs.
-        backward: also run and audit the backward pass (otherwise the forward runs under
-            ``torch.no_grad()``).
+        backward: also run and audit the backward pass (otherwise the forward runs under ``torch.no_grad()``).
         strict: raise :class:`~channels_last_algo.core.audit_report.LayoutBreakError` at the first break.
 
     Raises:
         ExampleInputError: (a ``ValueError``) the model itself raises on ``example_input``.
+        KernelBugError: (a ``ValueError``, before anything runs) a layer crashes or hangs channels last here.
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
@@ -107,7 +118,9 @@ def audit_model(
 
 def _audited_run(model: torch.nn.Module, inputs: tuple, audit: LayoutAudit, backward: bool) -> None:
     """The forward (and backward) under ``audit``; :class:`ExampleInputError` where the model raises on ``inputs``
-    without the audit too."""
+    without the audit too, and :class:`KernelBugError` before anything runs where a layer crashes channels last."""
+    if _nhwc([t for group in _images_and_weights(model, inputs) for t in group], ambiguous=False):
+        refuse_crashing_layers(model, 'audit_model', backward)
     try:
         with _left_as_found(model), torch.set_grad_enabled(backward), audit:
             output = model(*inputs)

@@ -222,14 +222,17 @@ def _usability(
 
 
 def _plain_breaks(reference: torch.nn.Module, x: torch.Tensor) -> int | None:
-    """The breaks of a float32 step after plain ``model.to(memory_format=torch.channels_last)``; None
-    where torch refuses that (a 5D weight)."""
+    """The breaks of a float32 step after plain ``model.to(memory_format=torch.channels_last)``, its layers
+    that crash channels last here on their safe paths (plain, the step kills the process); None where torch
+    refuses that (a 5D weight)."""
     from channels_last_algo.core.model_audit import audit_model
+    from channels_last_algo.core.safety import make_safe
 
     try:
         plain = copy.deepcopy(reference).float().to(memory_format=torch.channels_last)
     except RuntimeError:
         return None
+    make_safe(plain)
     return len(audit_model(plain, x.float()).breaks)
 
 

@@ -238,6 +238,42 @@ def test_audit_model_leaves_parameters_buffers_and_grads_as_they_were():
     assert model[0].bias.grad is None and model[1].weight.grad is None
 
 
+@pytest.fixture
+def avx2(monkeypatch):
+    """Every model trains on an AVX2 CPU with this torch, where oneDNN's 1x1 strided weight gradient hangs or
+    crashes below 8 input channels (``onednn_1x1_strided_weight_grad``)."""
+    import dataclasses
+
+    from channels_last_algo.core.runtime import Runtime
+    from channels_last_algo.core.safety import bugs
+
+    cpu = dataclasses.replace(Runtime.current('cpu'), cpu_isa='AVX2')
+    monkeypatch.setattr(bugs, 'default_runtimes', lambda model: [cpu])
+
+
+def test_audit_refuses_a_layer_that_crashes_channels_last_before_it_runs(avx2):
+    """Plain ``model.to(channels_last)`` of a RepVGG-style stem (a 1x1 stride-2 branch over 3 channels) hung or
+    killed the process in the audit's backward on an AVX2 CPU; the audit names the layer and the fix first."""
+    model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Sequential(nn.ReLU(), nn.Conv2d(3, 16, 1, 2)))
+    model = model.to(memory_format=torch.channels_last)
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    from channels_last_algo.core.safety import KernelBugError
+
+    with pytest.raises(
+        KernelBugError,
+        match=r"audit_model: layer '1\.1' \(Conv2d\) of Sequential .*"
+        r'onednn_1x1_strided_weight_grad .*apply_channels_last\(model\)',
+    ):
+        audit_model(model, _nhwc(2, 3, 8, 8))
+    assert calls == []  # refused before anything ran
+    audit_model(nn.Sequential(model[1][1]), _nhwc(2, 3, 8, 8), backward=False)  # the bug is in the backward only
+    audit_model(nn.Sequential(nn.Conv2d(3, 16, 1, 2)), torch.randn(2, 3, 8, 8))  # NCHW (a 1x1 weight is both)
+    plain = nn.Sequential(nn.Conv2d(3, 16, 1, 2))
+    apply_channels_last(plain)
+    assert audit_model(plain, _nhwc(2, 3, 8, 8)).ok  # on its safe path
+
+
 def test_audit_spans_per_step_merge_into_the_whole_report_and_leave_nothing_installed():
     model = _converted(forward_break_net)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

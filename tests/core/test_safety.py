@@ -65,6 +65,7 @@ def test_a_row_whose_safe_path_cannot_keep_the_state_is_refused():
         torch_versions=(None, None),
         cpu_isa=None,
         failures=('crash',),
+        passes=('backward',),
         repro='',
         replacement=NCHWAvgPool2d,
         references=(),
@@ -74,6 +75,8 @@ def test_a_row_whose_safe_path_cannot_keep_the_state_is_refused():
         KernelBug(**fields)
     with pytest.raises(ValueError, match='failures'):
         KernelBug(**{**fields, 'replacement': SubsampledConv2d, 'failures': ('segfault',)})
+    with pytest.raises(ValueError, match='passes'):
+        KernelBug(**{**fields, 'replacement': SubsampledConv2d, 'passes': ('step',)})
 
 
 @pytest.mark.parametrize(

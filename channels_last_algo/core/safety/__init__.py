@@ -21,8 +21,10 @@ from channels_last_algo.core.safety.bugs import (
     FAILURES,
     KNOWN_BUGS,
     KernelBug,
+    KernelBugError,
     make_safe,
     matching_bugs,
+    refuse_crashing_layers,
     unsafe_subclasses,
 )
 from channels_last_algo.core.safety.probe import ProbeResult, WrongNumbers, run_code, run_isolated
@@ -31,10 +33,12 @@ __all__ = [
     'FAILURES',
     'KNOWN_BUGS',
     'KernelBug',
+    'KernelBugError',
     'ProbeResult',
     'WrongNumbers',
     'make_safe',
     'matching_bugs',
+    'refuse_crashing_layers',
     'run_code',
     'run_isolated',
     'unsafe_subclasses',

@@ -39,10 +39,20 @@ from torch import nn
 
 from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, NCHWMaskDropout, SubsampledConv2d
 from channels_last_algo.core.runtime import Runtime, model_device
-from channels_last_algo.core.swap import SwapRow, first_matches, swap_first_match, uncovered
+from channels_last_algo.core.swap import SwapRow, first_matches, overridden, swap_first_match, uncovered
 from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 
-__all__ = ['FAILURES', 'KNOWN_BUGS', 'KernelBug', 'default_runtimes', 'make_safe', 'matching_bugs', 'unsafe_subclasses']
+__all__ = [
+    'FAILURES',
+    'KNOWN_BUGS',
+    'KernelBug',
+    'KernelBugError',
+    'default_runtimes',
+    'make_safe',
+    'matching_bugs',
+    'refuse_crashing_layers',
+    'unsafe_subclasses',
+]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +78,7 @@ class KernelBug(SwapRow):
         shape_condition: ``condition`` in words.
         cpu_isa: on the CPU, the instruction sets whose kernels fail (None: any).
         failures: what it does, each one of :data:`FAILURES`.
+        passes: where the failing kernel runs: ``'forward'``, ``'backward'`` or both.
         repro: a self-contained Python script: it exits 0 where the kernel behaves, dies from a
             signal where it crashes, and fails an ``assert`` where the numbers are wrong.
         references: the trackers' threads.
@@ -84,6 +95,7 @@ class KernelBug(SwapRow):
     shape_condition: str
     cpu_isa: Optional[tuple[str, ...]]
     failures: tuple[str, ...]
+    passes: tuple[str, ...]
     repro: str
     references: tuple[str, ...]
     observed: str
@@ -93,6 +105,8 @@ class KernelBug(SwapRow):
         unknown = [f for f in self.failures if f not in FAILURES]
         if not self.failures or unknown:
             raise ValueError(f'kernel bug {self.name!r}: failures {self.failures} must be one or more of {FAILURES}')
+        if not self.passes or set(self.passes) - {'forward', 'backward'}:
+            raise ValueError(f"kernel bug {self.name!r}: passes {self.passes} must be 'forward', 'backward' or both")
 
     def affects(self, runtime: Runtime) -> bool:
         """True when ``runtime``'s device, torch version and CPU instruction set have this bug."""
@@ -180,14 +194,15 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
         torch_versions='',
         cpu_isa=('AVX512', 'AVX2'),
         failures=('crash', 'hang', 'wrong numbers'),
+        passes=('backward',),
         repro=_ONEDNN_1X1_REPRO,
         replacement=SubsampledConv2d,
         references=(
             'https://github.com/uxlfoundation/oneDNN/issues/6035 (open: rtus workspace overrun, nhwc, '
             'IC < ic_block; SIGSEGV with AVX-512, hang or wrong weight gradients with AVX2)',
         ),
-        observed='probed on an AMD EPYC with AVX-512, torch 2.7.0 and 2.14.1: crashes, a hang and wrong weight '
-        'gradients below the channel block, none with the safe path',
+        observed='probed on an AMD EPYC with AVX-512, torch 2.7.0 and 2.14.1, and with oneDNN and ATen capped at '
+        'AVX2: crashes, hangs and wrong weight gradients below the channel block, none with the safe path',
     ),
     KernelBug(
         name='cuda_avg_pool2d_nhwc_backward_padding',
@@ -200,6 +215,7 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
         torch_versions='<2.14',
         cpu_isa=None,
         failures=('wrong numbers',),
+        passes=('backward',),
         repro=_CUDA_AVG_POOL_REPRO,
         replacement=NCHWAvgPool2d,
         references=(
@@ -220,6 +236,7 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
         torch_versions='',
         cpu_isa=None,
         failures=('wrong numbers',),
+        passes=('forward',),
         repro=_DROPOUT_MASK_REPRO,
         replacement=NCHWMaskDropout,
         references=('https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/native/Dropout.cpp (_dropout_impl)',),
@@ -298,3 +315,56 @@ def unsafe_subclasses(
     """
     runtimes = default_runtimes(model) if runtimes is None else runtimes
     return uncovered(model, bugs, 'safe_path', lambda b, module: any(b.reaches(module, r) for r in runtimes))
+
+
+class KernelBugError(ValueError):
+    """A model was to run channels last with a layer that reaches a known layout kernel bug which kills
+    the process or never returns (:func:`refuse_crashing_layers`)."""
+
+
+def refuse_crashing_layers(
+    model: nn.Module, caller: str, backward: bool = True, runtimes: Optional[Sequence[Runtime]] = None
+) -> None:
+    """Raise :class:`KernelBugError` naming the first layer of ``model`` that, channels last, reaches a known
+    layout kernel bug that crashes or hangs on any of ``runtimes`` (by default :func:`default_runtimes`) in a
+    forward pass (and, with ``backward``, its backward), and what avoids it; return where none does. ``caller``
+    names the function refusing.
+
+    Example:
+        >>> cpu = Runtime(torch_version=(2, 7, 0), device='cpu', cpu_isa='AVX2')
+        >>> stem = nn.Sequential(nn.Conv2d(3, 48, 1, stride=2)).to(memory_format=torch.channels_last)
+        >>> try:
+        ...     refuse_crashing_layers(stem, 'audit_model', runtimes=[cpu])
+        ... except KernelBugError as error:
+        ...     print(str(error)[:57])
+        audit_model: layer '0' (Conv2d) of Sequential reaches the
+        >>> refuse_crashing_layers(stem, 'audit_model', backward=False, runtimes=[cpu])   # a backward bug
+        >>> make_safe(stem, [cpu]) and refuse_crashing_layers(stem, 'audit_model', runtimes=[cpu])
+    """
+    runtimes = default_runtimes(model) if runtimes is None else runtimes
+    passes = {'forward', 'backward'} if backward else {'forward'}
+    crashing = [bug for bug in KNOWN_BUGS if {'crash', 'hang'} & set(bug.failures) and passes & set(bug.passes)]
+    found = matching_bugs(model, runtimes, crashing, subclasses=True)
+    if not found:
+        return
+    raise KernelBugError(_refusal(model, caller, found, runtimes))
+
+
+def _refusal(model: nn.Module, caller: str, found: list, runtimes: Sequence[Runtime]) -> str:
+    """What :func:`refuse_crashing_layers` says of the first of ``found``: (path, module, bug)."""
+    path, module, bug = found[0]
+    where = ' / '.join(str(r) for r in runtimes if bug.reaches(module, r))
+    avoid = (
+        f'Convert the model with apply_channels_last(model), which routes it through its safe path '
+        f'({bug.replacement.__name__}), or keep the model NCHW'
+        if any(bug.matches(module, r) for r in runtimes)
+        else f'Its class overrides {", ".join(overridden(module, bug))}, so no safe path replaces it; keep the '
+        'model NCHW'
+    )
+    more = '' if len(found) == 1 else f' (and {len(found) - 1} more)'
+    failures = ' or '.join(filter(None, (', '.join(bug.failures[:-1]), bug.failures[-1])))
+    return (
+        f'{caller}: layer {path or "(root)"!r} ({type(module).__name__}) of {type(model).__name__} reaches the '
+        f'known layout kernel bug {bug.name} on {where}{more}: channels last, it can end in {failures} '
+        f'({bug.shape_condition}). {avoid}.'
+    )
