@@ -30,6 +30,7 @@ from typing import Any, Optional
 from channels_last_algo.core.audit_report import AuditRecord, AuditReport, format_bytes
 from channels_last_algo.core.auto import LayoutDecision
 from channels_last_algo.core.convert import ConversionSummary
+from channels_last_algo.core.safety.bugs import why_kept_nchw
 from channels_last_algo.core.swap_records import UncoveredLayer
 from channels_last_algo.core.weight_layout import WeightLayoutPlan
 
@@ -136,7 +137,7 @@ def start_block(
     """
     repaired = _grouped((r.reason, r.path) for r in summary.repaired)
     lines = [
-        f'{_TITLE}: {model}: {plan}',
+        f'{_TITLE}: {model}: {"kept NCHW" if summary.kept_channels_first else plan}',
         *_conversion_rows(summary, repaired),
         *([_row('compile', compile_note)] if compile_note else []),
         *_run_rows(
@@ -168,6 +169,8 @@ def _conversion_rows(summary: ConversionSummary, repaired: dict[str, list[str]])
         rows.append(_row('left as is', f'{_count(len(summary.left), "4D/5D tensor")}: {_named(left)}'))
     if summary.not_covered:
         rows.append(_row('not covered', _not_covered(summary.not_covered)))
+    if summary.kept_channels_first:
+        rows.append(_row('kept NCHW', why_kept_nchw(summary.kept_channels_first)))
     if summary.nothing_channels_last:
         rows.append(_row('batches', 'as they come: no tensor of the model is channels last to feed'))
     return rows

@@ -51,7 +51,7 @@ from channels_last_algo.core.layout import MemoryFormat, channels_last_format, t
 from channels_last_algo.core.module_calls import is_torchscript
 from channels_last_algo.core.optimizer_state_layout import keep_state_in_weight_layout, match_state_to_weights
 from channels_last_algo.core.process_sharing import shared_between_processes
-from channels_last_algo.core.safety.bugs import make_safe, unsafe_subclasses
+from channels_last_algo.core.safety.bugs import crashing_bugs, make_safe, unsafe_subclasses, why_kept_nchw
 from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 from channels_last_algo.core.weight_layout import ddp_around, weight_layout_for
 
@@ -89,6 +89,9 @@ class ConversionSummary:
             names the row it needs.
         left: the 4D/5D tensors no convolution owns (a positional embedding, a weight bank the
             model views), each with why it keeps its layout: only convolution tensors are restrided.
+        kept_channels_first: the layers of :attr:`not_covered` whose kernel bug crashes or hangs channels
+            last (by :func:`apply_channels_last`): the model was left NCHW for them, nothing restrided or
+            swapped, so it trains as NCHW does, with its batches as they come.
     """
 
     layout: str = str(MemoryFormat.CHANNELS_LAST)
@@ -100,6 +103,7 @@ class ConversionSummary:
     made_safe: list[SwapRecord] = dataclasses.field(default_factory=list)
     not_covered: list[UncoveredLayer] = dataclasses.field(default_factory=list)
     left: dict[str, str] = dataclasses.field(default_factory=dict)
+    kept_channels_first: list[UncoveredLayer] = dataclasses.field(default_factory=list)
 
     @property
     def tensors(self) -> int:
@@ -109,8 +113,10 @@ class ConversionSummary:
     @property
     def nothing_channels_last(self) -> bool:
         """Channels last was asked for, but no 4D/5D tensor of the model is or will be (a lazy one) channels last (a
-        TorchScript model, tensors no convolution owns): NHWC batches would only add layout copies to each step."""
-        return self.layout == str(MemoryFormat.CHANNELS_LAST) and not (self.tensors or self.uninitialized)
+        TorchScript model, tensors no convolution owns, :attr:`kept_channels_first`): NHWC batches would only add
+        layout copies to each step, or reach the layer that crashes."""
+        nothing = not (self.tensors or self.uninitialized) or bool(self.kept_channels_first)
+        return self.layout == str(MemoryFormat.CHANNELS_LAST) and nothing
 
     def __str__(self) -> str:
         return (
@@ -271,8 +277,8 @@ def apply_channels_last(
             (:mod:`~channels_last_algo.core.extension_functions`).
 
     Returns:
-        A :class:`ConversionSummary`. A model with no 4D/5D tensor is left alone with a
-        warning, since channels last can do nothing for it.
+        A :class:`ConversionSummary`. A model with no 4D/5D tensor is left alone with a warning, since channels
+        last can do nothing for it; so is one with a layer that crashes channels last and takes no safe path.
 
     Raises:
         ValueError: ``model`` is already wrapped in ``DistributedDataParallel`` (convert the
@@ -282,9 +288,21 @@ def apply_channels_last(
     require_flags('apply_channels_last', repair=repair, kernel_safety=kernel_safety)
     require_optimizers(optimizers, 'apply_channels_last')
     weight_layout_for(model)  # raises on a model already wrapped in DistributedDataParallel
-    summary = convert_quietly(model, optimizers, repair, kernel_safety)
+    summary = _converted_unless_it_crashes(model, optimizers, repair, kernel_safety)
     _report_conversion(model, summary)
     return summary
+
+
+def _converted_unless_it_crashes(
+    model: torch.nn.Module, optimizers: Optimizers, repair: bool, kernel_safety: bool
+) -> ConversionSummary:
+    """:func:`convert_quietly`, unless a layer reaches a known kernel bug that crashes or hangs channels last and
+    no safe path replaces it (``kernel_safety``): then the model is left NCHW (``kept_channels_first``)."""
+    crashing = {bug.name for bug in crashing_bugs()}
+    kept = [u for u in unsafe_subclasses(model) if u.reason in crashing] if kernel_safety else []
+    if kept:
+        return ConversionSummary(not_covered=_not_covered(model, repair, kernel_safety), kept_channels_first=kept)
+    return convert_quietly(model, optimizers, repair, kernel_safety)
 
 
 def convert_quietly(
@@ -319,8 +337,10 @@ def _not_covered(model: torch.nn.Module, repair: bool, kernel_safety: bool) -> l
 
 def _report_conversion(model: torch.nn.Module, summary: ConversionSummary) -> None:
     """Warn where channels last could not act on every tensor (lazy parameters, or none at
-    all); log the summary otherwise. Warnings point at the caller of ``apply_channels_last``."""
-    if summary.uninitialized:
+    all, or kept NCHW); log the summary otherwise. Warnings point at the caller of ``apply_channels_last``."""
+    if summary.kept_channels_first:
+        warnings.warn(f'{type(model).__name__}: kept NCHW: {why_kept_nchw(summary.kept_channels_first)}', stacklevel=3)
+    elif summary.uninitialized:
         warnings.warn(
             f'{type(model).__name__} has uninitialized lazy parameters {summary.uninitialized}, '
             'which were left as they are; run one forward pass to initialize them, then call '

@@ -108,6 +108,30 @@ def test_model_without_conv_weights_is_left_alone_with_a_warning():
     assert summary.tensors == 0
 
 
+def test_a_layer_that_would_crash_and_keeps_its_class_leaves_the_model_nchw_with_a_warning(monkeypatch):
+    """On an AVX2 CPU a 1x1 stride-2 convolution over 3 channels corrupts the heap channels last; a subclass with
+    its own forward cannot take the safe path, so nothing is restrided or swapped."""
+    import dataclasses
+
+    from channels_last_algo.core.runtime import Runtime
+    from channels_last_algo.core.safety import bugs
+
+    cpu = dataclasses.replace(Runtime.current('cpu'), cpu_isa='AVX2')
+    monkeypatch.setattr(bugs, 'default_runtimes', lambda model: [cpu])
+
+    class Stem(nn.Conv2d):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    model = nn.Sequential(nn.Conv2d(3, 3, 3), Stem(3, 8, 1, stride=2), nn.AdaptiveAvgPool2d(1))
+    with pytest.warns(UserWarning, match=r'kept NCHW: layer 1 \(Stem.forward\) reaches .*onednn_1x1_strided'):
+        summary = apply_channels_last(model)
+    assert summary.nothing_channels_last and [u.path for u in summary.kept_channels_first] == ['1']
+    assert model[0].weight.is_contiguous() and type(model[2]) is nn.AdaptiveAvgPool2d
+    model[1] = nn.Conv2d(3, 8, 1, stride=2)  # computes as Conv2d: on its safe path, the model channels last
+    assert apply_channels_last(model).made_safe and has_channels_last_strides(model[0].weight)
+
+
 def test_lazy_parameters_are_skipped_with_advice_then_converted_after_a_forward():
     model = nn.Sequential(nn.LazyConv2d(8, 3), nn.Conv2d(8, 8, 3))
     with pytest.warns(UserWarning, match='run one forward pass'):

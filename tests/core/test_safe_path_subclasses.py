@@ -1,7 +1,8 @@
 """Kernel safe paths by what a layer computes: an RGB 1x1 stride-2 stem (the oneDNN weight-gradient
 bug, which corrupts the heap) goes on its safe path as a subclass of ``nn.Conv2d`` that only
 initialises itself differently and under a ``weight_norm`` parametrization, as it does as an
-``nn.Conv2d``; a subclass with its own ``forward`` is not swapped and is named as not covered.
+``nn.Conv2d``; a subclass with its own ``forward`` is not swapped, is named as not covered, and keeps
+the model NCHW.
 
 The training runs are child processes, one per case (a crash is a result, not a dead test runner),
 through ``LayoutGuard``, Composer's ``ChannelsLast`` and Lightning's ``ChannelsLastCallback``, each
@@ -195,6 +196,7 @@ def train_case(case: str, trainers: list[str]) -> dict[str, Any]:
             'stem_classes': [cls.__name__ for cls in type(net.stem).__mro__[:4]],
             'parametrized': parametrize.is_parametrized(net.stem),
             'difference': relative_difference(net, reference),
+            'channels_last_weights': net.conv.weight.is_contiguous(memory_format=torch.channels_last),
             'start_block': guard.start_block.lines,
         }
     return results
@@ -259,6 +261,24 @@ def test_a_stem_with_its_own_forward_is_not_swapped_and_named_as_not_covered():
         '  not covered 1 layer: onednn_1x1_strided_weight_grad at stem (OwnForwardStem.forward): its class '
         "overrides what the swap replaces; keep the base class's forward to have it swapped"
     ) in lines
+    assert summary.kept_channels_first == summary.not_covered and summary.converted == []
+    assert lines[0].endswith(': kept NCHW') and any(line.startswith('  kept NCHW   layer stem') for line in lines)
+
+
+@pytest.mark.parametrize('trainer', TRAINERS)
+def test_a_stem_with_its_own_forward_trains_nchw_where_it_would_crash_channels_last(trainer, trained):
+    """No safe path replaces it, and channels last there corrupts the heap (a crash, or a hang with AVX2): the
+    model stays NCHW, its batches as they come, and trains as NCHW does, in every integration."""
+    if trainer != 'guard':
+        pytest.importorskip(trainer)
+    result = trained('own_forward')
+    assert result.ok, f'{result}\n{result.detail}'
+    value = result.value[trainer]
+    assert not isinstance(value, str), f'own_forward under {trainer}: {value}'
+    assert value['difference'] < 1e-4, value['difference']
+    assert value['made_safe'] == [] and value['stem_classes'][0] == 'OwnForwardStem'
+    assert value['channels_last_weights'] == (not APPLIES_HERE)
+    assert any(line.startswith('  kept NCHW') for line in value['start_block']) is APPLIES_HERE
 
 
 def test_matching_treats_a_subclass_that_keeps_the_forward_as_its_base():

@@ -47,11 +47,13 @@ __all__ = [
     'KNOWN_BUGS',
     'KernelBug',
     'KernelBugError',
+    'crashing_bugs',
     'default_runtimes',
     'make_safe',
     'matching_bugs',
     'refuse_crashing_layers',
     'unsafe_subclasses',
+    'why_kept_nchw',
 ]
 
 log = logging.getLogger(__name__)
@@ -317,6 +319,12 @@ def unsafe_subclasses(
     return uncovered(model, bugs, 'safe_path', lambda b, module: any(b.reaches(module, r) for r in runtimes))
 
 
+def crashing_bugs(backward: bool = True) -> list[KernelBug]:
+    """The rows of :data:`KNOWN_BUGS` that crash or hang in a forward pass (and, with ``backward``, its backward)."""
+    passes = {'forward', 'backward'} if backward else {'forward'}
+    return [bug for bug in KNOWN_BUGS if {'crash', 'hang'} & set(bug.failures) and passes & set(bug.passes)]
+
+
 class KernelBugError(ValueError):
     """A model was to run channels last with a layer that reaches a known layout kernel bug which kills
     the process or never returns (:func:`refuse_crashing_layers`)."""
@@ -342,9 +350,7 @@ def refuse_crashing_layers(
         >>> make_safe(stem, [cpu]) and refuse_crashing_layers(stem, 'audit_model', runtimes=[cpu])
     """
     runtimes = default_runtimes(model) if runtimes is None else runtimes
-    passes = {'forward', 'backward'} if backward else {'forward'}
-    crashing = [bug for bug in KNOWN_BUGS if {'crash', 'hang'} & set(bug.failures) and passes & set(bug.passes)]
-    found = matching_bugs(model, runtimes, crashing, subclasses=True)
+    found = matching_bugs(model, runtimes, crashing_bugs(backward), subclasses=True)
     if not found:
         return
     raise KernelBugError(_refusal(model, caller, found, runtimes))
@@ -367,4 +373,17 @@ def _refusal(model: nn.Module, caller: str, found: list, runtimes: Sequence[Runt
         f'{caller}: layer {path or "(root)"!r} ({type(module).__name__}) of {type(model).__name__} reaches the '
         f'known layout kernel bug {bug.name} on {where}{more}: channels last, it can end in {failures} '
         f'({bug.shape_condition}). {avoid}.'
+    )
+
+
+def why_kept_nchw(layers: list[UncoveredLayer]) -> str:
+    """Why a model keeps NCHW, in one sentence: ``layers`` reach a crashing bug (:func:`crashing_bugs`) and no
+    safe path replaces them (:func:`unsafe_subclasses`)."""
+    first = layers[0]
+    more = f' (and {len(layers) - 1} more)' if len(layers) > 1 else ''
+    return (
+        f'layer {first.path or "(root)"} ({first.layer.rpartition(".")[2]}.{"/".join(first.overrides)})'
+        f'{more} reaches the known layout kernel bug {first.reason}, which crashes or hangs channels last here, and '
+        "overrides what its safe path replaces; feed NCHW batches, or keep the base class's forward to train "
+        'channels last'
     )
