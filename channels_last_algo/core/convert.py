@@ -60,6 +60,7 @@ __all__ = [
     'apply_channels_first',
     'apply_channels_last',
     'convert_quietly',
+    'keep_weights_contiguous',
     'refuse_under_ddp',
     'restride',
 ]
@@ -374,6 +375,16 @@ def apply_channels_first(
     require_module(model, 'apply_channels_first')
     require_optimizers(optimizers, 'apply_channels_first')
     return restride(model, channels_last=False, optimizers=optimizers)
+
+
+def keep_weights_contiguous(model: torch.nn.Module, optimizers: Optimizers, sharded: bool) -> ConversionSummary:
+    """Contiguous weights for NHWC activations (sharding, or ``weights='contiguous'``): the weights restrided back
+    unless ``sharded``, extension functions given NCHW copies, and the layers a known kernel bug reaches on NHWC
+    input on their safe paths, as :func:`apply_channels_last` puts them."""
+    cover_extension_functions(model)
+    summary = ConversionSummary(layout='channels first') if sharded else apply_channels_first(model, optimizers)
+    summary.made_safe = make_safe(model)
+    return summary
 
 
 def restride(

@@ -43,9 +43,9 @@ from channels_last_algo.core.convert import (
     Optimizers,
     apply_channels_first,
     apply_channels_last,
+    keep_weights_contiguous,
     restride,
 )
-from channels_last_algo.core.extension_functions import cover_extension_functions
 from channels_last_algo.core.inputs import Inputs, InputSelection
 from channels_last_algo.core.late_views import explain_unwatched_view
 from channels_last_algo.core.layout import to_channels_first, to_channels_last
@@ -242,10 +242,7 @@ class LayoutGuard:
         refused = "; auto mode would time channels-last weights, which sharding does not allow: mode 'on'"
         log.info('%s: %s%s', self._model_name, self.weight_layout, refused if self.auto.enabled else '')
         self.auto.stand_down()
-        cover_extension_functions(model)  # the activations still go NHWC
-        if self.weight_layout.sharded:
-            return ConversionSummary(layout='channels first')
-        return apply_channels_first(model, optimizers=optimizers)
+        return keep_weights_contiguous(model, optimizers, self.weight_layout.sharded)  # the activations still go NHWC
 
     def _trial_step(self, model: torch.nn.Module, batch: Any, loss_fn: LossFn, channels_last: bool) -> None:
         """One of auto mode's timed steps, its batch in the layout timed; the first finds the batch's images, the ones

@@ -100,8 +100,8 @@ def train_nchw(net: nn.Module) -> None:
         optimizer.zero_grad()
 
 
-def train_guarded(net: nn.Module) -> LayoutGuard:
-    guard = LayoutGuard()
+def train_guarded(net: nn.Module, **options: Any) -> LayoutGuard:
+    guard = LayoutGuard(**options)
     guard.on_init(net)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     for batch in batches():
@@ -315,3 +315,25 @@ def test_a_swapped_subclass_keeps_its_class_parametrizations_and_overrides_and_s
     for module, cls in zip(model, before):
         swap_back(module, cls)
     assert [type(m) for m in model] == before
+
+
+def train_with_contiguous_weights(case: str) -> dict[str, Any]:
+    """In a child process: ``stem_net(case)`` trained by ``LayoutGuard(weights='contiguous')`` (contiguous weights,
+    NHWC activations, as under sharding) and NCHW: what went on a safe path, and how far the two are apart."""
+    reference, net = stem_net(case), stem_net(case)
+    train_nchw(reference)
+    guard = train_guarded(net, weights='contiguous')
+    return {
+        'made_safe': [(r.path, r.reason) for r in guard.summary.made_safe],
+        'difference': relative_difference(net, reference),
+        'contiguous': net.conv.weight.is_contiguous(),
+    }
+
+
+def test_contiguous_weights_with_nhwc_activations_put_the_stem_on_its_safe_path():
+    """NHWC activations reach the kernel bug with NCHW weights too: the run died with SIGSEGV before."""
+    result = run_isolated(train_with_contiguous_weights, 'reset_parameters')
+    assert result.ok, f'{result}\n{result.detail}'
+    value = result.value
+    assert value['difference'] < 1e-4 and value['contiguous'], value
+    assert value['made_safe'] == ([('stem', ONEDNN.name)] if APPLIES_HERE else [])
