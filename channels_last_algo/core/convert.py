@@ -51,7 +51,7 @@ from channels_last_algo.core.layout import MemoryFormat, channels_last_format, t
 from channels_last_algo.core.module_calls import is_torchscript
 from channels_last_algo.core.optimizer_state_layout import keep_state_in_weight_layout, match_state_to_weights
 from channels_last_algo.core.process_sharing import shared_between_processes
-from channels_last_algo.core.safety.bugs import crashing_bugs, make_safe, unsafe_subclasses, why_kept_nchw
+from channels_last_algo.core.safety.bugs import crashing_subclasses, make_safe, unsafe_subclasses, why_kept_nchw
 from channels_last_algo.core.swap_records import SwapRecord, UncoveredLayer
 from channels_last_algo.core.weight_layout import ddp_around, weight_layout_for
 
@@ -116,8 +116,8 @@ class ConversionSummary:
         """Channels last was asked for, but no 4D/5D tensor of the model is or will be (a lazy one) channels last (a
         TorchScript model, tensors no convolution owns, :attr:`kept_channels_first`): NHWC batches would only add
         layout copies to each step, or reach the layer that crashes."""
-        nothing = not (self.tensors or self.uninitialized) or bool(self.kept_channels_first)
-        return self.layout == str(MemoryFormat.CHANNELS_LAST) and nothing
+        nothing = self.layout == str(MemoryFormat.CHANNELS_LAST) and not (self.tensors or self.uninitialized)
+        return nothing or bool(self.kept_channels_first)
 
     def __str__(self) -> str:
         return (
@@ -299,8 +299,7 @@ def _converted_unless_it_crashes(
 ) -> ConversionSummary:
     """:func:`convert_quietly`, unless a layer reaches a known kernel bug that crashes or hangs channels last and
     no safe path replaces it (``kernel_safety``): then the model is left NCHW (``kept_channels_first``)."""
-    crashing = {bug.name for bug in crashing_bugs()}
-    kept = [u for u in unsafe_subclasses(model) if u.reason in crashing] if kernel_safety else []
+    kept = crashing_subclasses(model) if kernel_safety else []
     if kept:
         return ConversionSummary(not_covered=_not_covered(model, repair, kernel_safety), kept_channels_first=kept)
     return convert_quietly(model, optimizers, repair, kernel_safety)
@@ -380,10 +379,11 @@ def apply_channels_first(
 def keep_weights_contiguous(model: torch.nn.Module, optimizers: Optimizers, sharded: bool) -> ConversionSummary:
     """Contiguous weights for NHWC activations (sharding, or ``weights='contiguous'``): the weights restrided back
     unless ``sharded``, extension functions given NCHW copies, and the layers a known kernel bug reaches on NHWC
-    input on their safe paths, as :func:`apply_channels_last` puts them."""
+    input on their safe paths, as :func:`apply_channels_last` puts them (or NCHW batches where one cannot be)."""
     cover_extension_functions(model)
     summary = ConversionSummary(layout='channels first') if sharded else apply_channels_first(model, optimizers)
-    summary.made_safe = make_safe(model)
+    summary.kept_channels_first = crashing_subclasses(model)  # then NCHW batches: the activations reach them too
+    summary.made_safe = [] if summary.kept_channels_first else make_safe(model)
     return summary
 
 

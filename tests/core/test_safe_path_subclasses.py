@@ -325,8 +325,10 @@ def train_with_contiguous_weights(case: str) -> dict[str, Any]:
     guard = train_guarded(net, weights='contiguous')
     return {
         'made_safe': [(r.path, r.reason) for r in guard.summary.made_safe],
+        'kept_channels_first': [u.path for u in guard.summary.kept_channels_first],
         'difference': relative_difference(net, reference),
         'contiguous': net.conv.weight.is_contiguous(),
+        'start_block': guard.start_block.lines,
     }
 
 
@@ -337,3 +339,12 @@ def test_contiguous_weights_with_nhwc_activations_put_the_stem_on_its_safe_path(
     value = result.value
     assert value['difference'] < 1e-4 and value['contiguous'], value
     assert value['made_safe'] == ([('stem', ONEDNN.name)] if APPLIES_HERE else [])
+
+
+def test_contiguous_weights_keep_nhwc_batches_from_a_stem_that_would_crash_and_keeps_its_class():
+    result = run_isolated(train_with_contiguous_weights, 'own_forward')
+    assert result.ok, f'{result}\n{result.detail}'
+    value = result.value
+    assert value['difference'] < 1e-4 and value['contiguous'] and value['made_safe'] == [], value
+    assert value['kept_channels_first'] == (['stem'] if APPLIES_HERE else [])
+    assert any(line.startswith('  batches     as they come') for line in value['start_block']) is APPLIES_HERE

@@ -48,6 +48,7 @@ __all__ = [
     'KernelBug',
     'KernelBugError',
     'crashing_bugs',
+    'crashing_subclasses',
     'default_runtimes',
     'make_safe',
     'matching_bugs',
@@ -323,6 +324,13 @@ def crashing_bugs(backward: bool = True) -> list[KernelBug]:
     """The rows of :data:`KNOWN_BUGS` that crash or hang in a forward pass (and, with ``backward``, its backward)."""
     passes = {'forward', 'backward'} if backward else {'forward'}
     return [bug for bug in KNOWN_BUGS if {'crash', 'hang'} & set(bug.failures) and passes & set(bug.passes)]
+
+
+def crashing_subclasses(model: nn.Module, runtimes: Optional[Sequence[Runtime]] = None) -> list[UncoveredLayer]:
+    """The :func:`unsafe_subclasses` of ``model`` whose bug crashes or hangs (:func:`crashing_bugs`): channels last
+    would kill the run, and no safe path replaces them."""
+    crashing = {bug.name for bug in crashing_bugs()}
+    return [layer for layer in unsafe_subclasses(model, runtimes) if layer.reason in crashing]
 
 
 class KernelBugError(ValueError):
