@@ -329,8 +329,7 @@ def crashing_bugs(backward: bool = True) -> list[KernelBug]:
 def crashing_subclasses(model: nn.Module, runtimes: Optional[Sequence[Runtime]] = None) -> list[UncoveredLayer]:
     """The :func:`unsafe_subclasses` of ``model`` whose bug crashes or hangs (:func:`crashing_bugs`): channels last
     would kill the run, and no safe path replaces them."""
-    crashing = {bug.name for bug in crashing_bugs()}
-    return [layer for layer in unsafe_subclasses(model, runtimes) if layer.reason in crashing]
+    return unsafe_subclasses(model, runtimes, crashing_bugs())
 
 
 class KernelBugError(ValueError):
