@@ -9,7 +9,8 @@ module call. The hooks do nothing while ``torch.compile`` or ``torch.export`` tr
 whose graph holds the model's own ops only, nor inside a compiled call (a ``torch.compile`` wrapper's
 network, a module compiled in place, a graph break's eager calls): listeners hear the wrapper, or
 the module around it, in every torch (torch 2.7 calls the network's own hooks eagerly, newer torch
-traces them).
+traces them). While they are on, newer torch's notice at each compiled wrapper's call that global hooks
+fire once more for it is quieted where no other global hook is on: the listeners hear that call once.
 
 The hooks come off once no listener is left. They never take themselves off while a forward unwinds
 from an error: torch walks its live table of global hooks there, and removing one would replace
@@ -44,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any, Optional, Protocol
@@ -226,6 +228,34 @@ def settle_hooks() -> None:
     elif not _listeners and _handles and _state['depth'] == 0 and not list(_compiled):  # list: leaves a dying one out
         while _handles:
             _handles.pop().remove()
+    _settle_compiled_call_notice()
+
+
+_COMPILED_CALL_NOTICE = r'Using `torch\.compile\(module\)` when there are global hooks'
+_notice_filters: list[tuple] = []  # the warnings filter that quiets it, while one is wanted
+_GLOBAL_HOOK_TABLES = (  # what torch asks before that notice
+    '_global_backward_pre_hooks',
+    '_global_backward_hooks',
+    '_global_forward_pre_hooks',
+    '_global_forward_hooks',
+)
+
+
+def _settle_compiled_call_notice() -> None:
+    """While the hooks are on, torch newer than 2.7 warns at a compiled wrapper's call that global hooks fire once
+    more for the wrapper: these hear that call once (see above), so the notice is not the user's, and a warnings
+    filter quiets it. Where another global hook is on, the notice may be its owner's: the filter comes off. A
+    ``catch_warnings`` block that took the filter with it gets it back at the next settling."""
+    ours = {handle.id for handle in _handles}
+    others = any(set(getattr(module_hooks, table, ())) - ours for table in _GLOBAL_HOOK_TABLES)
+    wanted = bool(_handles) and not others and hasattr(module_hooks, '_has_any_global_hook')
+    _notice_filters[:] = [entry for entry in _notice_filters if entry in warnings.filters]
+    if wanted and not _notice_filters:
+        warnings.filterwarnings('ignore', message=_COMPILED_CALL_NOTICE, category=UserWarning)
+        _notice_filters.append(warnings.filters[0])
+    while _notice_filters and not wanted:
+        warnings.filters.remove(_notice_filters.pop())
+        getattr(warnings, '_filters_mutated', lambda: None)()
 
 
 def on_mode_stack(mode: torch.overrides.TorchFunctionMode) -> bool:

@@ -4,6 +4,7 @@ its idle hooks beside torch.export."""
 from __future__ import annotations
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -107,3 +108,29 @@ class _GraphBreak(nn.Module):
     def forward(self, x):
         torch._dynamo.graph_break()
         return self.inner(x)
+
+
+@pytest.mark.parametrize('own_hook', [False, True], ids=['only these hooks', 'a global hook of the users own'])
+def test_a_compiled_call_while_the_hooks_are_on_warns_of_them_only_where_a_users_own_global_hook_is_on(own_hook):
+    """Newer torch warns at each compiled wrapper's call that global hooks fire once more for it: not the user's
+    business where the hooks are these (heard once, as the wrapper's), theirs where a hook of their own is on."""
+    from torch.nn.modules import module as module_hooks
+
+    if not hasattr(module_hooks, '_has_any_global_hook'):
+        pytest.skip('this torch has no notice of global hooks at a compiled call')
+    compiled = torch.compile(nn.Linear(2, 2), backend='eager')
+    users = module_hooks.register_module_forward_hook(lambda module, args, output: None) if own_hook else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        listener = _Silent()
+        subscribe(listener)
+        compiled(torch.ones(1, 2))
+        unsubscribe(listener)
+        if users is not None:
+            users.remove()
+        del compiled
+        gc.collect()
+        assert not hooks_installed()
+        assert not module_calls._notice_filters, 'the filter comes off with the hooks'
+    notices = [w for w in caught if 'global hooks' in str(w.message)]
+    assert len(notices) == int(own_hook), [str(w.message) for w in caught]
