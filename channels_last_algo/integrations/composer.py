@@ -142,7 +142,7 @@ class _LastCallback(Callback):
     eval_standalone_end = predict_end = close = fit_end
 
 
-class ChannelsLast(GuardedIntegration, Algorithm):
+class ChannelsLast(GuardedIntegration, Algorithm, Callback):
     """Train, evaluate and predict in channels-last (NHWC) memory format.
 
     At ``Event.INIT`` (before DDP/FSDP wrapping and ``torch.compile``) every 4D parameter and
@@ -197,7 +197,7 @@ class ChannelsLast(GuardedIntegration, Algorithm):
                 model=model,
                 train_dataloader=train_dataloader,
                 max_duration='1ep',
-                algorithms=[ChannelsLast()],
+                algorithms=[ChannelsLast()],  # or callbacks=[ChannelsLast()]
             )
     """
 
@@ -245,8 +245,15 @@ class ChannelsLast(GuardedIntegration, Algorithm):
             self._fused_eval.apply(event, state, logger)
         return None
 
+    def run_event(self, event: Event, state: State, logger: Logger) -> None:
+        """As one of the Trainer's ``callbacks``: the same work at the same events (at ``Event.INIT`` before the
+        algorithms, as Composer runs callbacks there, at the other events after them)."""
+        if self.match(event, state):
+            self.apply(event, state, logger)
+
     def _init(self, state: State, logger: Logger) -> None:
         """Convert the model as its parallel setting allows; checkpoints canonical; the console set."""
+        _refuse_a_second(state)
         self.guard.console = functools.partial(_write_to_console, logger)
         state.callbacks.append(_LastCallback(self.guard))
         weight_layout = weight_layout_for(state.model, fsdp_config=state.fsdp_config, tp_config=state.tp_config)
@@ -273,6 +280,22 @@ class ChannelsLast(GuardedIntegration, Algorithm):
                 logger.log_hyperparameters(self.guard.start_block.hyperparameters)
         if event == Event.FIT_START:
             self.guard.on_run_start()
+
+
+def _refuse_a_second(state: State) -> None:
+    """A clear error where the Trainer holds more than one ``ChannelsLast`` (in ``algorithms``, ``callbacks`` or
+    both): each would convert the model and watch its steps."""
+    places = [
+        f'{where}[{index}]'
+        for where, objects in (('algorithms', state.algorithms), ('callbacks', state.callbacks))
+        for index, candidate in enumerate(objects)
+        if isinstance(candidate, ChannelsLast)
+    ]
+    if len(places) > 1:
+        raise ValueError(
+            f"the Trainer holds ChannelsLast {len(places)} times ({', '.join(places)}): keep one, in the Trainer's "
+            'algorithms or its callbacks'
+        )
 
 
 def _trial(event: Event, state: State) -> Optional[Trial]:

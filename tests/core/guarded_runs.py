@@ -108,7 +108,8 @@ def nchw(run: Run) -> list[tuple[torch.Tensor, dict]]:
 
 
 def guarded(run: Run, integration: str, **options: Any) -> tuple[list[tuple[torch.Tensor, dict]], nn.Module, Any]:
-    """The model trained through ``integration`` with ``options``: the steps, the network, the guard's owner."""
+    """The model trained through ``integration`` (one of :data:`INTEGRATIONS`, or ``'composer_callback'``: the
+    Composer algorithm among the Trainer's callbacks) with ``options``: the steps, the network, the guard's owner."""
     torch.manual_seed(0)
     net = run.build().double()
     options = {**run.options, **options}
@@ -124,12 +125,13 @@ def guarded(run: Run, integration: str, **options: Any) -> tuple[list[tuple[torc
             steps.append((loss, _snapshot(net)))
         guard.close()
         return steps, net, guard
-    if integration == 'composer':
-        return _composer(run, net, options)
+    if integration in ('composer', 'composer_callback'):
+        return _composer(run, net, options, as_callback=integration == 'composer_callback')
     return _lightning(run, net, options)
 
 
-def _composer(run: Run, net: nn.Module, options: dict) -> tuple[list, nn.Module, Any]:
+def _composer(run: Run, net: nn.Module, options: dict, as_callback: bool) -> tuple[list, nn.Module, Any]:
+    """Through Composer's Trainer, with ``ChannelsLast`` in its algorithms or, ``as_callback``, its callbacks."""
     pytest.importorskip('composer')
     from composer import Callback, Trainer
     from composer.models import ComposerModel
@@ -165,8 +167,8 @@ def _composer(run: Run, net: nn.Module, options: dict) -> tuple[list, nn.Module,
         optimizers=run.optimizer(net.parameters()),
         max_duration=f'{len(run.batches)}ba',
         device='cpu',
-        algorithms=[algorithm],
-        callbacks=[record],
+        algorithms=[] if as_callback else [algorithm],
+        callbacks=[algorithm, record] if as_callback else [record],
         progress_bar=False,
         seed=0,  # the same seed for every run, so that runs of a model that draws random numbers compare
     )

@@ -279,7 +279,9 @@ def test_repr_shows_the_mode_asked_for_and_effective_mode_the_one_acted_in():
         contiguous.auto.decide(model, torch.randn(4, 3, 8, 8), lambda m, inputs: m(inputs).sum())
 
 
-def _trainer(mode, **options):
+def _trainer(mode, place='algorithms', **options):
+    """A Composer Trainer of a small classifier with ``ChannelsLast(mode=mode)`` in its ``place`` (its
+    algorithms or its callbacks)."""
     from composer import Trainer
     from composer.models import ComposerClassifier
     from torch.utils.data import DataLoader, TensorDataset
@@ -296,7 +298,7 @@ def _trainer(mode, **options):
         train_dataloader=DataLoader(data, batch_size=4),
         max_duration='3ba',
         device='cpu',
-        algorithms=[algorithm],
+        **{place: [algorithm]},
         seed=7,
         progress_bar=False,
         optimizers=None,
@@ -341,10 +343,11 @@ def test_composer_repr_and_checkpoint_show_mode_auto_after_the_decision(monkeypa
     assert algorithm.state_dict() == {'repr': repr(algorithm), 'decision': algorithm.decision.to_dict()}
 
 
-def test_resumed_run_keeps_the_decision_without_measuring(monkeypatch, tmp_path):
+@pytest.mark.parametrize('place', ['algorithms', 'callbacks'])
+def test_resumed_run_keeps_the_decision_without_measuring(place, monkeypatch, tmp_path):
     pytest.importorskip('composer', reason='the Composer integration needs composer (the torch 2.7 environment)')
     monkeypatch.setattr(auto_mode_module, 'decide_layout', _decide_with_costs(2.0))
-    first, algorithm = _trainer('auto', save_folder=str(tmp_path), save_interval='3ba')
+    first, algorithm = _trainer('auto', place, save_folder=str(tmp_path), save_interval='3ba')
     first.fit()
     decided = algorithm.decision
     assert decided.channels_last is False and decided.interval is not None
@@ -353,7 +356,7 @@ def test_resumed_run_keeps_the_decision_without_measuring(monkeypatch, tmp_path)
         raise AssertionError('a resumed run measured again')
 
     monkeypatch.setattr(auto_mode_module, 'decide_layout', must_not_measure)
-    resumed, algorithm = _trainer('auto', load_path=str(tmp_path / 'ep0-ba3-rank0.pt'))
+    resumed, algorithm = _trainer('auto', place, load_path=str(tmp_path / 'ep0-ba3-rank0.pt'))
     assert algorithm.decision == decided  # the interval and the rounds come back with the layout
     assert not has_channels_last_strides(resumed.state.model.module[0].weight)
     assert type(resumed.state.model.module[5]) is nn.AdaptiveAvgPool2d  # NCHW as the model was: no repair

@@ -643,6 +643,19 @@ def test_views_train_as_in_nchw(name, integration):
         assert all(not w.is_contiguous() for w in convolutions), 'the convolutions should be channels last'
 
 
+@pytest.mark.parametrize(
+    'name', ['lenet', 'hooks', 'written-through-views', 'gradient-reshaped-in-place', 'parameters-to-vector']
+)
+def test_views_train_as_in_nchw_with_the_algorithm_among_composers_callbacks(name):
+    """``callbacks=[ChannelsLast()]`` does the algorithm's work: at ``Event.INIT`` before the algorithms, at the
+    other events after them."""
+    run = RUNS[name]
+    steps, net, _ = guarded(run, 'composer_callback', audit_steps=2)
+    assert_same_run(steps, nchw(run), f'{name} with ChannelsLast among the callbacks')
+    convolutions = [m.weight for m in net.modules() if isinstance(m, nn.Conv2d) and m.weight.shape[-1] > 1]
+    assert all(w.is_contiguous() == (name in WEIGHTS_FLATTENED) for w in convolutions)
+
+
 def test_non_convolution_tensors_keep_their_layout():
     """The weight bank and the embedding are no convolution's weight: left as they are, and said so."""
     for build, name in ((WeightBank, 'bank'), (Embedded, 'pos_embed')):

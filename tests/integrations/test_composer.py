@@ -20,7 +20,9 @@ from channels_last_algo.core.auto import decide_layout
 from conftest import breaking_model, no_dispatch_mode, random_images, tiny_loader
 
 
-def test_composer_trainer_feeds_nhwc_in_train_eval_and_predict():
+@pytest.mark.parametrize('place', ['algorithms', 'callbacks'])
+def test_composer_trainer_feeds_nhwc_in_train_eval_and_predict(place):
+    """As one of the Trainer's algorithms or its callbacks."""
     images, labels = random_images(n=24)
     loader = DataLoader(TensorDataset(images, labels), batch_size=8)
     module = TinyResNet()
@@ -37,7 +39,7 @@ def test_composer_trainer_feeds_nhwc_in_train_eval_and_predict():
         eval_dataloader=loader,
         max_duration='2ba',
         device='cpu',
-        algorithms=[algorithm],
+        **{place: [algorithm]},
         progress_bar=False,
     )
     assert all(has_channels_last_strides(p) for p in module.parameters() if p.dim() == 4)
@@ -49,6 +51,24 @@ def test_composer_trainer_feeds_nhwc_in_train_eval_and_predict():
     assert all(seen)
     assert len(grads) == 2 * len([p for p in module.parameters() if p.dim() == 4])
     assert all(grads)
+
+
+@pytest.mark.parametrize(
+    'places', [{'algorithms': 2}, {'algorithms': 1, 'callbacks': 1}, {'callbacks': 2}], ids=['AA', 'AC', 'CC']
+)
+def test_a_trainer_with_channels_last_twice_is_refused_before_the_model_is_touched(places):
+    module = TinyResNet()
+    weights = [p for p in module.parameters() if p.dim() == 4]
+    with pytest.raises(ValueError, match=r'ChannelsLast 2 times \(\w+\[\d\], \w+\[\d\]\): keep one'):
+        Trainer(
+            model=ComposerClassifier(module, num_classes=10),
+            train_dataloader=tiny_loader(),
+            max_duration='1ba',
+            device='cpu',
+            progress_bar=False,
+            **{place: [ChannelsLast() for _ in range(count)] for place, count in places.items()},
+        )
+    assert all(w.is_contiguous() for w in weights)
 
 
 def test_repr_rebuilds_the_algorithm():
