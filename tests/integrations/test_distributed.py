@@ -6,7 +6,8 @@ LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and MASTER_PORT). Run as th
 file is the rank's program: it trains a small conv net (3x3, depthwise 3x3 and 1x1 convs,
 BatchNorm) with ``ChannelsLast`` in Composer's ``Trainer(device='cpu')``, which wraps it in DDP
 (then FSDP2), and saves what it saw to ``OUT/rank{r}.pt``; the test compares that with a
-single-process NCHW run over the same global batches.
+single-process NCHW run over the same global batches. The DDP run resumed from its checkpoint has ``ChannelsLast``
+among the Trainer's callbacks, the others among its algorithms.
 
 BatchNorm normalises each rank's half-batch on its own under DDP, so the single-process
 reference trains on the same global batch in two microbatches of one rank's half each:
@@ -71,7 +72,9 @@ def parameters_of(net: nn.Module) -> dict[str, torch.Tensor]:
 # --- the rank's program (run by the launcher) -------------------------------------------------------
 
 
-def _trainer(net: nn.Module, duration: str, callbacks=(), **options):
+def _trainer(net: nn.Module, duration: str, callbacks=(), place='algorithms', **options):
+    """A Composer Trainer of ``net`` on this rank's share of the data, with ChannelsLast (``options['algorithm']``,
+    else one with default options) in its ``place``: its algorithms, or its callbacks ahead of ``callbacks``."""
     from composer import Trainer
     from composer.models import ComposerClassifier
     from composer.utils import dist
@@ -84,8 +87,8 @@ def _trainer(net: nn.Module, duration: str, callbacks=(), **options):
         train_dataloader=loader,
         max_duration=duration,
         optimizers=torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
-        algorithms=[algorithm],
-        callbacks=list(callbacks),
+        algorithms=[algorithm] if place == 'algorithms' else [],
+        callbacks=[algorithm, *callbacks] if place == 'callbacks' else list(callbacks),
         device='cpu',
         seed=17,
         progress_bar=False,
@@ -207,8 +210,9 @@ def _run_rank(out: Path) -> None:
         result['ddp']['probe_output'] = net(probe_images().to(memory_format=torch.channels_last))
     dist.barrier()
 
-    # 2. Resume from rank 0's checkpoint on both ranks and train STEPS more.
-    train('resumed', small_net(), f'{2 * STEPS}ba', load_path=str(out / 'checkpoints' / f'ep0-ba{STEPS}-rank0.pt'))
+    # 2. Resume from rank 0's checkpoint on both ranks and train STEPS more, ChannelsLast among the callbacks.
+    checkpoint = str(out / 'checkpoints' / f'ep0-ba{STEPS}-rank0.pt')
+    train('resumed', small_net(), f'{2 * STEPS}ba', place='callbacks', load_path=checkpoint)
 
     # 3. FSDP2 from the same initial weights, with ChannelsLast (weights stay contiguous,
     # activations NHWC) and without it.
