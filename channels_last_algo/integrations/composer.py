@@ -23,6 +23,7 @@ from channels_last_algo.integrations import require
 
 require('composer', 'composer')
 
+from composer.algorithms import ChannelsLast as ComposersChannelsLast
 from composer.core import Algorithm, Callback, Event, State
 from composer.core.precision import get_precision_context
 from composer.loggers import ConsoleLogger, Logger, ProgressBarLogger
@@ -283,18 +284,19 @@ class ChannelsLast(GuardedIntegration, Algorithm, Callback):
 
 
 def _refuse_a_second(state: State) -> None:
-    """A clear error where the Trainer holds more than one ``ChannelsLast`` (in ``algorithms``, ``callbacks`` or
-    both): each would convert the model and watch its steps."""
+    """A clear error where the Trainer holds more than one channels-last algorithm (this ``ChannelsLast`` or
+    Composer's, in ``algorithms``, ``callbacks`` or both): each would restride the model, and Composer's would undo
+    the weight layout this one chose (contiguous weights under FSDP, say)."""
     places = [
-        f'{where}[{index}]'
+        f'{where}[{index}]' + ('' if isinstance(candidate, ChannelsLast) else " (Composer's)")
         for where, objects in (('algorithms', state.algorithms), ('callbacks', state.callbacks))
         for index, candidate in enumerate(objects)
-        if isinstance(candidate, ChannelsLast)
+        if isinstance(candidate, (ChannelsLast, ComposersChannelsLast))
     ]
     if len(places) > 1:
         raise ValueError(
-            f"the Trainer holds ChannelsLast {len(places)} times ({', '.join(places)}): keep one, in the Trainer's "
-            'algorithms or its callbacks'
+            f"the Trainer holds ChannelsLast {len(places)} times ({', '.join(places)}): keep one, this project's "
+            "(it does what Composer's does and more), in the Trainer's algorithms or its callbacks"
         )
 
 

@@ -9,6 +9,7 @@ pytest.importorskip('composer')
 
 import torch
 from composer import Trainer
+from composer.algorithms import ChannelsLast as ComposersChannelsLast
 from composer.loggers import InMemoryLogger
 from composer.models import ComposerClassifier
 from torch.utils.data import DataLoader, TensorDataset
@@ -54,19 +55,31 @@ def test_composer_trainer_feeds_nhwc_in_train_eval_and_predict(place):
 
 
 @pytest.mark.parametrize(
-    'places', [{'algorithms': 2}, {'algorithms': 1, 'callbacks': 1}, {'callbacks': 2}], ids=['AA', 'AC', 'CC']
+    'places',
+    [
+        {'algorithms': [ChannelsLast, ChannelsLast]},
+        {'algorithms': [ChannelsLast], 'callbacks': [ChannelsLast]},
+        {'callbacks': [ChannelsLast, ChannelsLast]},
+        {'algorithms': [ChannelsLast, ComposersChannelsLast]},
+        {'algorithms': [ComposersChannelsLast], 'callbacks': [ChannelsLast]},
+    ],
+    ids=['AA', 'AC', 'CC', "A + Composer's A", "Composer's A + C"],
 )
 def test_a_trainer_with_channels_last_twice_is_refused_before_the_model_is_touched(places):
+    """Twice this project's, or beside Composer's (which, listed first among the algorithms, restrides the model
+    before this one refuses: Composer runs callbacks first at ``Event.INIT``, then the algorithms in order)."""
     module = TinyResNet()
     weights = [p for p in module.parameters() if p.dim() == 4]
-    with pytest.raises(ValueError, match=r'ChannelsLast 2 times \(\w+\[\d\], \w+\[\d\]\): keep one'):
+    with pytest.raises(
+        ValueError, match=r"ChannelsLast 2 times \(\w+\[0\]( \(Composer's\))?, \w+\[\d\]( \(Composer's\))?\): keep one"
+    ):
         Trainer(
             model=ComposerClassifier(module, num_classes=10),
             train_dataloader=tiny_loader(),
             max_duration='1ba',
             device='cpu',
             progress_bar=False,
-            **{place: [ChannelsLast() for _ in range(count)] for place, count in places.items()},
+            **{place: [algorithm() for algorithm in algorithms] for place, algorithms in places.items()},
         )
     assert all(w.is_contiguous() for w in weights)
 
