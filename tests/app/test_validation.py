@@ -70,6 +70,10 @@ BAD_VALUES = [
     ('data.train_crop=100000', 'data.train_crop: 100000 is out of range'),
     ('data.eval_crop=4', 'data.eval_crop: 4 is out of range'),
     ('data.eval_resize=200', 'data.eval_resize: 200 is smaller than data.eval_crop 224'),
+    (
+        'algorithms.composer_channels_last=true',
+        'algorithms.composer_channels_last: on beside algorithms.channels_last, whose weight layout',
+    ),
     ('data.eval_resize=-1', 'data.eval_resize: -1 is out of range'),
     ('data.synthetic_train_samples=0', 'data.synthetic_train_samples: 0 is out of range'),
     (

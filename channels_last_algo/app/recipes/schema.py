@@ -311,6 +311,11 @@ def _check_together(recipe: Recipe, error) -> None:
         )
     if data.path is None and data.synthetic_train_samples is not None:
         check_durations(recipe, data.synthetic_train_samples, 'data.synthetic_train_samples', error)
+    if {'channels_last', 'composer_channels_last'} <= recipe.enabled_algorithms().keys():
+        raise error(
+            "algorithms.composer_channels_last: on beside algorithms.channels_last, whose weight layout Composer's "
+            "model.to(channels_last) would undo; keep one (channels_last does what Composer's does and more)"
+        )
 
 
 def check_durations(recipe: Recipe, train_samples: int, samples_from: str, error) -> tuple[Recipe, Optional[str]]:
