@@ -119,7 +119,8 @@ def test_audit_steps_zero_installs_nothing_in_composer():
     assert modes == [True, True]
 
 
-def test_composer_audit_logs_each_audited_step_and_keeps_the_report():
+@pytest.mark.parametrize('place', ['algorithms', 'callbacks'])
+def test_composer_audit_logs_each_audited_step_and_keeps_the_report(place):
     in_memory = InMemoryLogger()
     algorithm = ChannelsLast(audit_steps=1)
     trainer = Trainer(
@@ -127,7 +128,7 @@ def test_composer_audit_logs_each_audited_step_and_keeps_the_report():
         train_dataloader=tiny_loader(),
         max_duration='2ba',
         device='cpu',
-        algorithms=[algorithm],
+        **{place: [algorithm]},
         loggers=[in_memory],
         progress_bar=False,
     )
@@ -139,13 +140,14 @@ def test_composer_audit_logs_each_audited_step_and_keeps_the_report():
     assert algorithm.report.breaks[0].module_path == 'module.1'
 
 
-def test_composer_strict_raises_out_of_fit_with_the_module_path():
+@pytest.mark.parametrize('place', ['algorithms', 'callbacks'])
+def test_composer_strict_raises_out_of_fit_with_the_module_path(place):
     trainer = Trainer(
         model=ComposerClassifier(breaking_model(), num_classes=10),
         train_dataloader=tiny_loader(),
         max_duration='2ba',
         device='cpu',
-        algorithms=[ChannelsLast(audit_steps=2, strict=True)],
+        **{place: [ChannelsLast(audit_steps=2, strict=True)]},
         progress_bar=False,
     )
     with pytest.raises(LayoutBreakError, match="module 'module.1'.*aten.clone"):
@@ -254,7 +256,8 @@ def test_fuse_eval_fuses_the_one_child_with_parameters_of_a_model_called_with_a_
     assert losses[True] == pytest.approx(losses[False], rel=1e-4)
 
 
-def test_composer_console_shows_the_start_block_once_before_its_config_and_the_breaks_left(capfd, caplog):
+@pytest.mark.parametrize('place', ['algorithms', 'callbacks'])
+def test_composer_console_shows_the_start_block_once_before_its_config_and_the_breaks_left(place, capfd, caplog):
     caplog.set_level(logging.INFO, logger='channels_last_algo')
     in_memory = InMemoryLogger()
     trainer = Trainer(
@@ -262,7 +265,7 @@ def test_composer_console_shows_the_start_block_once_before_its_config_and_the_b
         train_dataloader=tiny_loader(),
         max_duration='2ba',
         device='cpu',
-        algorithms=[ChannelsLast(audit_steps=1)],
+        **{place: [ChannelsLast(audit_steps=1)]},
         loggers=[in_memory],
     )
     trainer.fit()
