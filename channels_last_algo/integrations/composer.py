@@ -1,4 +1,4 @@
-"""``ChannelsLast``: the Composer algorithm.
+"""``ChannelsLast``: the Composer algorithm, which works among a Trainer's callbacks too.
 
 It decides *when*: it maps Composer's events onto the calls of a
 :class:`~channels_last_algo.core.guard.LayoutGuard`, which does the work.
