@@ -164,7 +164,8 @@ def test_lightning_compiled_in_configure_model_stays_nhwc():
     assert all(has_channels_last_strides(p) for p in module.parameters() if p.dim() == 4)
 
 
-def test_composer_compile_config_stays_nhwc():
+@pytest.mark.parametrize('place', ['algorithms', 'callbacks'])
+def test_composer_compile_config_stays_nhwc(place):
     pytest.importorskip('composer')
     from composer import Trainer
     from composer.models import ComposerClassifier
@@ -178,7 +179,7 @@ def test_composer_compile_config_stays_nhwc():
         train_dataloader=tiny_loader(n=8, batch_size=4),
         max_duration='2ba',
         device='cpu',
-        algorithms=[ChannelsLast()],
+        **{place: [ChannelsLast()]},
         progress_bar=False,
         compile_config={'backend': recorder.backend},
     )
