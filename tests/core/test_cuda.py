@@ -90,18 +90,6 @@ def test_the_avg_pool_safe_path_gives_the_nchw_gradient_on_cuda_and_is_swapped_i
     torch.testing.assert_close(nhwc.grad.cpu(), reference.grad, rtol=1e-12, atol=1e-12)
 
 
-def test_cuda_dropout_drops_what_nchw_drops_where_the_table_has_no_cuda_row():
-    """The dropout row is CPU only: on CUDA the same seed must then drop the same elements of an NHWC
-    feature map as of the NCHW one (else the table needs the row on CUDA too)."""
-    row = next(bug for bug in KNOWN_BUGS if bug.name == 'dropout_mask_memory_order')
-    x = torch.randn(2, 8, 6, 6, device='cuda')
-    outputs = []
-    for images in (x, to_channels_last(x)):
-        torch.manual_seed(0)
-        outputs.append(nn.functional.dropout(images, 0.5, training=True))
-    assert torch.equal(outputs[0], outputs[1]) or 'cuda' in row.devices
-
-
 def test_fused_inference_on_cuda_matches_eager():
     torch.manual_seed(0)
     model = nn.Sequential(

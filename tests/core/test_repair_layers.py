@@ -191,7 +191,7 @@ def _output_and_input_grad(layer, x, autocast):
     with torch.autocast(x.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         out = layer(x)
     torch.manual_seed(2)
-    (out.double() * torch.randn(out.shape, dtype=torch.float64)).sum().backward()
+    (out.double() * torch.randn(out.shape, dtype=torch.float64).to(out.device)).sum().backward()
     return out, x.grad
 
 

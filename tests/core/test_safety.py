@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from channels_last_algo.core.convert import apply_channels_last, restride
+from channels_last_algo.core.layers import safe_paths
 from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, NCHWMaskDropout, SubsampledConv2d
 from channels_last_algo.core.layout import to_channels_last
 from channels_last_algo.core.runtime import Runtime, parse_version
@@ -228,22 +229,27 @@ def test_nchw_avg_pool_takes_an_unbatched_input_as_avg_pool_does():
 DROPOUT = BUGS['dropout_mask_memory_order']
 
 
+@pytest.mark.parametrize('device', ['cpu', 'cpu-fused-path', pytest.param('cuda', marks=pytest.mark.cuda)])
 @pytest.mark.parametrize('inplace', [False, True])
-def test_the_dropout_safe_path_drops_what_nchw_drops_and_keeps_the_layout(inplace):
+def test_the_dropout_safe_path_drops_what_nchw_drops_and_keeps_the_layout(inplace, device, monkeypatch):
     """Same seed, same mask as NCHW dropout, output and input gradient (float64), the random state after it
-    as NCHW leaves it, NHWC kept; in evaluation, and with p = 0, nothing dropped."""
+    as NCHW leaves it, NHWC kept; in evaluation, and with p = 0, nothing dropped. On CUDA the fused kernel
+    draws the mask; 'cpu-fused-path' runs the path taken there (the kernel on an NCHW copy) through the CPU's."""
     assert DROPOUT.condition(nn.Dropout(0.5), XEON) and not DROPOUT.condition(nn.Dropout(0.0), XEON)
+    if device == 'cpu-fused-path':
+        monkeypatch.setattr(safe_paths, '_FUSED_DROPOUT_DEVICES', ('cpu',))
+        device = 'cpu'
     layer = nn.Dropout(0.4, inplace=inplace)
     safe = copy.deepcopy(layer)
     safe.__class__ = NCHWMaskDropout
-    x = torch.randn(2, 6, 5, 3, dtype=torch.float64)
+    x = torch.randn(2, 6, 5, 3, dtype=torch.float64, device=device)
     results = []
     for module, images in ((layer, x), (safe, to_channels_last(x))):
         leaf = images.clone().requires_grad_()
         torch.manual_seed(0)
         output = module(leaf * 1)  # a non-leaf, which an in-place dropout may write
-        output.backward(torch.arange(output.numel(), dtype=torch.float64).view(output.shape))
-        results.append((output.detach(), leaf.grad, torch.rand(1)))
+        output.backward(torch.arange(output.numel(), dtype=torch.float64, device=device).view(output.shape))
+        results.append((output.detach(), leaf.grad, torch.rand(1, device=device)))
     (expected, expected_grad, expected_next), (output, grad, after) = results
     assert torch.equal(output, expected) and torch.equal(grad, expected_grad) and torch.equal(after, expected_next)
     assert output.is_contiguous(memory_format=torch.channels_last) and (output == 0).any()

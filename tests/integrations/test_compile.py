@@ -246,17 +246,20 @@ def test_the_guards_training_step_keeps_compiled_backward_nhwc_around_depthwise_
     gradients around a depthwise convolution out with their channels not innermost; inside the
     guard's training step it forces the optimisation on, and the compiled step matches eager NCHW."""
     torch.manual_seed(0)
-    reference = depthwise_net().to(device, torch.float64)
-    images = torch.randn(4, 3, 16, 16, device=device, dtype=torch.float64)
+    dtype = torch.float64 if device == 'cpu' else torch.float32  # cuDNN has no NHWC float64 kernels: NCHW out
+    reference = depthwise_net().to(device, dtype)
+    images = torch.randn(4, 3, 16, 16, device=device, dtype=dtype)
     net = copy.deepcopy(reference)
     guard = LayoutGuard()
     guard.on_init(net)
-    codes = _compiled_step_code(net, images, guard)
-    assert [channels_first_buffers(code) for code in codes] == [[], []]
-    assert not torch._inductor.config.force_layout_optimization  # as it was, after the step
-    reference(images).sum().backward()
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        codes = _compiled_step_code(net, images, guard)
+        assert [channels_first_buffers(code) for code in codes] == [[], []]
+        assert not torch._inductor.config.force_layout_optimization  # as it was, after the step
+        reference(images).sum().backward()
+    tolerance = {} if dtype == torch.float64 else {'rtol': 1e-4, 'atol': 1e-5}  # NHWC and NCHW cuDNN kernels
     for (name, p), q in zip(net.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, msg=name)
+        torch.testing.assert_close(p.grad, q.grad, msg=name, **tolerance)
     if backward_layout_left_off():
         assert any(line.startswith('  compile ') for line in guard.start_block.lines)
         torch._dynamo.reset()

@@ -6,7 +6,7 @@ classes; :func:`~channels_last_algo.core.safety.bugs.make_safe` swaps a matching
 Each subclasses the layer it replaces (and :class:`~channels_last_algo.core.swap.Replacement`, so
 it pickles as that layer) and overrides ``forward`` only, so a module whose class is swapped
 keeps its ``Parameter`` objects, buffers, hooks and ``state_dict`` keys. No ``forward`` branches
-on its input (the one rank check is a ``torch.fx.wrap`` leaf), calls ``super()`` or holds a helper
+on its input (the rank and device checks are ``torch.fx.wrap`` leaves), calls ``super()`` or holds a helper
 module, so a model keeps working with ``torch.fx.symbolic_trace``, ``torch.jit.script``,
 ``torch.export`` and ONNX export.
 
@@ -20,9 +20,9 @@ module, so a model keeps working with ``torch.fx.symbolic_trace``, ``torch.jit.s
   channels last (an unbatched 3D one left as the native layer gives it): the NHWC backward kernel is
   never called.
 - :class:`NCHWMaskDropout`: dropout whose mask is drawn in NCHW order whatever the input's layout
-  (a noise tensor of the input's shape laid out as ``empty_like`` lays out NCHW's input, contiguous
-  unless a view watch told it otherwise); the product keeps the input's layout, and the same seed
-  drops the same elements as NCHW.
+  (:func:`dropout_drawn_as_nchw`: laid out as ``empty_like`` lays out NCHW's input, contiguous unless a
+  view watch told it otherwise); the output keeps the input's layout, and the same seed drops the same
+  elements as NCHW.
 
 Example:
     >>> import torch
@@ -41,10 +41,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from channels_last_algo.core.random_draws import draw_order
+from channels_last_algo.core.random_draws import draw_order, drawn_in
 from channels_last_algo.core.swap import Replacement
 
-__all__ = ['NCHWAvgPool2d', 'NCHWMaskDropout', 'SubsampledConv2d', 'channels_last_if_batched']
+__all__ = ['NCHWAvgPool2d', 'NCHWMaskDropout', 'SubsampledConv2d', 'channels_last_if_batched', 'dropout_drawn_as_nchw']
 
 
 class SubsampledConv2d(Replacement, nn.Conv2d):
@@ -85,11 +85,11 @@ torch.fx.wrap('channels_last_if_batched')
 
 
 class NCHWMaskDropout(Replacement, nn.Dropout):
-    """``nn.Dropout`` with its mask drawn in NCHW order: the noise is contiguous, as torch's CPU
-    dropout makes it for an NCHW input (``empty_like``, ``bernoulli_``, divided by the keep rate),
-    so the numbers and the random state after it are NCHW's; the product keeps the input's layout.
-    Where NCHW's input is laid out otherwise (a map permuted back from tokens, tokens flattened from a
-    map), :meth:`follow_nchw_input` has the noise drawn in its order, as torch draws it there."""
+    """``nn.Dropout`` with its mask drawn in NCHW order (:func:`dropout_drawn_as_nchw`), contiguous as
+    torch draws it for an NCHW input, so the numbers and the random state after it are NCHW's; the
+    output keeps the input's layout. Where NCHW's input is laid out otherwise (a map permuted back from
+    tokens, tokens flattened from a map), :meth:`follow_nchw_input` has the noise drawn in its order, as
+    torch draws it there."""
 
     noise_order = ()  # the dimensions in NCHW's memory order of the noise; none: contiguous
     __constants__ = [*nn.Dropout.__constants__, 'noise_order']  # for TorchScript, which sees instance attributes only
@@ -103,11 +103,48 @@ class NCHWMaskDropout(Replacement, nn.Dropout):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return input
-        keep = 1.0 - self.p
-        if len(self.noise_order) > 0:
-            noise = torch.empty_permuted(input.shape, self.noise_order, dtype=input.dtype, device=input.device)
-        else:
-            noise = torch.empty(input.shape, dtype=input.dtype, device=input.device)
-        noise = noise.bernoulli_(keep)
-        noise = noise.div_(keep) if keep > 0.0 else noise
-        return input.mul_(noise) if self.inplace else input * noise
+        if torch.jit.is_scripting():  # the noise path on every device; a list, which TorchScript types
+            order: list[int] = []
+            for dim in self.noise_order:
+                order.append(dim)
+            return _noise_dropout(input, self.p, self.inplace, order)
+        return dropout_drawn_as_nchw(input, self.p, self.inplace, self.noise_order)
+
+
+_FUSED_DROPOUT_DEVICES = ('cuda', 'xpu')  # where F.dropout runs native_dropout, whose kernel draws over its input
+
+
+def dropout_drawn_as_nchw(input: torch.Tensor, p: float, inplace: bool, order: tuple = ()) -> torch.Tensor:
+    """``F.dropout(input, p, True, inplace)`` with its numbers drawn as for NCHW's input, laid out in ``order``
+    (as ``torch.empty_permuted`` takes it; empty: contiguous); the output has the input's layout.
+
+    Where torch's dropout makes its noise (``empty_like(input)``, ``bernoulli_``: on the CPU, and in place
+    everywhere) the noise is made so laid out; where its fused kernel draws over the input's memory
+    (``native_dropout`` on CUDA), that kernel runs on a copy so laid out. A ``torch.fx.wrap`` leaf.
+
+    Example:
+        >>> x = torch.randn(2, 3, 4, 4)
+        >>> _ = torch.manual_seed(0); expected = F.dropout(x, 0.5)
+        >>> _ = torch.manual_seed(0); nhwc = dropout_drawn_as_nchw(x.to(memory_format=torch.channels_last), 0.5, False)
+        >>> torch.equal(nhwc, expected), nhwc.is_contiguous(memory_format=torch.channels_last)
+        (True, True)
+    """
+    if input.device.type in _FUSED_DROPOUT_DEVICES and not inplace and 0.0 < p < 1.0 and input.numel() > 0:
+        dropped = drawn_in(F.dropout, (input, p, True), {}, order or tuple(range(input.dim())))
+        return torch.empty_like(input).copy_(dropped)
+    return _noise_dropout(input, p, inplace, list(order))
+
+
+def _noise_dropout(input: torch.Tensor, p: float, inplace: bool, order: list[int]) -> torch.Tensor:
+    """torch's own dropout (``_dropout_impl``) with its noise laid out in ``order`` (empty: contiguous)."""
+    keep = 1.0 - p
+    if len(order) > 0:
+        noise = torch.empty_permuted(input.shape, order, dtype=input.dtype, device=input.device)
+    else:
+        noise = torch.empty(input.shape, dtype=input.dtype, device=input.device)
+    noise = noise.bernoulli_(keep)
+    noise = noise.div_(keep) if keep > 0.0 else noise
+    return input.mul_(noise) if inplace else input * noise
+
+
+torch.fx.wrap('dropout_drawn_as_nchw')

@@ -149,12 +149,15 @@ def _dropping(dropout: nn.Dropout, runtime: Runtime) -> bool:
 
 _DROPOUT_MASK_REPRO = """\
 import torch
-x = torch.randn(2, 8, 5, 5, dtype=torch.float64)
-torch.manual_seed(0)
-reference = torch.nn.functional.dropout(x, 0.5, training=True)
-torch.manual_seed(0)
-nhwc = torch.nn.functional.dropout(x.contiguous(memory_format=torch.channels_last), 0.5, training=True)
-assert torch.equal(nhwc, reference), 'NHWC dropout drops other elements than NCHW for the same seed'
+from torch.nn.functional import dropout
+differ = []
+for device in ['cpu'] + (['cuda'] if torch.cuda.is_available() else []):
+    x = torch.randn(2, 8, 5, 5, dtype=torch.float64, device=device)
+    torch.manual_seed(0)
+    reference = dropout(x, 0.5, training=True)
+    torch.manual_seed(0)
+    differ += [] if torch.equal(dropout(x.to(memory_format=torch.channels_last), 0.5), reference) else [device]
+assert not differ, f'NHWC dropout drops other elements than NCHW for the same seed on {differ}'
 """
 
 _ONEDNN_1X1_REPRO = """\
@@ -229,13 +232,13 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
     ),
     KernelBug(
         name='dropout_mask_memory_order',
-        op='aten.dropout on the CPU: its noise is empty_like(input), which bernoulli_ fills in memory order, so '
-        'an NHWC input gets another mask than NCHW for the same seed (not a defect of the kernel: the same '
-        'distribution, other numbers)',
+        op="aten.dropout: its noise, empty_like(input), filled by bernoulli_ (CPU; in place everywhere), or CUDA's "
+        'fused native_dropout kernel draw in memory order, so an NHWC input gets another mask than NCHW for the '
+        'same seed (not a defect of the kernels: the same distribution, other numbers)',
         original=nn.Dropout,
         condition=_dropping,
         shape_condition='p > 0, training, a 4D or 5D input channels last',
-        devices=('cpu',),
+        devices=('cpu', 'cuda'),
         torch_versions='',
         cpu_isa=None,
         failures=('wrong numbers',),
@@ -243,8 +246,9 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
         repro=_DROPOUT_MASK_REPRO,
         replacement=NCHWMaskDropout,
         references=('https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/native/Dropout.cpp (_dropout_impl)',),
-        observed='probed on an AMD EPYC with AVX-512, torch 2.7.0 and 2.14.1: another mask than NCHW for the '
-        'same seed, so other outputs and gradients from the first step; the safe path gives NCHW bit for bit',
+        observed='probed on an AMD EPYC with AVX-512, torch 2.7.0 and 2.14.1, and on an NVIDIA H200, torch 2.11.0: '
+        'another mask than NCHW for the same seed, so other outputs and gradients from the first step; the safe '
+        'path gives NCHW bit for bit',
     ),
 )
 
