@@ -6,11 +6,13 @@
                                                 # compiled variants use dynamo's eager backend)
 
 It needs torch, torchvision and pytest only (timm where installed; no Composer). Each part writes
-``DIR/<part>.json`` and ``DIR/<part>.md``; a part that fails records its error and the next one runs,
-and a part that the time budget (``--budget``) no longer allows is recorded as skipped:
+``DIR/<part>.json`` and, after each, ``DIR/summary.md`` has the tables of all so far
+(``benchmarks/gpu_report.py``); a part that fails records its error and the next one runs, and a part
+that the time budget (``--budget``) no longer allows is recorded as skipped:
 
     machine     the GPU, driver, CUDA, cuDNN and torch versions
-    tests       the tests with a CUDA path (marked ``cuda``: pytest -m cuda): summary line and exit code
+    tests       the tests with a CUDA path (marked ``cuda``: pytest -m cuda): summary line, exit code, each
+                test's outcome and the failures' short tracebacks
     resnet50    ResNet-50 (the smoke run: ResNet-18) training steps in AMP (fp16, bf16), batch 256 at
                 224 px, interleaved: NCHW, model.to(channels_last) (Composer's one line), this project
                 (LayoutGuard), torch.compile NCHW, torch.compile + this project; median, 95% interval,
@@ -31,6 +33,7 @@ import argparse
 import contextlib
 import copy
 import json
+import re
 import subprocess
 import sys
 import time
@@ -40,6 +43,7 @@ from typing import Any, Optional
 
 import torch
 import torchvision
+from gpu_report import write_summary  # benchmarks/, next to this script
 from torch import nn
 
 from channels_last_algo.core.fuse import fuse_for_inference
@@ -182,7 +186,7 @@ def part_zoo(settings: Settings) -> dict[str, Any]:
         if settings.left() < 30:
             results[name] = {'skipped': 'time budget spent'}
             continue
-        build = ZOO[name]
+        build, start = ZOO[name], time.monotonic()
         result = _time_training(
             build, settings, PRECISIONS[settings.precisions[0]], settings.zoo_batch, settings.zoo_size, compiled=False
         )
@@ -192,7 +196,7 @@ def part_zoo(settings: Settings) -> dict[str, Any]:
         x = torch.randn(settings.zoo_batch, 3, settings.zoo_size, settings.zoo_size, device=settings.device)
         labels = torch.randint(0, 1000, (settings.zoo_batch,), device=settings.device)
         loss = lambda m, b, labels=labels: nn.functional.cross_entropy(m(b), labels)  # noqa: E731
-        decision = guard.auto.decide(model, x, loss, max_seconds=20)
+        decision = guard.auto.decide(model, x, loss, max_seconds=10)
         audited = build().to(settings.device)
         LayoutGuard().on_init(audited)
         report = audit_model(audited, x.contiguous(memory_format=torch.channels_last))
@@ -200,6 +204,7 @@ def part_zoo(settings: Settings) -> dict[str, Any]:
             'auto_kept': decision.layout if decision is not None else f'on: {guard.auto.stood_down_because}',
             'breaks_after_rules': len(report.breaks),
             'breaks': sorted({f'{b.op} {b.phase} in {b.where}' for b in report.breaks}),
+            'seconds': round(time.monotonic() - start, 1),
         }
     return results
 
@@ -235,7 +240,7 @@ def part_inference(settings: Settings) -> dict[str, Any]:
 def part_tests(settings: Settings) -> dict[str, Any]:
     """The tests marked ``cuda`` (``pytest -m cuda``), each with its outcome, also those done before a
     timeout stops the run; the smoke run collects the same, which skip there."""
-    command = [sys.executable, '-m', 'pytest', '-v', '-p', 'no:cacheprovider', '-m', 'cuda', 'tests']
+    command = [sys.executable, '-m', 'pytest', '-v', '--tb=short', '-p', 'no:cacheprovider', '-m', 'cuda', 'tests']
     timeout = max(settings.left() / 2.5, 30.0)
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
@@ -254,8 +259,14 @@ def part_tests(settings: Settings) -> dict[str, Any]:
         'summary': lines[-1].strip('= ') if exit_code is not None and lines else f'stopped after {timeout:.0f} s',
         'failed': [test for test, outcome in outcomes.items() if outcome in ('FAILED', 'ERROR')],
         'outcomes': outcomes,
-        'failures': '\n'.join(lines[-60:]) if exit_code != 0 else '',
+        'failures': _failures(output) if exit_code != 0 else '',
     }
+
+
+def _failures(output: str, limit: int = 40_000) -> str:
+    """pytest's FAILURES and ERRORS sections (their short tracebacks) and its short summary; else the output's end."""
+    section = re.search(r'^=+ (ERRORS|FAILURES) =+$', output, re.MULTILINE)
+    return output[section.start() if section else 0 :][-limit:]
 
 
 def part_machine(settings: Settings) -> dict[str, Any]:
@@ -287,10 +298,6 @@ PARTS = {
 }
 
 
-def _markdown(name: str, result: Any) -> str:
-    return f'# GPU suite: {name}\n\n```json\n{json.dumps(result, indent=2, default=str)}\n```\n'
-
-
 def run_part(name: str, settings: Settings, out: Path) -> dict[str, Any]:
     """Run one part and write its files; an error or a spent budget is the part's result."""
     start = time.monotonic()
@@ -303,7 +310,7 @@ def run_part(name: str, settings: Settings, out: Path) -> dict[str, Any]:
             result = {'error': f'{type(error).__name__}: {error}'}
     record = {'part': name, 'seconds': round(time.monotonic() - start, 1), 'result': result}
     (out / f'{name}.json').write_text(json.dumps(record, indent=2, default=str) + '\n')
-    (out / f'{name}.md').write_text(_markdown(name, record))
+    write_summary(out)
     print(f'gpu suite: {name} done in {record["seconds"]} s', flush=True)
     return record
 

@@ -23,6 +23,7 @@ sys.path.insert(0, str(conftest.ROOT / 'benchmarks'))  # the scripts import thei
         'benchmarks.results_writer',
         'benchmarks.arguments',
         'benchmarks.zoo_report',
+        'benchmarks.gpu_report',
     ],
 )
 def test_examples_hold(module):

@@ -17,6 +17,7 @@ import torch
 from channels_last_algo.core.runtime import version_in
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / 'benchmarks'))  # the suite imports its neighbours by their own names
 VARIANTS = {'nchw', 'to_channels_last', 'channels_last_algo', 'compile_nchw', 'compile_channels_last_algo'}
 
 
@@ -39,7 +40,22 @@ def test_the_smoke_run_writes_every_part_with_every_variant(tmp_path):
         assert result['auto_kept'] in ('channels_last', 'channels_first'), (name, result)
         assert isinstance(result['breaks_after_rules'], int)
     assert set(parts['inference']['rows']) == {'nchw', 'channels_last', 'fused', 'compile_channels_last'}
-    assert (tmp_path / 'resnet50.md').read_text().startswith('# GPU suite: resnet50')
+    page = (tmp_path / 'summary.md').read_text()  # one page of tables, beside the five parts' files
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(
+        [*(f'{part}.json' for part in parts), 'summary.md']
+    )
+    assert all(f'## {part} (' in page for part in parts) and '| compile_channels_last_algo | ' in page
+    assert '| resnet18_groupnorm | ' in page
+
+
+def test_the_tests_part_keeps_the_failures_short_tracebacks():
+    from benchmarks import gpu_suite
+
+    output = 'tests/a.py::test_x FAILED\n=== FAILURES ===\n___ test_x ___\nE   AssertionError: 1 != 2\n=== 1 failed ==='
+    assert gpu_suite._failures(output).startswith(
+        '=== FAILURES ==='
+    ) and 'AssertionError: 1 != 2' in gpu_suite._failures(output)
+    assert gpu_suite._failures('x' * 50, limit=10) == 'x' * 10  # no section: the output's end
 
 
 def test_a_gpu_run_writes_under_the_devices_results_folder_and_a_smoke_run_only_where_told():
