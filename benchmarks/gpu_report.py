@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ['PART_ORDER', 'speedup_cell', 'summary', 'write_summary']
 
-PART_ORDER = ('machine', 'tests', 'resnet50', 'zoo', 'inference')
+PART_ORDER = ('machine', 'tests', 'resnet50', 'inference', 'zoo')
 
 
 def speedup_cell(row: dict[str, Any]) -> str:

@@ -17,11 +17,11 @@ that the time budget (``--budget``) no longer allows is recorded as skipped:
                 224 px, interleaved: NCHW, model.to(channels_last) (Composer's one line), this project
                 (LayoutGuard), torch.compile NCHW, torch.compile + this project; median, 95% interval,
                 images/s
-    zoo         AMP training steps of small nets and of nets with grouped convolutions or GroupNorm:
-                NCHW, plain channels last, this project, auto mode's decision, and the audit's breaks
-                on the device
     inference   fp16 inference of ResNet-50: NCHW eager, channels-last eager, this project's fused
                 model, torch.compile of the channels-last model
+    zoo         AMP training steps of small nets and of nets with grouped convolutions or GroupNorm:
+                NCHW, plain channels last, this project, auto mode's decision, and the audit's breaks
+                on the device; last, so that the budget leaves out its last models rather than a part
 
 Every timed comparison interleaves its variants round by round (channels_last_algo.core.timing), so
 the device's clocks and other load touch all alike.
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import re
 import subprocess
@@ -157,8 +158,8 @@ def _time_training(
 ) -> dict[str, Any]:
     images = torch.randn(batch, 3, size, size, device=settings.device)
     labels = torch.randint(0, 1000, (batch,), device=settings.device)
-    steps = {}
-    for name, (model, nhwc, guard) in _variants(build, settings, compiled).items():
+    steps, variants = {}, _variants(build, settings, compiled)
+    for name, (model, nhwc, guard) in variants.items():
         inputs = images.contiguous(memory_format=torch.channels_last) if nhwc else images
         steps[name] = _training_step(model, inputs, labels, dtype, guard)
     timings = time_interleaved(
@@ -169,6 +170,9 @@ def _time_training(
         max_seconds=max(settings.left() / 2, 1.0),
         catch=True,
     )
+    for _, _, guard in variants.values():
+        if guard is not None:
+            guard.close()
     return _summary(timings, batch, 'nchw')
 
 
@@ -197,6 +201,7 @@ def part_zoo(settings: Settings) -> dict[str, Any]:
         labels = torch.randint(0, 1000, (settings.zoo_batch,), device=settings.device)
         loss = lambda m, b, labels=labels: nn.functional.cross_entropy(m(b), labels)  # noqa: E731
         decision = guard.auto.decide(model, x, loss, max_seconds=10)
+        guard.close()
         audited = build().to(settings.device)
         LayoutGuard().on_init(audited)
         report = audit_model(audited, x.contiguous(memory_format=torch.channels_last))
@@ -289,12 +294,12 @@ def _driver() -> str:
         return 'unknown'
 
 
-PARTS = {
+PARTS = {  # the zoo last: it leaves out the models the budget no longer allows, one by one
     'machine': part_machine,
     'tests': part_tests,
     'resnet50': part_resnet50,
-    'zoo': part_zoo,
     'inference': part_inference,
+    'zoo': part_zoo,
 }
 
 
@@ -308,6 +313,9 @@ def run_part(name: str, settings: Settings, out: Path) -> dict[str, Any]:
             result = PARTS[name](settings)
         except Exception as error:  # noqa: BLE001  (recorded; the next part runs)
             result = {'error': f'{type(error).__name__}: {error}'}
+    gc.collect()  # the part's models, guards and compiled graphs go now, not in the next part's timings
+    if settings.device.type == 'cuda':
+        torch.cuda.empty_cache()
     record = {'part': name, 'seconds': round(time.monotonic() - start, 1), 'result': result}
     (out / f'{name}.json').write_text(json.dumps(record, indent=2, default=str) + '\n')
     write_summary(out)
