@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from channels_last_algo.core.guard import LayoutGuard
+from channels_last_algo.core.layers import safe_paths
 from conftest import lightning_trainer
 
 STEPS = 3
@@ -333,6 +334,14 @@ def test_plain_loop_with_layout_guard_matches_nchw(name, audit_steps):
     assert_converted(net)
     assert_same_run(train(net, name, guard), name, f'LayoutGuard(audit_steps={audit_steps})')
     assert guard.report is not None and guard.report.steps == audit_steps
+
+
+@AUDITS
+def test_the_dropout_path_cuda_takes_matches_nchw_under_the_guard(audit_steps, monkeypatch):
+    """CUDA's dropout safe path (the kernel run on a copy laid out as NCHW's input), here through the CPU's
+    kernel: a view watch, which re-draws what the model's code draws itself, leaves that draw alone."""
+    monkeypatch.setattr(safe_paths, '_FUSED_DROPOUT_DEVICES', ('cpu',))
+    test_plain_loop_with_layout_guard_matches_nchw('nhwc-in-nchw-too-dropout', audit_steps)
 
 
 @AUDITS

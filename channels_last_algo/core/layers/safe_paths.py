@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from channels_last_algo.core.random_draws import draw_order, drawn_in
+from channels_last_algo.core.random_draws import draw_order
 from channels_last_algo.core.swap import Replacement
 
 __all__ = ['NCHWAvgPool2d', 'NCHWMaskDropout', 'SubsampledConv2d', 'channels_last_if_batched', 'dropout_drawn_as_nchw']
@@ -130,7 +130,9 @@ def dropout_drawn_as_nchw(input: torch.Tensor, p: float, inplace: bool, order: t
         (True, True)
     """
     if input.device.type in _FUSED_DROPOUT_DEVICES and not inplace and 0.0 < p < 1.0 and input.numel() > 0:
-        dropped = drawn_in(F.dropout, (input, p, True), {}, order or tuple(range(input.dim())))
+        order = order or tuple(range(input.dim()))
+        laid_out = torch.empty_permuted(input.shape, order, dtype=input.dtype, device=input.device).copy_(input)
+        dropped = torch.ops.aten.dropout.default(laid_out, p, True)  # the op: a view watch re-draws F.dropout's
         return torch.empty_like(input).copy_(dropped)
     return _noise_dropout(input, p, inplace, list(order))
 
