@@ -13,8 +13,8 @@ that the time budget (``--budget``) no longer allows is recorded as skipped:
     machine     the GPU, driver, CUDA, cuDNN and torch versions
     tests       the tests with a CUDA path (marked ``cuda``: pytest -m cuda): summary line, exit code, each
                 test's outcome and the failures' short tracebacks
-    resnet50    ResNet-50 (the smoke run: ResNet-18) training steps in AMP (fp16, bf16), batch 256 at
-                224 px, interleaved: NCHW, model.to(channels_last) (Composer's one line), this project
+    resnet50    ResNet-50 (the smoke run: ResNet-18) training steps in AMP (fp16, and bf16 where the device
+                has it), batch 256 at 224 px (less on a device under 32 GiB), interleaved: NCHW, model.to(channels_last) (Composer's one line), this project
                 (LayoutGuard), torch.compile NCHW, torch.compile + this project; median, 95% interval,
                 images/s
     inference   fp16 inference of ResNet-50: NCHW eager, channels-last eager, this project's fused
@@ -72,6 +72,25 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
 PRECISIONS = {'fp16': torch.float16, 'bf16': torch.bfloat16}
 
 
+def batch_for_memory(total: int) -> int:
+    """ResNet-50's AMP training batch at 224 px for a device of ``total`` bytes: 256 where 32 GiB or more (AMP
+    training at 256 takes about 22 GiB), halved while the memory is under 128 MiB an image, at least 32.
+
+    Example:
+        >>> [batch_for_memory(gib << 30) for gib in (141, 80, 40, 24, 16, 8)]
+        [256, 256, 256, 128, 128, 64]
+    """
+    batch = 256
+    while batch > 32 and total < batch * (128 << 20):
+        batch //= 2
+    return batch
+
+
+def bf16_here() -> bool:
+    """Whether the CUDA device computes in bfloat16 (Ampere and newer; a V100 does not)."""
+    return torch.cuda.is_bf16_supported()
+
+
 class Settings:
     """Sizes and bounds: the GPU run's, or the CPU smoke run's."""
 
@@ -79,10 +98,10 @@ class Settings:
         self.device = torch.device('cpu' if smoke else 'cuda')
         self.model = 'resnet18' if smoke else 'resnet50'  # the smoke run compiles a smaller net
         self.backend = 'eager' if smoke else 'inductor'  # the smoke run: dynamo's capture, no code generation
-        self.batch, self.size = (4, 64) if smoke else (256, 224)
-        self.zoo_batch, self.zoo_size = (2, 64) if smoke else (128, 224)
+        self.batch, self.size = (4, 64) if smoke else (batch_for_memory(torch.cuda.mem_get_info()[1]), 224)
+        self.zoo_batch, self.zoo_size = (2, 64) if smoke else (self.batch // 2, 224)
         self.rounds, self.warmup = (2, 1) if smoke else (10, 3)
-        self.precisions = ('bf16',) if smoke else tuple(PRECISIONS)
+        self.precisions = ('bf16',) if smoke else tuple(p for p in PRECISIONS if p != 'bf16' or bf16_here())
         self.zoo = tuple(ZOO)[:2] if smoke else tuple(ZOO)
         self.deadline = time.monotonic() + budget
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(conftest.ROOT / 'benchmarks'))  # the scripts import thei
         'benchmarks.arguments',
         'benchmarks.zoo_report',
         'benchmarks.gpu_report',
+        'benchmarks.gpu_suite',
     ],
 )
 def test_examples_hold(module):
