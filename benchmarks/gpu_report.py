@@ -17,24 +17,54 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ['PART_ORDER', 'speedup_cell', 'summary', 'write_summary']
+if TYPE_CHECKING:  # the summary itself needs no torch: it renders on any machine
+    from channels_last_algo.core.timing import Timings
 
-PART_ORDER = ('machine', 'tests', 'resnet50', 'inference', 'zoo')
+__all__ = ['PART_ORDER', 'speedup_cell', 'summary', 'timed_rows', 'write_summary']
+
+PART_ORDER = ('machine', 'tests', 'resnet50', 'inference', 'group_norm', 'zoo')
+
+
+def timed_rows(timings: Timings, images: int, reference: str) -> dict[str, Any]:
+    """Per variant: median and min ms, images/s, and the median ratio to ``reference`` with its interval."""
+    rows = {}
+    for name, seconds in timings.seconds.items():
+        if not seconds:
+            continue
+        ratio = timings.ratio(reference, name) if name != reference else None
+        rows[name] = {
+            'median_ms': 1e3 * timings.median(name),
+            'min_ms': 1e3 * timings.min(name),
+            'images_per_s': images / timings.median(name),
+            f'speedup_vs_{reference}': None if ratio is None else ratio.median,
+            'interval': None if ratio is None else ratio.interval,
+        }
+    return {'rows': rows, 'errors': timings.errors, 'rounds': timings.rounds}
 
 
 def speedup_cell(row: dict[str, Any]) -> str:
-    """A variant's median speedup over NCHW with its 95% interval where there is one; NCHW itself is 1.00x."""
-    speedup, interval = row.get('speedup_vs_nchw'), row.get('interval')
+    """A variant's median speedup over the reference (NCHW) with its 95% interval where there is one; the
+    reference itself is 1.00x."""
+    speedup, interval = _speedup(row), row.get('interval')
     if speedup is None:
         return '1.00x'
     return f'{speedup:.2f}x' + (f' ({interval[0]:.2f}-{interval[1]:.2f})' if interval else '')
 
 
-def _timed_table(result: dict[str, Any], images: str = 'images/s') -> list[str]:
-    """One row per variant: median and min ms, images/s, speedup over NCHW; and any variant's error."""
-    lines = [f'| variant | median ms | min ms | {images} | over NCHW (95% interval) |', '|---|---:|---:|---:|---:|']
+def _speedup(row: dict[str, Any]) -> Any:
+    """The row's ``speedup_vs_<reference>``: None for the reference itself."""
+    return next((value for key, value in row.items() if key.startswith('speedup_vs_')), None)
+
+
+def _timed_table(result: dict[str, Any]) -> list[str]:
+    """One row per variant: median and min ms, images/s, speedup over the reference variant; and any errors."""
+    reference = next((name for name, row in result['rows'].items() if _speedup(row) is None), 'the reference')
+    lines = [
+        f'| variant | median ms | min ms | images/s | over {reference} (95% interval) |',
+        '|---|---:|---:|---:|---:|',
+    ]
     for name, row in result['rows'].items():
         cells = (f'{row["median_ms"]:.1f}', f'{row["min_ms"]:.1f}', f'{row["images_per_s"]:.0f}', speedup_cell(row))
         lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
@@ -73,8 +103,8 @@ def _part_lines(name: str, result: Any) -> list[str]:
         return [', '.join(f'{key} {value}' for key, value in result.items())]
     if name == 'tests':
         return _tests_lines(result)
-    if name == 'resnet50':
-        return [line for precision, timed in result.items() for line in (f'\n{precision}:\n', *_timed_table(timed))]
+    if name in ('resnet50', 'group_norm'):  # per precision; per shape
+        return [line for key, timed in result.items() for line in (f'\n{key}:\n', *_timed_table(timed))]
     if name == 'zoo':
         return _zoo_table(result)
     return _timed_table(result)

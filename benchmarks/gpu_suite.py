@@ -14,11 +14,13 @@ that the time budget (``--budget``) no longer allows is recorded as skipped:
     tests       the tests with a CUDA path (marked ``cuda``: pytest -m cuda): summary line, exit code, each
                 test's outcome and the failures' short tracebacks
     resnet50    ResNet-50 (the smoke run: ResNet-18) training steps in AMP (fp16, and bf16 where the device
-                has it), batch 256 at 224 px (less on a device under 32 GiB), interleaved: NCHW, model.to(channels_last) (Composer's one line), this project
-                (LayoutGuard), torch.compile NCHW, torch.compile + this project; median, 95% interval,
-                images/s
+                has it), batch 256 at 224 px (less on a device under 32 GiB), interleaved: NCHW,
+                model.to(channels_last) (Composer's one line), this project (LayoutGuard), torch.compile
+                NCHW, torch.compile + this project; median, 95% interval, images/s
     inference   fp16 inference of ResNet-50: NCHW eager, channels-last eager, this project's fused
                 model, torch.compile of the channels-last model
+    group_norm  one group norm, ReLU and convolution block of an NHWC activation in AMP, forward and
+                backward, per form of group norm (benchmarks/group_norm_forms.py), at three ResNet stages
     zoo         AMP training steps of small nets and of nets with grouped convolutions or GroupNorm:
                 NCHW, plain channels last, this project, auto mode's decision, and the audit's breaks
                 on the device; last, so that the budget leaves out its last models rather than a part
@@ -42,9 +44,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
+import group_norm_forms  # benchmarks/, next to this script
 import torch
 import torchvision
-from gpu_report import write_summary  # benchmarks/, next to this script
+from gpu_report import timed_rows, write_summary  # benchmarks/, next to this script
 from torch import nn
 
 from channels_last_algo.core.fuse import fuse_for_inference
@@ -52,7 +55,7 @@ from channels_last_algo.core.guard import LayoutGuard
 from channels_last_algo.core.machine_description import describe_machine
 from channels_last_algo.core.model_audit import audit_model
 from channels_last_algo.core.runtime import torch_release
-from channels_last_algo.core.timing import Timings, synchronizer, time_interleaved
+from channels_last_algo.core.timing import synchronizer, time_interleaved
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,23 +136,6 @@ def _training_step(
     return step
 
 
-def _summary(timings: Timings, images: int, reference: str) -> dict[str, Any]:
-    """Per variant: median and min ms, images/s, and the median ratio to ``reference`` with its interval."""
-    rows = {}
-    for name, seconds in timings.seconds.items():
-        if not seconds:
-            continue
-        ratio = timings.ratio(reference, name) if name != reference else None
-        rows[name] = {
-            'median_ms': 1e3 * timings.median(name),
-            'min_ms': 1e3 * timings.min(name),
-            'images_per_s': images / timings.median(name),
-            f'speedup_vs_{reference}': None if ratio is None else ratio.median,
-            'interval': None if ratio is None else ratio.interval,
-        }
-    return {'rows': rows, 'errors': timings.errors, 'rounds': timings.rounds}
-
-
 def _variants(
     build: Callable[[], nn.Module], settings: Settings, compiled: bool
 ) -> dict[str, tuple[nn.Module, bool, Optional[LayoutGuard]]]:
@@ -192,7 +178,7 @@ def _time_training(
     for _, _, guard in variants.values():
         if guard is not None:
             guard.close()
-    return _summary(timings, batch, 'nchw')
+    return timed_rows(timings, batch, 'nchw')
 
 
 def part_resnet50(settings: Settings) -> dict[str, Any]:
@@ -258,7 +244,7 @@ def part_inference(settings: Settings) -> dict[str, Any]:
     timings = time_interleaved(
         calls, rounds=settings.rounds, warmup=settings.warmup, synchronize=synchronizer(settings.device), catch=True
     )
-    return _summary(timings, x.shape[0], 'nchw')
+    return timed_rows(timings, x.shape[0], 'nchw')
 
 
 def part_tests(settings: Settings) -> dict[str, Any]:
@@ -313,11 +299,18 @@ def _driver() -> str:
         return 'unknown'
 
 
+def part_group_norm(settings: Settings) -> dict[str, Any]:
+    shapes = ((2, 64, 16, 16),) if settings.device.type == 'cpu' else group_norm_forms.SHAPES
+    dtype = PRECISIONS[settings.precisions[0]]
+    return group_norm_forms.time_forms(settings.device, dtype, shapes, settings.rounds, settings.warmup)
+
+
 PARTS = {  # the zoo last: it leaves out the models the budget no longer allows, one by one
     'machine': part_machine,
     'tests': part_tests,
     'resnet50': part_resnet50,
     'inference': part_inference,
+    'group_norm': part_group_norm,
     'zoo': part_zoo,
 }
 

@@ -25,6 +25,7 @@ sys.path.insert(0, str(conftest.ROOT / 'benchmarks'))  # the scripts import thei
         'benchmarks.zoo_report',
         'benchmarks.gpu_report',
         'benchmarks.gpu_suite',
+        'benchmarks.group_norm_forms',
     ],
 )
 def test_examples_hold(module):

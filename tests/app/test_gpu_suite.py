@@ -30,7 +30,7 @@ def test_the_smoke_run_writes_every_part_with_every_variant(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     parts = {path.stem: json.loads(path.read_text())['result'] for path in tmp_path.glob('*.json')}
-    assert set(parts) == {'machine', 'tests', 'resnet50', 'zoo', 'inference'}
+    assert set(parts) == {'machine', 'tests', 'resnet50', 'zoo', 'inference', 'group_norm'}
     assert parts['tests']['exit_code'] == 0 and 'skipped' in parts['tests']['summary'], parts['tests']  # -m cuda
     training = parts['resnet50']['bf16']
     assert set(training['rows']) == VARIANTS and training['errors'] == {}
@@ -46,6 +46,8 @@ def test_the_smoke_run_writes_every_part_with_every_variant(tmp_path):
     )
     assert all(f'## {part} (' in page for part in parts) and '| compile_channels_last_algo | ' in page
     assert '| resnet18_groupnorm | ' in page
+    forms = parts['group_norm']['2x64x16x16']
+    assert set(forms['rows']) == {'native', 'nhwc', 'per_channel'} and forms['errors'] == {}, forms
 
 
 def test_the_tests_part_keeps_the_failures_short_tracebacks():
