@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ['DRAWS', 'draw_order', 'drawn_in', 'memory_order', 'nchw_draw_order']
+__all__ = ['DRAWS', 'draw_order', 'drawn_in', 'memory_order', 'nchw_draw_order', 'same_order']
 
 _FILLS = frozenset(
     getattr(torch.Tensor, name)
@@ -82,9 +82,19 @@ def nchw_draw_order(func: Any, args: tuple, kwargs: dict, twin: torch.Tensor) ->
     """
     if not _draws(func, args, kwargs):
         return None
-    order, own = draw_order(func, twin), draw_order(func, args[0])
-    shape = tuple(twin.shape)
-    return None if [d for d in order if shape[d] > 1] == [d for d in own if shape[d] > 1] else order
+    order = draw_order(func, twin)
+    return None if same_order(tuple(twin.shape), order, draw_order(func, args[0])) else order
+
+
+def same_order(shape: tuple, order: tuple, other: tuple) -> bool:
+    """Whether two memory orders of a tensor of ``shape`` lay its elements out alike: the same order of the
+    dimensions longer than 1.
+
+    Example:
+        >>> same_order((2, 3, 1, 1), (0, 1, 2, 3), (0, 2, 3, 1)), same_order((2, 3, 4, 4), (0, 1, 2, 3), (0, 2, 3, 1))
+        (True, False)
+    """
+    return [d for d in order if shape[d] > 1] == [d for d in other if shape[d] > 1]
 
 
 def drawn_in(func: Any, args: tuple, kwargs: dict, order: tuple) -> Any:

@@ -17,10 +17,16 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from channels_last_algo.core.convert import apply_channels_last, restride
 from channels_last_algo.core.layers import safe_paths
-from channels_last_algo.core.layers.safe_paths import NCHWAvgPool2d, NCHWMaskDropout, SubsampledConv2d
+from channels_last_algo.core.layers.safe_paths import (
+    NCHWAvgPool2d,
+    NCHWMaskDropout,
+    SubsampledConv2d,
+    dropout_drawn_as_nchw,
+)
 from channels_last_algo.core.layout import to_channels_last
 from channels_last_algo.core.runtime import Runtime, parse_version
 from channels_last_algo.core.safety import (
@@ -255,6 +261,31 @@ def test_the_dropout_safe_path_drops_what_nchw_drops_and_keeps_the_layout(inplac
     assert output.is_contiguous(memory_format=torch.channels_last) and (output == 0).any()
     safe.eval()
     assert torch.equal(safe(to_channels_last(x)), x)
+
+
+class CopyCount(TorchDispatchMode):
+    """Counts ``aten.copy_`` calls."""
+
+    copies = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.copies += func is torch.ops.aten.copy_.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_cuda_dropout_path_copies_only_an_input_laid_out_otherwise_than_nchws(monkeypatch):
+    """The fused kernel's path (here through the CPU's) runs on the input itself where its memory order is
+    NCHW's (a classifier's 2D features, an NCHW map) and on an NCHW-ordered copy of an NHWC map."""
+    monkeypatch.setattr(safe_paths, '_FUSED_DROPOUT_DEVICES', ('cpu',))
+    x = torch.randn(2, 6, 5, 3, dtype=torch.float64)
+    for given, copies in ((torch.randn(4, 10), 0), (x, 0), (to_channels_last(x), 2)):
+        torch.manual_seed(0)
+        expected = nn.functional.dropout(given.contiguous(), 0.3)
+        torch.manual_seed(0)
+        with CopyCount() as counted:
+            output = dropout_drawn_as_nchw(given, 0.3, False)
+        assert torch.equal(output, expected) and output.stride() == given.stride()
+        assert counted.copies == copies, (given.shape, given.stride(), counted.copies)
 
 
 @pytest.mark.filterwarnings('ignore:`torch.jit.script` is deprecated:FutureWarning')

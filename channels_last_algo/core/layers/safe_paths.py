@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from channels_last_algo.core.random_draws import draw_order
+from channels_last_algo.core.random_draws import draw_order, memory_order, same_order
 from channels_last_algo.core.swap import Replacement
 
 __all__ = ['NCHWAvgPool2d', 'NCHWMaskDropout', 'SubsampledConv2d', 'channels_last_if_batched', 'dropout_drawn_as_nchw']
@@ -120,7 +120,8 @@ def dropout_drawn_as_nchw(input: torch.Tensor, p: float, inplace: bool, order: t
 
     Where torch's dropout makes its noise (``empty_like(input)``, ``bernoulli_``: on the CPU, and in place
     everywhere) the noise is made so laid out; where its fused kernel draws over the input's memory
-    (``native_dropout`` on CUDA), that kernel runs on a copy so laid out. A ``torch.fx.wrap`` leaf.
+    (``native_dropout`` on CUDA), that kernel runs on the input where it is so laid out (a classifier's 2D
+    features), else on a copy so laid out. A ``torch.fx.wrap`` leaf.
 
     Example:
         >>> x = torch.randn(2, 3, 4, 4)
@@ -131,9 +132,10 @@ def dropout_drawn_as_nchw(input: torch.Tensor, p: float, inplace: bool, order: t
     """
     if input.device.type in _FUSED_DROPOUT_DEVICES and not inplace and 0.0 < p < 1.0 and input.numel() > 0:
         order = order or tuple(range(input.dim()))
+        if same_order(tuple(input.shape), order, memory_order(input.stride())):  # laid out so already
+            return torch.ops.aten.dropout.default(input, p, True)  # the op: a view watch re-draws F.dropout's
         laid_out = torch.empty_permuted(input.shape, order, dtype=input.dtype, device=input.device).copy_(input)
-        dropped = torch.ops.aten.dropout.default(laid_out, p, True)  # the op: a view watch re-draws F.dropout's
-        return torch.empty_like(input).copy_(dropped)
+        return torch.empty_like(input).copy_(torch.ops.aten.dropout.default(laid_out, p, True))
     return _noise_dropout(input, p, inplace, list(order))
 
 
