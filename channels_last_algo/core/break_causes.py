@@ -1,4 +1,5 @@
-"""Why a layout break happens where no layer swap can help: the kernel torch picks for a convolution.
+"""Why a layout break happens where no layer swap can help: the kernel torch picks for a convolution, or
+a kernel safe path that copies to NCHW on purpose (its ``layout_break_cause``).
 
 Most breaks come from a layer or an op of the model, and the audit's module path is where to look.
 Some come from torch itself: for some devices, dtypes and kernel shapes, the convolution kernel torch
@@ -30,7 +31,10 @@ _ONEDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def cause_of(op: str, dtype: torch.dtype, device: str, module: Optional[torch.nn.Module], phase: str) -> str:
     """The cause of a break of ``op`` on a ``dtype`` tensor, run by ``module`` in ``phase``, where it is
-    torch's convolution kernel; '' otherwise."""
+    torch's convolution kernel or the module's own (``layout_break_cause``: a kernel safe path that copies
+    on purpose); '' otherwise."""
+    if getattr(module, 'layout_break_cause', ''):
+        return module.layout_break_cause
     convolution = isinstance(module, torch.nn.modules.conv._ConvNd)
     if op.startswith(_CONVOLUTIONS):
         kind = type(module).__name__ if convolution else 'convolution'

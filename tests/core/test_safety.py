@@ -28,6 +28,7 @@ from channels_last_algo.core.layers.safe_paths import (
     dropout_drawn_as_nchw,
 )
 from channels_last_algo.core.layout import to_channels_last
+from channels_last_algo.core.model_audit import audit_model
 from channels_last_algo.core.runtime import Runtime, parse_version
 from channels_last_algo.core.safety import (
     FAILURES,
@@ -286,6 +287,17 @@ def test_the_cuda_dropout_path_copies_only_an_input_laid_out_otherwise_than_nchw
             output = dropout_drawn_as_nchw(given, 0.3, False)
         assert torch.equal(output, expected) and output.stride() == given.stride()
         assert counted.copies == copies, (given.shape, given.stride(), counted.copies)
+
+
+def test_the_audit_names_the_copies_of_the_cuda_dropout_path_as_the_safe_paths(monkeypatch):
+    monkeypatch.setattr(safe_paths, '_FUSED_DROPOUT_DEVICES', ('cpu',))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Dropout(0.3), nn.Conv2d(8, 4, 1))
+    apply_channels_last(model)
+    assert isinstance(model[1], NCHWMaskDropout)
+    report = audit_model(model, to_channels_last(torch.randn(2, 3, 8, 8)))
+    assert [(b.module_path, b.op) for b in report.breaks] == [('1', 'aten.copy_.default')] * 2, str(report)
+    assert all(b.cause.startswith('a kernel safe path (dropout_mask_memory_order)') for b in report.breaks)
+    assert 'dropout_mask_memory_order' in str(report)
 
 
 @pytest.mark.filterwarnings('ignore:`torch.jit.script` is deprecated:FutureWarning')

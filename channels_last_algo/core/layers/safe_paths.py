@@ -60,6 +60,11 @@ class NCHWAvgPool2d(Replacement, nn.AvgPool2d):
     """``nn.AvgPool2d`` computed on an NCHW copy of a 4D input, its output restrided to channels
     last; the NCHW gradient it returns is what the audit then reports as this path's cost."""
 
+    layout_break_cause = (
+        'a kernel safe path (cuda_avg_pool2d_nhwc_backward_padding): pooling on an NCHW copy, since the NHWC '
+        'backward kernel gives wrong input gradients on this torch'
+    )
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         output = F.avg_pool2d(
             input.to(memory_format=torch.contiguous_format),
@@ -92,6 +97,10 @@ class NCHWMaskDropout(Replacement, nn.Dropout):
     torch draws it there."""
 
     noise_order = ()  # the dimensions in NCHW's memory order of the noise; none: contiguous
+    layout_break_cause = (
+        "a kernel safe path (dropout_mask_memory_order): the dropout kernel runs on a copy laid out as NCHW's "
+        'input, so that it drops what NCHW drops'
+    )
     __constants__ = [*nn.Dropout.__constants__, 'noise_order']  # for TorchScript, which sees instance attributes only
 
     def follow_nchw_input(self, input: torch.Tensor, twin: torch.Tensor) -> None:
