@@ -199,11 +199,14 @@ class LayoutBreakError(RuntimeError):
         where = record.where if record.module_path is None else f"module '{record.module_path}'"
         kind = f' ({module_type})' if module_type else ''
         source, target = record.layouts.split('->')[:2]
+        advice = (
+            f'Its cause: {record.cause}; no repair removes it: audit with strict=False to train with it.'
+            if record.cause
+            else "Repair the layer with apply_channels_last's repair rules, replace it with an NHWC-preserving "
+            'equivalent, or report the op and module path so a rule can be added; audit with strict=False to list '
+            'every break.'
+        )
         super().__init__(
             f'layout break in {record.phase} at {where}{kind}: {record.op} turned an {source} '
-            f'tensor of shape {tuple(record.shape)} into {target} '
-            f'({format_bytes(record.nbytes)} written). Repair '
-            f"the layer with apply_channels_last's repair rules, replace it with an "
-            f'NHWC-preserving equivalent, or report the op and module path so a rule can be '
-            f'added; audit with strict=False to list every break.'
+            f'tensor of shape {tuple(record.shape)} into {target} ({format_bytes(record.nbytes)} written). {advice}'
         )

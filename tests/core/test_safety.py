@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from channels_last_algo.core.audit_report import LayoutBreakError
 from channels_last_algo.core.convert import apply_channels_last, restride
 from channels_last_algo.core.layers import safe_paths
 from channels_last_algo.core.layers.safe_paths import (
@@ -298,6 +299,10 @@ def test_the_audit_names_the_copies_of_the_cuda_dropout_path_as_the_safe_paths(m
     assert [(b.module_path, b.op) for b in report.breaks] == [('1', 'aten.copy_.default')] * 2, str(report)
     assert all(b.cause.startswith('a kernel safe path (dropout_mask_memory_order)') for b in report.breaks)
     assert 'dropout_mask_memory_order' in str(report)
+    with pytest.raises(
+        LayoutBreakError, match=r'Its cause: a kernel safe path \(dropout_mask_memory_order\).*no repair'
+    ):
+        audit_model(model, to_channels_last(torch.randn(2, 3, 8, 8)), strict=True)
 
 
 @pytest.mark.filterwarnings('ignore:`torch.jit.script` is deprecated:FutureWarning')
