@@ -25,10 +25,10 @@ CUDA_BUGS = [bug for bug in KNOWN_BUGS if 'cuda' in bug.devices]
 
 
 def _net() -> nn.Module:
-    """The shared small net (convolution, BatchNorm, depthwise and 1x1 convolutions) with a GroupNorm and
-    a padded average pool (the CUDA row's layer) before its head."""
+    """The shared small net (convolution, BatchNorm, depthwise and 1x1 convolutions) with a GroupNorm, a
+    dropout and a padded average pool (the CUDA rows' layers) before its head."""
     body = list(small_net())
-    return nn.Sequential(*body[:-3], nn.GroupNorm(4, 16), nn.AvgPool2d(3, 2, padding=1), *body[-3:])
+    return nn.Sequential(*body[:-3], nn.GroupNorm(4, 16), nn.Dropout(0.2), nn.AvgPool2d(3, 2, padding=1), *body[-3:])
 
 
 def test_a_guarded_training_on_cuda_matches_nchw_at_every_step_and_stays_nhwc():
@@ -41,10 +41,12 @@ def test_a_guarded_training_on_cuda_matches_nchw_at_every_step_and_stays_nhwc():
     for step in range(3):
         images = torch.randn(4, 3, 16, 16, device='cuda', dtype=torch.float64)
         labels = torch.randint(0, 4, (4,), device='cuda')
+        torch.manual_seed(step)  # the same dropout draws in both
         expected = nn.functional.cross_entropy(reference(images), labels)
         expected.backward()
         batch = guard.on_batch((images, labels))
         assert has_channels_last_strides(batch[0])
+        torch.manual_seed(step)
         with guard.step():
             loss = nn.functional.cross_entropy(net(batch[0]), batch[1])
             loss.backward()
