@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from channels_last_algo.core.random_draws import draw_order, memory_order, same_order
+from channels_last_algo.core.random_draws import draw_order, drawn_in, memory_order, same_order
 from channels_last_algo.core.swap import Replacement
 
 __all__ = ['NCHWAvgPool2d', 'NCHWMaskDropout', 'SubsampledConv2d', 'channels_last_if_batched', 'dropout_drawn_as_nchw']
@@ -141,10 +141,10 @@ def dropout_drawn_as_nchw(input: torch.Tensor, p: float, inplace: bool, order: t
     """
     if input.device.type in _FUSED_DROPOUT_DEVICES and not inplace and 0.0 < p < 1.0 and input.numel() > 0:
         order = order or tuple(range(input.dim()))
+        dropout = torch.ops.aten.dropout.default  # the op: a view watch re-draws F.dropout's numbers
         if same_order(tuple(input.shape), order, memory_order(input.stride())):  # laid out so already
-            return torch.ops.aten.dropout.default(input, p, True)  # the op: a view watch re-draws F.dropout's
-        laid_out = torch.empty_permuted(input.shape, order, dtype=input.dtype, device=input.device).copy_(input)
-        return torch.empty_like(input).copy_(torch.ops.aten.dropout.default(laid_out, p, True))
+            return dropout(input, p, True)
+        return torch.empty_like(input).copy_(drawn_in(dropout, (input, p, True), {}, order))
     return _noise_dropout(input, p, inplace, list(order))
 
 

@@ -248,7 +248,7 @@ KNOWN_BUGS: tuple[KernelBug, ...] = (
         references=('https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/native/Dropout.cpp (_dropout_impl)',),
         observed='probed on an AMD EPYC with AVX-512, torch 2.7.0 and 2.14.1, and on an NVIDIA H200, torch 2.11.0: '
         'another mask than NCHW for the same seed, so other outputs and gradients from the first step; the safe '
-        'path gives NCHW bit for bit',
+        'path gives NCHW bit for bit on the CPU (its CUDA path: the tests marked cuda)',
     ),
 )
 
