@@ -9,22 +9,21 @@ activation in AMP (group norm, ReLU, a 3x3 convolution; forward and backward):
     native        ``F.group_norm`` as torch runs it: its NCHW copy in, NCHW out, the convolution's copy back
     nhwc          the repair's :func:`~channels_last_algo.core.layers.group_norm_nhwc.group_norm_nhwc`:
                   statistics over the (N, H*W, G, C/G) view of the NHWC tensor
-    per_channel   :func:`group_norm_by_channel_statistics`: statistics per channel over H*W (a reduction
-                  whose inner dimension is the contiguous channels), combined per group; the same
-                  normalisation
+    per_channel   ``group_norm_nhwc`` with :func:`channel_statistics`: statistics per channel over H*W (a
+                  reduction whose inner dimension is the contiguous channels), combined per group
 
 Example:
     >>> x = torch.randn(2, 8, 5, 5, dtype=torch.float64).to(memory_format=torch.channels_last)
     >>> weight, bias = torch.rand(8, dtype=torch.float64), torch.rand(8, dtype=torch.float64)
-    >>> y = group_norm_by_channel_statistics(x, 4, weight, bias, 1e-5)
+    >>> y = FORMS['per_channel'](x, 4, weight, bias, 1e-5)
     >>> torch.allclose(y, F.group_norm(x, 4, weight, bias, 1e-5)), y.is_contiguous(memory_format=torch.channels_last)
     (True, True)
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -32,43 +31,29 @@ from gpu_report import timed_rows  # benchmarks/, next to this script
 from torch import nn
 
 from channels_last_algo.core.layers.group_norm_nhwc import group_norm_nhwc
-from channels_last_algo.core.layers.native_precision import autocast_off, compute_dtype, output_dtype
 from channels_last_algo.core.timing import synchronizer, time_interleaved
 
-__all__ = ['FORMS', 'SHAPES', 'group_norm_by_channel_statistics', 'time_forms']
+__all__ = ['FORMS', 'SHAPES', 'channel_statistics', 'time_forms']
 
 SHAPES = ((64, 64, 56, 56), (64, 256, 28, 28), (64, 512, 7, 7))  # (N, C, H, W): ResNet stages at 224 px
 GROUPS = 32
 
 
-def group_norm_by_channel_statistics(
-    x: torch.Tensor, groups: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
-) -> torch.Tensor:
-    """``F.group_norm`` of a 4D ``x`` from per-channel means and variances over H*W, combined per group by
-    the law of total variance (the group's variance: the mean of its channels' variances plus the variance
-    of their means); half inputs computed in float32 as the native kernel does; ``x``'s layout out."""
-    n, c = x.shape[:2]
-    dtype = compute_dtype(x)
-    with autocast_off(x):
-        computed = x.to(dtype)
-        var, mean = torch.var_mean(computed.movedim(1, -1).reshape(n, -1, c), dim=1, correction=0)  # (N, C)
-        var, mean = var.view(n, groups, -1), mean.view(n, groups, -1)
-        group_mean = mean.mean(-1, keepdim=True)
-        group_var = (var + (mean - group_mean).square()).mean(-1, keepdim=True)
-        scale = torch.rsqrt(group_var + eps).expand(n, groups, c // groups).reshape(n, c)
-        shift = -group_mean.expand(n, groups, c // groups).reshape(n, c) * scale
-        if weight is not None:
-            scale, shift = scale * weight.to(dtype), shift * weight.to(dtype)
-        if bias is not None:
-            shift = shift + bias.to(dtype)
-        out = torch.addcmul(shift.view(n, c, 1, 1), computed, scale.view(n, c, 1, 1))
-    return out.to(output_dtype(x, float32_under_autocast=('cuda',)))
+def channel_statistics(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Variance and mean of a 4D ``x`` per sample and group, shaped (N, 1, G, 1): each channel's over H*W (a
+    reduction whose inner dimension is the contiguous channels of NHWC), combined per group by the law of total
+    variance (the mean of the channels' variances plus the variance of their means)."""
+    n, c = x.shape[0], x.shape[1]
+    var, mean = torch.var_mean(x.movedim(1, -1).reshape(n, -1, c), dim=1, correction=0)  # (N, C)
+    var, mean = var.view(n, 1, groups, -1), mean.view(n, 1, groups, -1)
+    group_mean = mean.mean(-1, keepdim=True)
+    return (var + (mean - group_mean).square()).mean(-1, keepdim=True), group_mean
 
 
 FORMS: dict[str, Callable] = {
     'native': F.group_norm,
     'nhwc': group_norm_nhwc,
-    'per_channel': group_norm_by_channel_statistics,
+    'per_channel': functools.partial(group_norm_nhwc, statistics=channel_statistics),
 }
 
 

@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -44,9 +45,21 @@ __all__ = [
     'ChannelsLastGroupNorm',
     'ChannelsLastInstanceNorm2d',
     'group_norm_nhwc',
+    'grouped_statistics',
     'instance_norm_nhwc',
     'uses_input_statistics',
 ]
+
+
+GroupStatistics = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def grouped_statistics(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Variance and mean of ``x`` per sample and group, shaped (N, 1, G, 1): over the (N, H*W, G, C/G) view of
+    its channels-last permutation."""
+    n, c = x.shape[0], x.shape[1]
+    grouped = x.movedim(1, -1).reshape(n, -1, groups, c // groups)  # a view of NHWC
+    return torch.var_mean(grouped, dim=(1, 3), keepdim=True, correction=0)
 
 
 def group_norm_nhwc(
@@ -55,17 +68,25 @@ def group_norm_nhwc(
     weight: Optional[torch.Tensor],
     bias: Optional[torch.Tensor],
     eps: float,
+    statistics: GroupStatistics = grouped_statistics,
 ) -> torch.Tensor:
-    """``F.group_norm`` of an (N, C, ...) tensor, computed over its channels-last view; channels last out."""
+    """``F.group_norm`` of an (N, C, ...) tensor, computed over its channels-last view; channels last out.
+    ``statistics`` computes the variance and mean per sample and group (:func:`grouped_statistics`)."""
     n, c = x.shape[0], x.shape[1]
     if c % groups:
         raise ValueError(f'group norm needs channels divisible by groups; got {c} channels and {groups} groups')
     _refuse_one_value([n * c // groups, groups, *x.shape[2:]], 'value per channel')  # as F.group_norm does
-    return _normalized(x, groups, weight, bias, eps).to(output_dtype(x, float32_under_autocast=('cuda',)))
+    normalized = _normalized(x, groups, weight, bias, eps, statistics)
+    return normalized.to(output_dtype(x, float32_under_autocast=('cuda',)))
 
 
 def _normalized(
-    x: torch.Tensor, groups: int, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor], eps: float
+    x: torch.Tensor,
+    groups: int,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float,
+    statistics: GroupStatistics = grouped_statistics,
 ) -> torch.Tensor:
     """``x`` normalised per sample and group, in :func:`compute_dtype` with autocast off; x's layout out."""
     n, c = x.shape[0], x.shape[1]
@@ -74,8 +95,7 @@ def _normalized(
     per_channel = (n, c) + (1,) * (x.dim() - 2)
     with autocast_off(x):
         x = x.to(dtype)
-        grouped = x.movedim(1, -1).reshape(n, -1, *per_group)  # (N, H*W, G, C/G): a view of NHWC
-        var, mean = torch.var_mean(grouped, dim=(1, 3), keepdim=True, correction=0)  # (N, 1, G, 1)
+        var, mean = statistics(x, groups)  # (N, 1, G, 1)
         scale = torch.rsqrt(var + eps)
         if weight is not None:
             scale = scale * weight.to(dtype).view(per_group)
