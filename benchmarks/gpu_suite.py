@@ -89,11 +89,6 @@ def batch_for_memory(total: int) -> int:
     return batch
 
 
-def bf16_here() -> bool:
-    """Whether the CUDA device computes in bfloat16 (Ampere and newer; a V100 does not)."""
-    return torch.cuda.is_bf16_supported()
-
-
 class Settings:
     """Sizes and bounds: the GPU run's, or the CPU smoke run's."""
 
@@ -104,7 +99,8 @@ class Settings:
         self.batch, self.size = (4, 64) if smoke else (batch_for_memory(torch.cuda.mem_get_info()[1]), 224)
         self.zoo_batch, self.zoo_size = (2, 64) if smoke else (self.batch // 2, 224)
         self.rounds, self.warmup = (2, 1) if smoke else (10, 3)
-        self.precisions = ('bf16',) if smoke else tuple(p for p in PRECISIONS if p != 'bf16' or bf16_here())
+        bf16 = smoke or torch.cuda.is_bf16_supported()  # not on a V100
+        self.precisions = ('bf16',) if smoke else tuple(p for p in PRECISIONS if p != 'bf16' or bf16)
         self.zoo = tuple(ZOO)[:2] if smoke else tuple(ZOO)
         self.deadline = time.monotonic() + budget
 
